@@ -1,0 +1,11 @@
+//! SS-HSDP for Burn: sharded data parallelism (ZeRO-3/FSDP class) with *runtime* parameters
+//! (packed, kernel-specific layouts such as MXFP8) decoupled from *update* parameters (fp32
+//! master weights, whole matrices for Muon).
+//!
+//! This facade re-exports the workspace crates:
+//! - [`plan`]: the layout planner (mesh, parameter specs, buckets, runtime and update layouts,
+//!   memory accounting);
+//! - [`mx`]: the MXFP8 format reference (E4M3/E5M2 elements, E8M0 scales, row/column planes).
+
+pub use sshsdp_mx as mx;
+pub use sshsdp_plan as plan;
