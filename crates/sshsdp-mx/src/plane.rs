@@ -1,0 +1,213 @@
+//! Row-wise and column-wise planes: encode and decode of whole tensors (and the column
+//! ranges the parallel encoders split on).
+
+use crate::block::{decode_run, encode_block_spec, load, with_spec};
+use crate::format::{ElemFormat, ScaleRule, Spec};
+use crate::input::MxInput;
+use crate::shape::{check_len, MxShape};
+use crate::{MxError, BLOCK};
+
+/// Encodes the row-wise plane (blocks of 32 along each row, for the forward GEMM).
+///
+/// `src` is `rows * cols` row-major; `data` is `rows * cols_p` bytes (row-major, padding
+/// columns are 0); `scales` is `rows * cols_p / 32` bytes (row-major, one per block).
+pub fn encode_rows<T: MxInput>(
+    src: &[T],
+    shape: MxShape,
+    fmt: ElemFormat,
+    rule: ScaleRule,
+    data: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), MxError> {
+    check_row_plane(shape, src.len(), data.len(), scales.len())?;
+    with_spec!(fmt, S => encode_rows_impl::<T, S>(src, shape.cols, rule, data, scales));
+    Ok(())
+}
+
+/// Validates the buffers of a row-plane operation.
+pub(crate) fn check_row_plane(
+    shape: MxShape,
+    src: usize,
+    data: usize,
+    scales: usize,
+) -> Result<(), MxError> {
+    shape.validate()?;
+    check_len("src", shape.len(), src)?;
+    check_len("data", shape.row_data_bytes(), data)?;
+    check_len("scales", shape.row_scale_bytes(), scales)
+}
+
+/// Row-plane kernel over whole rows (lengths already checked).
+pub(crate) fn encode_rows_impl<T: MxInput, S: Spec>(
+    src: &[T],
+    cols: usize,
+    rule: ScaleRule,
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
+    if cols == 0 {
+        return;
+    }
+    let cols_p = crate::shape::round_up32(cols);
+    let nb = cols_p / BLOCK;
+    let mut f = [0f32; BLOCK];
+    for ((row, drow), srow) in src
+        .chunks_exact(cols)
+        .zip(data.chunks_exact_mut(cols_p))
+        .zip(scales.chunks_exact_mut(nb))
+    {
+        for (b, (dblk, s)) in drow.chunks_exact_mut(BLOCK).zip(srow).enumerate() {
+            let lo = b * BLOCK;
+            load(&row[lo..cols.min(lo + BLOCK)], &mut f);
+            *s = encode_block_spec::<S>(&f, rule, block_mut(dblk));
+        }
+    }
+}
+
+/// Views an exactly-32-byte chunk as an array.
+#[inline(always)]
+pub(crate) fn block_mut(c: &mut [u8]) -> &mut [u8; BLOCK] {
+    c.try_into().expect("chunk of exactly BLOCK bytes")
+}
+
+/// Encodes the column-wise plane (blocks of 32 along each column, stored transposed, for
+/// the backward GEMM).
+///
+/// `data` is `cols * rows_p` bytes with element `(r, c)` at `c * rows_p + r` (padding rows
+/// are 0); `scales` is `cols * rows_p / 32` bytes with block `(c, rb)` at
+/// `c * rows_p / 32 + rb`.
+pub fn encode_cols<T: MxInput>(
+    src: &[T],
+    shape: MxShape,
+    fmt: ElemFormat,
+    rule: ScaleRule,
+    data: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), MxError> {
+    check_col_plane(shape, src.len(), data.len(), scales.len())?;
+    with_spec!(fmt, S => encode_cols_range::<T, S>(src, shape, rule, 0, shape.cols, data, scales));
+    Ok(())
+}
+
+/// Validates the buffers of a column-plane operation.
+pub(crate) fn check_col_plane(
+    shape: MxShape,
+    src: usize,
+    data: usize,
+    scales: usize,
+) -> Result<(), MxError> {
+    shape.validate()?;
+    check_len("src", shape.len(), src)?;
+    check_len("data", shape.col_data_bytes(), data)?;
+    check_len("scales", shape.col_scale_bytes(), scales)
+}
+
+/// Column-plane kernel for the columns `[c0, c1)`; `data`/`scales` hold only those columns.
+pub(crate) fn encode_cols_range<T: MxInput, S: Spec>(
+    src: &[T],
+    shape: MxShape,
+    rule: ScaleRule,
+    c0: usize,
+    c1: usize,
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
+    let (rows, cols, rows_p) = (shape.rows, shape.cols, shape.rows_p());
+    let nbr = rows_p / BLOCK;
+    for rb in 0..nbr {
+        let r0 = rb * BLOCK;
+        let h = BLOCK.min(rows - r0);
+        // t[c][r]: the tile transposed; rows >= h stay zero (padding).
+        let mut t = [[0f32; BLOCK]; BLOCK];
+        for ct in (c0..c1).step_by(BLOCK) {
+            let w = BLOCK.min(c1 - ct);
+            for r in 0..h {
+                let row = &src[(r0 + r) * cols + ct..][..w];
+                for (c, v) in row.iter().enumerate() {
+                    t[c][r] = v.to_f32();
+                }
+            }
+            for (c, tc) in t.iter().enumerate().take(w) {
+                let col = ct + c - c0;
+                let d = block_mut(&mut data[col * rows_p + r0..][..BLOCK]);
+                scales[col * nbr + rb] = encode_block_spec::<S>(tc, rule, d);
+            }
+        }
+    }
+}
+
+/// Decodes a row-wise plane into a row-major `rows * cols` `f32` tensor.
+pub fn decode_rows(
+    data: &[u8],
+    scales: &[u8],
+    shape: MxShape,
+    fmt: ElemFormat,
+    out: &mut [f32],
+) -> Result<(), MxError> {
+    check_row_plane(shape, out.len(), data.len(), scales.len())?;
+    decode_rows_impl(data, scales, shape.cols, fmt, out);
+    Ok(())
+}
+
+/// Row-plane decode over whole rows (lengths already checked).
+pub(crate) fn decode_rows_impl(
+    data: &[u8],
+    scales: &[u8],
+    cols: usize,
+    fmt: ElemFormat,
+    out: &mut [f32],
+) {
+    if cols == 0 {
+        return;
+    }
+    let lut = fmt.lut();
+    let cols_p = crate::shape::round_up32(cols);
+    let nb = cols_p / BLOCK;
+    for ((orow, drow), srow) in out
+        .chunks_exact_mut(cols)
+        .zip(data.chunks_exact(cols_p))
+        .zip(scales.chunks_exact(nb))
+    {
+        for (b, (ochunk, &s)) in orow.chunks_mut(BLOCK).zip(srow).enumerate() {
+            decode_run(&drow[b * BLOCK..], s, lut, ochunk);
+        }
+    }
+}
+
+/// Decodes a column-wise plane into a row-major `rows * cols` `f32` tensor.
+pub fn decode_cols(
+    data: &[u8],
+    scales: &[u8],
+    shape: MxShape,
+    fmt: ElemFormat,
+    out: &mut [f32],
+) -> Result<(), MxError> {
+    check_col_plane(shape, out.len(), data.len(), scales.len())?;
+    let (rows, cols, rows_p) = (shape.rows, shape.cols, shape.rows_p());
+    let nbr = rows_p / BLOCK;
+    let lut = fmt.lut();
+    let mut t = [[0f32; BLOCK]; BLOCK];
+    for rb in 0..nbr {
+        let r0 = rb * BLOCK;
+        let h = BLOCK.min(rows - r0);
+        for ct in (0..cols).step_by(BLOCK) {
+            let w = BLOCK.min(cols - ct);
+            for (c, tc) in t.iter_mut().enumerate().take(w) {
+                let col = ct + c;
+                decode_run(
+                    &data[col * rows_p + r0..][..BLOCK],
+                    scales[col * nbr + rb],
+                    lut,
+                    tc,
+                );
+            }
+            for r in 0..h {
+                let orow = &mut out[(r0 + r) * cols + ct..][..w];
+                for (c, o) in orow.iter_mut().enumerate() {
+                    *o = t[c][r];
+                }
+            }
+        }
+    }
+    Ok(())
+}
