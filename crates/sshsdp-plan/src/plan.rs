@@ -281,7 +281,16 @@ impl Plan {
             buffer_bytes,
             padding_bytes: buffer_bytes - region_bytes,
             matrices: matrices.clone().count(),
-            split_matrices: matrices.filter(|p| p.split).count(),
+            split_matrices: matrices.clone().filter(|p| p.split).count(),
+            split_matrices_owned_locally: matrices
+                .filter(|p| {
+                    p.split
+                        && p.ns_owner.is_some_and(|o| {
+                            p.piece_span(self.buckets[p.bucket].piece_bytes)
+                                .contains(&o)
+                        })
+                })
+                .count(),
             split_tiles: (0..self.buckets.len())
                 .map(|b| views::split_tiles(&self.params, &self.buckets[b], self.pieces).len())
                 .sum(),
@@ -415,6 +424,8 @@ pub struct PlanStats {
     pub matrices: usize,
     /// `Matrix` parameters spanning several pieces (gathered for Newton–Schulz).
     pub split_matrices: usize,
+    /// Split matrices whose Newton–Schulz owner already holds part of them.
+    pub split_matrices_owned_locally: usize,
     /// MXFP8 tiles cut by a piece boundary.
     pub split_tiles: usize,
     /// Parameters that fell back from the requested runtime format.
@@ -454,8 +465,8 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
-            "  {} matrices ({} split), {} split MX tiles, {} format fallbacks",
-            s.matrices, s.split_matrices, s.split_tiles, s.fallbacks
+            "  {} matrices ({} split, {} of them owned where a part lies), {} split MX tiles, {} format fallbacks",
+            s.matrices, s.split_matrices, s.split_matrices_owned_locally, s.split_tiles, s.fallbacks
         )?;
         write!(
             f,
