@@ -94,8 +94,7 @@ pub fn encode_tiled_par<T: MxInput>(
         }
         handles
             .into_iter()
-            .map(|h| h.join().expect("encoder thread panicked"))
-            .collect::<Result<(), MxError>>()
+            .try_for_each(|h| h.join().expect("encoder thread panicked"))
     })
 }
 
