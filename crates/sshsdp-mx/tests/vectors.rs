@@ -6,8 +6,8 @@
 use half::bf16;
 use serde::Deserialize;
 use sshsdp_mx::{
-    decode_block, decode_cols, decode_rows, decode_tiled, encode_block, encode_cols,
-    encode_rows, encode_tiled, ElemFormat, MxShape, Plane, ScaleRule, BLOCK,
+    decode_block, decode_cols, decode_rows, decode_tiled, encode_block, encode_cols, encode_rows,
+    encode_tiled, ElemFormat, MxShape, Plane, ScaleRule, BLOCK,
 };
 use std::collections::BTreeMap;
 
@@ -128,7 +128,12 @@ fn blocks_bit_exact() {
                 k => panic!("unknown kind {k}"),
             };
             assert_eq!(s, want.s, "{} {key}: scale", case.name);
-            assert_eq!(q.to_vec(), hex_bytes(&want.q), "{} {key}: elements", case.name);
+            assert_eq!(
+                q.to_vec(),
+                hex_bytes(&want.q),
+                "{} {key}: elements",
+                case.name
+            );
             let mut d = [0f32; BLOCK];
             decode_block(&q, s, fmt, &mut d);
             let wd = hex_f32(&want.d);
