@@ -40,7 +40,7 @@ fn plane_buffer_lengths() {
         "data"
     ));
     assert!(is_len(
-        encode_cols(&x, s, F, R, &mut cd, &mut vec![0; 8]),
+        encode_cols(&x, s, F, R, &mut cd, &mut [0; 8]),
         "scales"
     ));
     assert!(is_len(encode_cols(&x, s, F, R, &mut rd, &mut rs), "data"));
