@@ -1,0 +1,121 @@
+//! The [`Collective`] trait every engine implements, and [`Pending`] for asynchronous calls.
+//!
+//! The trait is generic over element types (not object-safe): a training runtime is generic
+//! over its engine, `C: Collective`, and sub-communicators have the engine's own type. Every
+//! call is *collective*: all ranks of the communicator make the same calls in the same order
+//! with matching arguments. Engines check what they can (the threads engine checks operation,
+//! element type, counts and roots) and report a mismatch as an error on every rank.
+
+use std::sync::mpsc;
+
+use crate::{CommError, CommResult, Element, ReduceOp, Reducible};
+
+/// A communicator: a group of ranks that run collectives together.
+pub trait Collective: Sized {
+    /// This rank's index in the communicator.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the communicator.
+    fn size(&self) -> usize;
+
+    /// All-gather with equal counts, in place: `buf` holds `size` chunks of `buf.len() / size`
+    /// elements; this rank's chunk `rank` is its input and the other chunks are filled from the
+    /// peers. No staging copy: the bucket buffer is the collective buffer.
+    fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> CommResult<()>;
+
+    /// All-gather with equal counts: `recv` (`size · send.len()`) receives every rank's `send`
+    /// in rank order.
+    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()>;
+
+    /// Reduce-scatter with equal counts: `send` holds `size` chunks of `recv.len()`; this rank
+    /// receives the reduction of chunk `rank` over all ranks.
+    fn reduce_scatter<T: Reducible>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> CommResult<()>;
+
+    /// All-reduce in place.
+    fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()>;
+
+    /// Broadcast `buf` from `root` to every rank, in place.
+    fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()>;
+
+    /// Blocks until every rank has reached the barrier.
+    fn barrier(&self) -> CommResult<()>;
+
+    /// Splits into sub-communicators: ranks with the same `color` form one, ordered by `key`
+    /// then by rank. Every rank gets the communicator of its own color.
+    fn split(&self, color: usize, key: usize) -> CommResult<Self>;
+
+    /// Starts an in-place all-gather of an owned buffer; [`Pending::wait`] returns it filled.
+    ///
+    /// Engines with asynchronous progress run it while the caller computes; the default runs
+    /// it at once (documented by each engine).
+    fn start_all_gather<T: Element>(&self, mut buf: Vec<T>) -> CommResult<Pending<Vec<T>>> {
+        self.all_gather_in_place(&mut buf)?;
+        Ok(Pending::ready(Ok(buf)))
+    }
+
+    /// Starts a reduce-scatter of owned buffers; [`Pending::wait`] returns `(send, recv)`.
+    fn start_reduce_scatter<T: Reducible>(
+        &self,
+        send: Vec<T>,
+        mut recv: Vec<T>,
+        op: ReduceOp,
+    ) -> CommResult<Pending<(Vec<T>, Vec<T>)>> {
+        self.reduce_scatter(&send, &mut recv, op)?;
+        Ok(Pending::ready(Ok((send, recv))))
+    }
+}
+
+/// An asynchronous collective in flight; [`Pending::wait`] blocks until it completes and
+/// returns its buffers.
+#[must_use = "a pending collective must be waited for to get its buffers back"]
+pub struct Pending<T> {
+    inner: PendingInner<T>,
+}
+
+enum PendingInner<T> {
+    Ready(CommResult<T>),
+    Channel(mpsc::Receiver<CommResult<T>>),
+}
+
+impl<T> Pending<T> {
+    /// An already completed operation.
+    pub fn ready(result: CommResult<T>) -> Self {
+        Self {
+            inner: PendingInner::Ready(result),
+        }
+    }
+
+    /// An operation whose result arrives on `rx`.
+    pub fn from_channel(rx: mpsc::Receiver<CommResult<T>>) -> Self {
+        Self {
+            inner: PendingInner::Channel(rx),
+        }
+    }
+
+    /// Blocks until the operation completes.
+    pub fn wait(self) -> CommResult<T> {
+        match self.inner {
+            PendingInner::Ready(result) => result,
+            PendingInner::Channel(rx) => rx.recv().unwrap_or_else(|_| {
+                Err(CommError::PeerFailed(
+                    "the thread running the collective stopped without a result".into(),
+                ))
+            }),
+        }
+    }
+}
+
+/// Checks that `len` splits into `size` equal chunks; returns the chunk length.
+pub fn equal_chunks(op: &str, len: usize, size: usize) -> CommResult<usize> {
+    if len % size != 0 {
+        return Err(CommError::InvalidArgument(format!(
+            "{op}: buffer of {len} elements does not split into {size} equal chunks"
+        )));
+    }
+    Ok(len / size)
+}

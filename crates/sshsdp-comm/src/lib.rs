@@ -1,0 +1,21 @@
+//! Collectives for SS-HSDP.
+//!
+//! * [`Collective`]: the trait every engine implements — `all_gather` (equal counts, in place
+//!   into the caller's buffer), `reduce_scatter`, `all_reduce` (sum or average), `broadcast`,
+//!   `barrier`, `split` into sub-communicators, and asynchronous starts returning [`Pending`].
+//! * Engines: [`threads`] (default feature; in-process ranks for tests and one-host training).
+//! * [`hierarchy`]: the mesh's shard and replica groups and the two hierarchical gradient paths
+//!   (HSDP and the project's default), plus the post-update replica all-gather.
+//! * [`conformance`]: the test suite every engine must pass, as plain functions.
+
+mod collective;
+pub mod conformance;
+mod element;
+mod error;
+pub mod hierarchy;
+#[cfg(feature = "threads")]
+pub mod threads;
+
+pub use collective::{equal_chunks, Collective, Pending};
+pub use element::{Element, ElementKind, ReduceOp, Reducible};
+pub use error::{CommError, CommResult};

@@ -1,0 +1,172 @@
+//! The conformance suite on the threads engine at several world sizes, and its failure paths.
+
+use std::time::{Duration, Instant};
+
+use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
+use sshsdp_comm::{conformance, Collective, CommError, ReduceOp};
+
+fn config(timeout_ms: u64) -> ThreadsConfig {
+    ThreadsConfig {
+        timeout: Duration::from_millis(timeout_ms),
+    }
+}
+
+#[test]
+fn conformance_suite_passes_at_world_1_to_4() {
+    for size in 1..=4 {
+        let results =
+            ThreadsWorld::run(size, config(30_000), |comm| conformance::run_all(&comm)).unwrap();
+        for (rank, result) in results.into_iter().enumerate() {
+            for (name, outcome) in result.expect("no rank panics") {
+                assert_eq!(outcome, Ok(()), "world {size} rank {rank}: {name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn hierarchical_paths_on_2x2_1x4_4x1() {
+    for (r, s) in [(2, 2), (1, 4), (4, 1)] {
+        let results = ThreadsWorld::run(4, config(30_000), |comm| {
+            conformance::hierarchical_paths(&comm, r, s)
+        })
+        .unwrap();
+        for (rank, result) in results.into_iter().enumerate() {
+            assert_eq!(result.unwrap(), Ok(()), "{r}x{s} rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn a_panicking_rank_fails_the_others_quickly() {
+    let start = Instant::now();
+    let results = ThreadsWorld::run(4, config(60_000), |comm| {
+        let mut buf = vec![1f32; 8];
+        comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        if comm.rank() == 2 {
+            panic!("rank 2 fails mid-step");
+        }
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+    })
+    .unwrap();
+    // The failure is seen at once (dropping the communicator while unwinding), not after the
+    // 60 s timeout.
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
+    for (rank, r) in results.into_iter().enumerate() {
+        if rank == 2 {
+            assert!(r.is_err(), "rank 2 panicked");
+        } else {
+            let err = r.unwrap().unwrap_err();
+            assert!(
+                matches!(&err, CommError::PeerFailed(m) if m.contains("rank 2 panicked")),
+                "{err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_silent_rank_makes_the_others_time_out() {
+    let start = Instant::now();
+    let results = ThreadsWorld::run(3, config(300), |comm| {
+        if comm.rank() == 0 {
+            // Stays alive but never joins the collective.
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(());
+        }
+        comm.barrier()
+    })
+    .unwrap();
+    let elapsed = start.elapsed();
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    let errors: Vec<CommError> = results
+        .into_iter()
+        .skip(1)
+        .map(|r| r.unwrap().unwrap_err())
+        .collect();
+    // One rank times out naming rank 0; the other sees the group fail (or times out too).
+    assert!(
+        errors
+            .iter()
+            .any(|e| matches!(e, CommError::Timeout { missing, .. } if missing.contains(&0))),
+        "{errors:?}"
+    );
+    assert!(errors
+        .iter()
+        .all(|e| matches!(e, CommError::Timeout { .. } | CommError::PeerFailed(_))));
+}
+
+#[test]
+fn a_rank_that_drops_out_fails_the_others() {
+    let results = ThreadsWorld::run(2, config(60_000), |comm| {
+        if comm.rank() == 1 {
+            drop(comm);
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        comm.barrier()
+    })
+    .unwrap();
+    let err = results.into_iter().next().unwrap().unwrap().unwrap_err();
+    assert!(
+        matches!(&err, CommError::PeerFailed(m) if m.contains("rank 1 dropped")),
+        "{err}"
+    );
+}
+
+#[test]
+fn mismatched_calls_are_errors_on_every_rank() {
+    let results = ThreadsWorld::run(2, config(5_000), |comm| {
+        if comm.rank() == 0 {
+            comm.all_reduce(&mut [0f32; 4], ReduceOp::Sum)
+        } else {
+            comm.all_reduce(&mut [0f32; 5], ReduceOp::Sum)
+        }
+    })
+    .unwrap();
+    for r in results {
+        let err = r.unwrap().unwrap_err();
+        assert!(
+            matches!(err, CommError::Mismatch(_) | CommError::PeerFailed(_)),
+            "{err}"
+        );
+    }
+    let results = ThreadsWorld::run(2, config(5_000), |comm| {
+        if comm.rank() == 0 {
+            comm.broadcast(&mut [0u8; 4], 0)
+        } else {
+            comm.all_gather_in_place(&mut [0u8; 4])
+        }
+    })
+    .unwrap();
+    assert!(results.into_iter().all(|r| r.unwrap().is_err()));
+}
+
+#[test]
+fn reductions_are_bitwise_identical_on_every_rank() {
+    let results = ThreadsWorld::run(3, config(30_000), |comm| {
+        let mut buf: Vec<f32> = (0..10_001)
+            .map(|i| ((i * 7919 + comm.rank() * 104_729) as f32).sin() * 1e3)
+            .collect();
+        comm.all_reduce(&mut buf, ReduceOp::Avg).unwrap();
+        buf
+    })
+    .unwrap();
+    let first = results[0].as_ref().unwrap();
+    for r in &results[1..] {
+        let r = r.as_ref().unwrap();
+        assert!(first.iter().zip(r).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+#[test]
+fn an_empty_world_is_an_error() {
+    assert!(matches!(
+        ThreadsWorld::create(0, ThreadsConfig::default()),
+        Err(CommError::InvalidArgument(_))
+    ));
+}
