@@ -51,6 +51,8 @@ pub mod par;
 mod plane;
 mod scale;
 mod shape;
+mod simd;
+mod tile;
 mod tiled;
 
 pub use block::{decode_block, encode_block};

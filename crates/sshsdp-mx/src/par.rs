@@ -8,6 +8,7 @@ use crate::plane::{
     check_col_plane, check_row_plane, decode_rows_impl, encode_cols_range, encode_rows_impl,
 };
 use crate::shape::{check_len, MxShape};
+use crate::simd::dispatch;
 use crate::tiled::{decode_tiles_impl, encode_tiled_range, Plane};
 use crate::{MxError, BLOCK, TILE, TILE_BYTES};
 
@@ -38,7 +39,9 @@ pub fn encode_rows_par<T: MxInput>(
             let (sc, rest) = std::mem::take(&mut scales).split_at_mut(n * nb);
             scales = rest;
             let x = &src[r0 * cols..r1 * cols];
-            s.spawn(move || with_spec!(fmt, S => encode_rows_impl::<T, S>(x, cols, rule, d, sc)));
+            s.spawn(move || {
+                dispatch!(with_spec!(fmt, S => encode_rows_impl::<T, S>(x, cols, rule, d, sc)))
+            });
         }
     });
     Ok(())
@@ -65,7 +68,9 @@ pub fn encode_cols_par<T: MxInput>(
             let (sc, rest) = std::mem::take(&mut scales).split_at_mut((c1 - c0) * nbr);
             scales = rest;
             s.spawn(move || {
-                with_spec!(fmt, S => encode_cols_range::<T, S>(src, shape, rule, c0, c1, d, sc))
+                dispatch!(
+                    with_spec!(fmt, S => encode_cols_range::<T, S>(src, shape, rule, c0, c1, d, sc))
+                )
             });
         }
     });
@@ -116,7 +121,7 @@ pub fn decode_rows_par(
             out = rest;
             let d = &data[r0 * cols_p..r1 * cols_p];
             let sc = &scales[r0 * nb..r1 * nb];
-            s.spawn(move || decode_rows_impl(d, sc, cols, fmt, o));
+            s.spawn(move || dispatch!(decode_rows_impl(d, sc, cols, fmt, o)));
         }
     });
     Ok(())
@@ -143,7 +148,7 @@ pub fn decode_tiled_par(
             out = rest;
             let t0 = a * tcols;
             let tiles = &src[t0 * TILE_BYTES..b * tcols * TILE_BYTES];
-            s.spawn(move || decode_tiles_impl(tiles, shape, fmt, plane, t0, o, r0));
+            s.spawn(move || dispatch!(decode_tiles_impl(tiles, shape, fmt, plane, t0, o, r0)));
         }
     });
     Ok(())

@@ -5,7 +5,9 @@ use crate::block::{decode_run, encode_block_spec, load, with_spec};
 use crate::format::{ElemFormat, ScaleRule, Spec};
 use crate::input::MxInput;
 use crate::shape::{check_len, MxShape};
-use crate::{MxError, BLOCK};
+use crate::simd::dispatch;
+use crate::tile::{encode_tile_cols, load_tile, TileF32};
+use crate::{MxError, BLOCK, TILE};
 
 /// Encodes the row-wise plane (blocks of 32 along each row, for the forward GEMM).
 ///
@@ -20,7 +22,7 @@ pub fn encode_rows<T: MxInput>(
     scales: &mut [u8],
 ) -> Result<(), MxError> {
     check_row_plane(shape, src.len(), data.len(), scales.len())?;
-    with_spec!(fmt, S => encode_rows_impl::<T, S>(src, shape.cols, rule, data, scales));
+    dispatch!(with_spec!(fmt, S => encode_rows_impl::<T, S>(src, shape.cols, rule, data, scales)));
     Ok(())
 }
 
@@ -38,6 +40,7 @@ pub(crate) fn check_row_plane(
 }
 
 /// Row-plane kernel over whole rows (lengths already checked).
+#[inline(always)]
 pub(crate) fn encode_rows_impl<T: MxInput, S: Spec>(
     src: &[T],
     cols: usize,
@@ -85,7 +88,9 @@ pub fn encode_cols<T: MxInput>(
     scales: &mut [u8],
 ) -> Result<(), MxError> {
     check_col_plane(shape, src.len(), data.len(), scales.len())?;
-    with_spec!(fmt, S => encode_cols_range::<T, S>(src, shape, rule, 0, shape.cols, data, scales));
+    dispatch!(
+        with_spec!(fmt, S => encode_cols_range::<T, S>(src, shape, rule, 0, shape.cols, data, scales))
+    );
     Ok(())
 }
 
@@ -103,6 +108,7 @@ pub(crate) fn check_col_plane(
 }
 
 /// Column-plane kernel for the columns `[c0, c1)`; `data`/`scales` hold only those columns.
+#[inline(always)]
 pub(crate) fn encode_cols_range<T: MxInput, S: Spec>(
     src: &[T],
     shape: MxShape,
@@ -114,24 +120,23 @@ pub(crate) fn encode_cols_range<T: MxInput, S: Spec>(
 ) {
     let (rows, cols, rows_p) = (shape.rows, shape.cols, shape.rows_p());
     let nbr = rows_p / BLOCK;
+    let mut t: TileF32 = [[0f32; TILE]; TILE];
     for rb in 0..nbr {
         let r0 = rb * BLOCK;
         let h = BLOCK.min(rows - r0);
-        // t[c][r]: the tile transposed; rows >= h stay zero (padding).
-        let mut t = [[0f32; BLOCK]; BLOCK];
         for ct in (c0..c1).step_by(BLOCK) {
             let w = BLOCK.min(c1 - ct);
-            for r in 0..h {
-                let row = &src[(r0 + r) * cols + ct..][..w];
-                for (c, v) in row.iter().enumerate() {
-                    t[c][r] = v.to_f32();
-                }
-            }
-            for (c, tc) in t.iter().enumerate().take(w) {
-                let col = ct + c - c0;
-                let d = block_mut(&mut data[col * rows_p + r0..][..BLOCK]);
-                scales[col * nbr + rb] = encode_block_spec::<S>(tc, rule, d);
-            }
+            load_tile(src, cols, (r0, h), (ct, w), &mut t);
+            let col = ct - c0;
+            encode_tile_cols::<S>(
+                &t,
+                w,
+                rule,
+                &mut data[col * rows_p + r0..],
+                rows_p,
+                &mut scales[col * nbr + rb..],
+                nbr,
+            );
         }
     }
 }
@@ -145,11 +150,12 @@ pub fn decode_rows(
     out: &mut [f32],
 ) -> Result<(), MxError> {
     check_row_plane(shape, out.len(), data.len(), scales.len())?;
-    decode_rows_impl(data, scales, shape.cols, fmt, out);
+    dispatch!(decode_rows_impl(data, scales, shape.cols, fmt, out));
     Ok(())
 }
 
 /// Row-plane decode over whole rows (lengths already checked).
+#[inline(always)]
 pub(crate) fn decode_rows_impl(
     data: &[u8],
     scales: &[u8],
@@ -183,6 +189,13 @@ pub fn decode_cols(
     out: &mut [f32],
 ) -> Result<(), MxError> {
     check_col_plane(shape, out.len(), data.len(), scales.len())?;
+    dispatch!(decode_cols_impl(data, scales, shape, fmt, out));
+    Ok(())
+}
+
+/// Column-plane decode (lengths already checked).
+#[inline(always)]
+fn decode_cols_impl(data: &[u8], scales: &[u8], shape: MxShape, fmt: ElemFormat, out: &mut [f32]) {
     let (rows, cols, rows_p) = (shape.rows, shape.cols, shape.rows_p());
     let nbr = rows_p / BLOCK;
     let lut = fmt.lut();
@@ -209,5 +222,4 @@ pub fn decode_cols(
             }
         }
     }
-    Ok(())
 }

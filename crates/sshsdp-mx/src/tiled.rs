@@ -1,10 +1,13 @@
 //! The tiled bucket layout: 32x32 tiles in row-major tile order, each holding both planes.
 
-use crate::block::{decode_run, encode_block_spec, load, with_spec};
+use crate::block::{decode_run, encode_block_spec, with_spec};
 use crate::format::{ElemFormat, ScaleRule, Spec};
 use crate::input::MxInput;
 use crate::plane::block_mut;
+use crate::scale::SCALE_ZERO_BLOCK;
 use crate::shape::{check_len, MxShape};
+use crate::simd::dispatch;
+use crate::tile::{encode_tile_cols, load_tile, TileF32};
 use crate::{MxError, BLOCK, TILE, TILE_BYTES};
 
 /// Offset in a tile of the row-wise data (32x32 bytes, tile row-major).
@@ -66,11 +69,12 @@ pub fn encode_tiled_range<T: MxInput>(
     check_len("src", shape.len(), src.len())?;
     check_range(shape, t0, t1)?;
     check_len("out", (t1 - t0) * TILE_BYTES, out.len())?;
-    with_spec!(fmt, S => encode_tiles_impl::<T, S>(src, shape, rule, t0, out));
+    dispatch!(with_spec!(fmt, S => encode_tiles_impl::<T, S>(src, shape, rule, t0, out)));
     Ok(())
 }
 
 /// Tile kernel (lengths already checked): encodes `out.len() / TILE_BYTES` tiles from `t0`.
+#[inline(always)]
 fn encode_tiles_impl<T: MxInput, S: Spec>(
     src: &[T],
     shape: MxShape,
@@ -79,33 +83,22 @@ fn encode_tiles_impl<T: MxInput, S: Spec>(
     out: &mut [u8],
 ) {
     let (rows, cols, tcols) = (shape.rows, shape.cols, shape.tile_cols());
-    let mut a = [[0f32; TILE]; TILE]; // a[r][c]
-    let mut b = [[0f32; TILE]; TILE]; // b[c][r]
+    let mut a: TileF32 = [[0f32; TILE]; TILE];
     for (i, tile) in out.chunks_exact_mut(TILE_BYTES).enumerate() {
         let t = t0 + i;
         let (r0, c0) = ((t / tcols) * TILE, (t % tcols) * TILE);
         let (h, w) = (TILE.min(rows - r0), TILE.min(cols - c0));
-        for (r, ar) in a.iter_mut().enumerate() {
-            if r < h {
-                load(&src[(r0 + r) * cols + c0..][..w], ar);
-            } else {
-                ar.fill(0.0);
-            }
-        }
-        for (r, ar) in a.iter().enumerate() {
-            for (c, &v) in ar.iter().enumerate() {
-                b[c][r] = v;
-            }
-        }
+        load_tile(src, cols, (r0, h), (c0, w), &mut a);
         let (row_part, col_part) = tile.split_at_mut(TILE_COL_DATA);
         let (rdata, rscales) = row_part.split_at_mut(TILE_ROW_SCALES);
         let (cdata, cscales) = col_part.split_at_mut(TILE * TILE);
         for ((ar, d), s) in a.iter().zip(rdata.chunks_exact_mut(BLOCK)).zip(rscales) {
             *s = encode_block_spec::<S>(ar, rule, block_mut(d));
         }
-        for ((bc, d), s) in b.iter().zip(cdata.chunks_exact_mut(BLOCK)).zip(cscales) {
-            *s = encode_block_spec::<S>(bc, rule, block_mut(d));
-        }
+        // padding columns (c >= w) of the column part: zero blocks with the zero scale
+        cdata[w * TILE..].fill(0);
+        cscales[w..].fill(SCALE_ZERO_BLOCK);
+        encode_tile_cols::<S>(&a, w, rule, cdata, TILE, cscales, 1);
     }
 }
 
@@ -136,11 +129,12 @@ pub fn decode_tiled_range(
     check_len("out", shape.len(), out.len())?;
     check_range(shape, t0, t1)?;
     check_len("src", (t1 - t0) * TILE_BYTES, src.len())?;
-    decode_tiles_impl(src, shape, fmt, plane, t0, out, 0);
+    dispatch!(decode_tiles_impl(src, shape, fmt, plane, t0, out, 0));
     Ok(())
 }
 
 /// Tile decode (lengths already checked). `out` holds the tensor rows from `out_row0` on.
+#[inline(always)]
 pub(crate) fn decode_tiles_impl(
     src: &[u8],
     shape: MxShape,
