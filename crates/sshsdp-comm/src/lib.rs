@@ -3,7 +3,8 @@
 //! * [`Collective`]: the trait every engine implements — `all_gather` (equal counts, in place
 //!   into the caller's buffer), `reduce_scatter`, `all_reduce` (sum or average), `broadcast`,
 //!   `barrier`, `split` into sub-communicators, and asynchronous starts returning [`Pending`].
-//! * Engines: [`threads`] (default feature; in-process ranks for tests and one-host training).
+//! * Engines: `threads` (default feature; in-process ranks for tests and one-host training),
+//!   `mpi` (feature; OpenMPI processes), `nccl` (feature; GPUs through cudarc).
 //! * [`hierarchy`]: the mesh's shard and replica groups and the two hierarchical gradient paths
 //!   (HSDP and the project's default), plus the post-update replica all-gather.
 //! * [`conformance`]: the test suite every engine must pass, as plain functions.
@@ -13,6 +14,10 @@ pub mod conformance;
 mod element;
 mod error;
 pub mod hierarchy;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 #[cfg(feature = "threads")]
 pub mod threads;
 

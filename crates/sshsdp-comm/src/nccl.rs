@@ -1,0 +1,1 @@
+//! NCCL engine (being written).
