@@ -24,14 +24,14 @@ pub(crate) fn load<T: MxInput>(src: &[T], dst: &mut [f32; BLOCK]) {
 ///
 /// A block holding NaN or ±inf gets the NaN scale and NaN in every element.
 #[inline(always)]
-pub(crate) fn encode_block_spec<S: Spec>(
-    x: &[f32; BLOCK],
+pub(crate) fn encode_block_spec<T: MxInput, S: Spec>(
+    x: &[T; BLOCK],
     rule: ScaleRule,
     out: &mut [u8; BLOCK],
 ) -> u8 {
     let mut amax = 0u32;
     for &v in x {
-        amax = amax.max(v.to_bits() & 0x7FFF_FFFF);
+        amax = amax.max(v.to_f32().to_bits() & 0x7FFF_FFFF);
     }
     if amax >= 0x7F80_0000 {
         *out = [S::NAN; BLOCK];
@@ -40,7 +40,7 @@ pub(crate) fn encode_block_spec<S: Spec>(
     let s = block_scale::<S>(amax, rule);
     let inv = inv_scale(s);
     for (o, &v) in out.iter_mut().zip(x) {
-        *o = encode_elem::<S>(v, inv);
+        *o = encode_elem::<S>(v.to_f32(), inv);
     }
     s
 }
@@ -56,8 +56,8 @@ pub fn encode_block<T: MxInput>(
     let mut f = [0f32; BLOCK];
     load(x, &mut f);
     match fmt {
-        ElemFormat::E4M3 => encode_block_spec::<crate::format::E4m3>(&f, rule, out),
-        ElemFormat::E5M2 => encode_block_spec::<crate::format::E5m2>(&f, rule, out),
+        ElemFormat::E4M3 => encode_block_spec::<f32, crate::format::E4m3>(&f, rule, out),
+        ElemFormat::E5M2 => encode_block_spec::<f32, crate::format::E5m2>(&f, rule, out),
     }
 }
 

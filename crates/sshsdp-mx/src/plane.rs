@@ -61,8 +61,14 @@ pub(crate) fn encode_rows_impl<T: MxInput, S: Spec>(
     {
         for (b, (dblk, s)) in drow.chunks_exact_mut(BLOCK).zip(srow).enumerate() {
             let lo = b * BLOCK;
-            load(&row[lo..cols.min(lo + BLOCK)], &mut f);
-            *s = encode_block_spec::<S>(&f, rule, block_mut(dblk));
+            // full blocks are read in place (no stack round trip); the tail is zero-padded
+            *s = match <&[T; BLOCK]>::try_from(&row[lo..cols.min(lo + BLOCK)]) {
+                Ok(x) => encode_block_spec::<T, S>(x, rule, block_mut(dblk)),
+                Err(_) => {
+                    load(&row[lo..], &mut f);
+                    encode_block_spec::<f32, S>(&f, rule, block_mut(dblk))
+                }
+            };
         }
     }
 }

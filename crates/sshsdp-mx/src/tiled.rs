@@ -93,7 +93,7 @@ fn encode_tiles_impl<T: MxInput, S: Spec>(
         let (rdata, rscales) = row_part.split_at_mut(TILE_ROW_SCALES);
         let (cdata, cscales) = col_part.split_at_mut(TILE * TILE);
         for ((ar, d), s) in a.iter().zip(rdata.chunks_exact_mut(BLOCK)).zip(rscales) {
-            *s = encode_block_spec::<S>(ar, rule, block_mut(d));
+            *s = encode_block_spec::<f32, S>(ar, rule, block_mut(d));
         }
         // padding columns (c >= w) of the column part: zero blocks with the zero scale
         cdata[w * TILE..].fill(0);
