@@ -42,6 +42,12 @@
 //!
 //! Every function checks buffer lengths exactly and returns [`MxError`] instead of
 //! panicking. The [`par`] functions split the work over threads with byte-identical output.
+//!
+//! # Performance
+//! Kernels work a block (or a 32x32 tile) at a time with branch-free, auto-vectorised loops
+//! (column blocks: vertical amax, encode in row order, 8x8 `u64` byte transposes). On
+//! x86-64 the same portable code is also instantiated inside an AVX2 function chosen at run
+//! time (the crate's only `unsafe`: calling it after `is_x86_feature_detected!("avx2")`).
 
 mod block;
 mod error;
