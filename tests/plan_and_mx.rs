@@ -25,7 +25,13 @@ fn values(seed: u64, n: usize) -> Vec<f32> {
 
 #[test]
 fn owners_rederive_their_tiles_into_the_bucket_in_place() {
-    let shapes = [vec![96, 64], vec![40, 60], vec![64], vec![33, 256], vec![128, 32]];
+    let shapes = [
+        vec![96, 64],
+        vec![40, 60],
+        vec![64],
+        vec![33, 256],
+        vec![128, 32],
+    ];
     let specs: Vec<ParamSpec> = shapes
         .iter()
         .enumerate()
@@ -74,10 +80,20 @@ fn owners_rederive_their_tiles_into_the_bucket_in_place() {
                 let shape = MxShape::new(rows as usize, cols as usize);
                 assert_eq!(p.bytes as usize, mx::tiled_bytes(shape.rows, shape.cols));
                 let mut whole = vec![0u8; p.bytes as usize];
-                mx::encode_tiled(&data[i], shape, ElemFormat::E4M3, ScaleRule::Rceil, &mut whole)
-                    .unwrap();
+                mx::encode_tiled(
+                    &data[i],
+                    shape,
+                    ElemFormat::E4M3,
+                    ScaleRule::Rceil,
+                    &mut whole,
+                )
+                .unwrap();
                 let region = &buffer[p.offset as usize..(p.offset + p.bytes) as usize];
-                assert!(region == &whole[..], "world {world}: {} differs", p.spec.path);
+                assert!(
+                    region == &whole[..],
+                    "world {world}: {} differs",
+                    p.spec.path
+                );
             }
         }
     }

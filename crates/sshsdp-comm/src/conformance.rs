@@ -190,7 +190,7 @@ pub fn bad_arguments<C: Collective>(comm: &C) -> Outcome {
             "all_gather of an uneven buffer must be an argument error"
         );
     }
-    let mut recv = vec![0f32; 2];
+    let mut recv = [0f32; 2];
     ensure!(
         matches!(
             comm.all_gather(&[1f32], &mut recv[..1 + usize::from(size == 1)]),
