@@ -1,1 +1,534 @@
-//! MPI engine (being written).
+//! The MPI engine: one rank per process, over an rsmpi (`mpi` 0.8) communicator.
+//!
+//! # Starting MPI
+//!
+//! A process initialises MPI once and owns one [`Universe`]; dropping the `Universe` calls
+//! `MPI_Finalize`, after which no MPI call may be made (not even freeing a communicator).
+//! [`MpiComm::init`] initialises MPI and returns the world communicator; [`MpiComm::world`]
+//! wraps a `Universe` the caller initialised itself. Either way the `Universe` moves into a
+//! reference count shared by the world communicator and every communicator [`split`] from it,
+//! so MPI is finalised exactly when the last of them is dropped, never while one is alive.
+//! Launch with `mpirun -n N <binary>`.
+//!
+//! The world communicator is a *duplicate* of `MPI_COMM_WORLD` (so this engine's traffic
+//! never matches the application's own messages) with the `MPI_ERRORS_RETURN` error handler,
+//! so failures of our calls come back as [`CommError::Engine`] instead of aborting the job.
+//! Sub-communicators come from `MPI_Comm_split` (rsmpi's `split_by_color_with_key`) and get
+//! the same error handler.
+//!
+//! # Data movement and copies
+//!
+//! The collectives call MPI's C API (`mpi::ffi`) directly, because rsmpi 0.8's safe wrappers
+//! have no `MPI_IN_PLACE`, ignore MPI's return codes, and panic (an `assert_eq!`) on bad sizes.
+//! Every call validates lengths and roots first and returns [`CommError::InvalidArgument`].
+//!
+//! * [`Collective::all_gather_in_place`] and [`Collective::all_reduce`] (f32) pass
+//!   `MPI_IN_PLACE`: the caller's buffer is the collective buffer, no staging copy.
+//!   `MPI_IN_PLACE` is a macro in `mpi.h` that rsmpi does not export; its value is
+//!   implementation-specific (`(void *) 1` in Open MPI, `(void *) -1` in MPICH and its
+//!   derivatives), so it is chosen from `MPI_Get_library_version` at start-up. With an
+//!   unrecognised library the engine falls back to copying this rank's input to a scratch
+//!   buffer first (one copy of one chunk for all-gather, of the buffer for all-reduce).
+//! * [`Collective::all_gather`], [`Collective::broadcast`]: straight `MPI_Allgather` /
+//!   `MPI_Bcast` on the caller's buffers, no copy.
+//! * `bf16` has no MPI datatype. Moves (all-gather, broadcast) send it as its `u16` bit
+//!   pattern (`MPI_UINT16_T`; `half::bf16` is `#[repr(transparent)]` over `u16`), no copy.
+//!   Reductions of `bf16` (and of any other non-`f32` [`Reducible`]) widen to an `f32` scratch
+//!   buffer, reduce that in place with `MPI_SUM` on `MPI_FLOAT`, and round back once — the
+//!   threads engine's arithmetic (accumulate in f32, round once), never a bf16 intermediate.
+//!   That costs the conversion pass and moves 4 bytes per element instead of 2; a user-defined
+//!   `MPI_Op` on `u16` would move 2 bytes but round after every pairwise step.
+//! * [`ReduceOp::Avg`] is `MPI_SUM` then one multiplication by [`ReduceOp::scale`], so values
+//!   are computed like the threads engine's (same scale factor, same single rounding).
+//! * [`Collective::reduce_scatter`] is out of place by contract (`send` → `recv`). Small buffers
+//!   use `MPI_Reduce_scatter_block`, no copy. From [`DEFAULT_ALLREDUCE_FROM_BYTES`] of `send`
+//!   on, Open MPI 4.1's reduce-scatter measured slower than its all-reduce on this project's
+//!   machine (shared memory, see the table below), so the engine copies `send` into a scratch
+//!   buffer, all-reduces that in place and copies out its own chunk: one copy of `send` and one
+//!   of `recv`, paid back by the faster algorithm. [`MpiComm::set_allreduce_from_bytes`] moves
+//!   the threshold (`usize::MAX` always uses `MPI_Reduce_scatter_block`).
+//!
+//! Measured with `examples/mpi_bandwidth.rs` (Open MPI 4.1.4, one host, 2 cores, shared
+//! memory; f32; time of one reduce-scatter whose `send` has the size shown, median of 5):
+//!
+//! ```text
+//! ranks  send size   reduce_scatter_block   MPI_Reduce_scatter   all_reduce + copies
+//! (filled in from the bandwidth runs)
+//! ```
+//!
+//! # Asynchronous calls
+//!
+//! [`Collective::start_all_gather`] and [`Collective::start_reduce_scatter`] keep the trait's
+//! synchronous defaults: the collective runs at the start call and [`crate::Pending::wait`]
+//! returns at once. rsmpi's immediate collectives borrow their buffers for a `Scope`, which
+//! cannot outlive the call that would return the owned `Pending`; driving `MPI_Iallgather` from
+//! the raw API instead would need either a helper thread waiting on the request (and so
+//! `MPI_THREAD_MULTIPLE`, which slows every Open MPI call) or a `Pending` variant that polls an
+//! MPI request, which [`crate::Pending`] does not have. Overlap on MPI ranks therefore comes
+//! from the training loop's ordering, not from this engine.
+//!
+//! # Bootstrapping other engines
+//!
+//! The NCCL engine's unique id (128 bytes) is created on rank 0 and sent to every rank with
+//! `comm.broadcast::<u8>(&mut id, 0)`; no separate byte-broadcast helper is needed.
+//!
+//! # Limits
+//!
+//! MPI counts are C `int`s: a chunk (all-gather, reduce-scatter) or buffer (all-reduce,
+//! broadcast, and `send` of the all-reduce reduce-scatter path) of more than `i32::MAX`
+//! elements is an argument error; split such buckets. MPI cannot check that ranks call
+//! the same collective with matching counts; a mismatch is undefined behaviour of the MPI job
+//! (typically a truncation error or a hang), unlike the threads engine, which reports it.
+//! [`MpiComm`] is neither `Send` nor `Sync`: MPI is initialised with `MPI_THREAD_SINGLE`
+//! semantics and every call must come from the thread that owns the communicator.
+//!
+//! [`split`]: Collective::split
+
+use std::any::TypeId;
+use std::ffi::{c_char, c_int, c_void};
+use std::rc::Rc;
+
+use half::bf16;
+use mpi::collective::SystemOperation;
+use mpi::datatype::Equivalence;
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::{Color, Communicator, SimpleCommunicator};
+
+/// rsmpi's MPI environment handle, re-exported: one per process; dropping it finalises MPI.
+pub use mpi::environment::Universe;
+
+use crate::collective::equal_chunks;
+use crate::{Collective, CommError, CommResult, Element, ReduceOp, Reducible};
+
+/// Default size of a reduce-scatter's `send` buffer, in bytes, from which
+/// [`Collective::reduce_scatter`] runs as all-reduce on a scratch copy instead of
+/// `MPI_Reduce_scatter_block` (measured; see the module docs).
+pub const DEFAULT_ALLREDUCE_FROM_BYTES: usize = 4 << 20;
+
+/// One rank's communicator in an MPI job.
+///
+/// Field order matters: `comm` is freed (`MPI_Comm_free`) before this communicator's share of
+/// the `Universe` is released, so MPI is never finalised under a live communicator.
+pub struct MpiComm {
+    comm: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    /// `MPI_IN_PLACE` of the running MPI library, if recognised.
+    in_place: Option<*mut c_void>,
+    /// `send` size in bytes from which reduce-scatter runs as all-reduce.
+    allreduce_from_bytes: usize,
+    universe: Rc<Universe>,
+}
+
+impl MpiComm {
+    /// Initialises MPI and returns the world communicator, which keeps MPI alive (see
+    /// [`MpiComm::world`]). Fails with [`CommError::Unavailable`] if MPI was already
+    /// initialised in this process (then pass that `Universe` to [`MpiComm::world`]).
+    pub fn init() -> CommResult<Self> {
+        let universe = mpi::initialize().ok_or_else(|| {
+            CommError::Unavailable(
+                "MPI is already initialised in this process; pass its Universe to \
+                 MpiComm::world"
+                    .into(),
+            )
+        })?;
+        Self::world(universe)
+    }
+
+    /// The world communicator (a duplicate of `MPI_COMM_WORLD` with `MPI_ERRORS_RETURN`).
+    ///
+    /// Takes the process's only `Universe`: it lives as long as this communicator or any
+    /// communicator split from it, and MPI is finalised when the last of them is dropped.
+    pub fn world(universe: Universe) -> CommResult<Self> {
+        let comm = universe.world().duplicate();
+        let in_place = in_place_sentinel(&mpi::environment::library_version().unwrap_or_default());
+        Self::wrap(
+            comm,
+            in_place,
+            DEFAULT_ALLREDUCE_FROM_BYTES,
+            Rc::new(universe),
+        )
+    }
+
+    fn wrap(
+        comm: SimpleCommunicator,
+        in_place: Option<*mut c_void>,
+        allreduce_from_bytes: usize,
+        universe: Rc<Universe>,
+    ) -> CommResult<Self> {
+        // SAFETY: `comm` is a live intra-communicator owned by us; the error handler is a
+        // predefined handle, valid between MPI_Init and MPI_Finalize (the Universe is alive).
+        check("MPI_Comm_set_errhandler", unsafe {
+            ffi::MPI_Comm_set_errhandler(comm.as_raw(), ffi::RSMPI_ERRORS_RETURN)
+        })?;
+        let (rank, size) = (comm.rank(), comm.size());
+        Ok(Self {
+            rank: usize::try_from(rank).map_err(|_| engine("negative rank"))?,
+            size: usize::try_from(size).map_err(|_| engine("negative size"))?,
+            comm,
+            in_place,
+            allreduce_from_bytes,
+            universe,
+        })
+    }
+
+    /// The MPI environment this communicator keeps alive.
+    pub fn universe(&self) -> &Universe {
+        &self.universe
+    }
+
+    /// The underlying rsmpi communicator, for calls this engine does not wrap. It has the
+    /// `MPI_ERRORS_RETURN` handler, and rsmpi's safe calls ignore return codes: check results.
+    pub fn communicator(&self) -> &SimpleCommunicator {
+        &self.comm
+    }
+
+    /// Whether in-place calls pass `MPI_IN_PLACE` (the MPI library was recognised) rather than
+    /// staging this rank's input in a scratch buffer.
+    pub fn uses_mpi_in_place(&self) -> bool {
+        self.in_place.is_some()
+    }
+
+    /// The `send` size in bytes from which [`Collective::reduce_scatter`] runs as an all-reduce
+    /// of a scratch copy (default [`DEFAULT_ALLREDUCE_FROM_BYTES`]).
+    pub fn allreduce_from_bytes(&self) -> usize {
+        self.allreduce_from_bytes
+    }
+
+    /// Sets the reduce-scatter threshold (`usize::MAX`: always `MPI_Reduce_scatter_block`;
+    /// `0`: always all-reduce). Must be equal on all ranks. Communicators split afterwards
+    /// inherit it.
+    pub fn set_allreduce_from_bytes(&mut self, bytes: usize) {
+        self.allreduce_from_bytes = bytes;
+    }
+
+    fn raw(&self) -> ffi::MPI_Comm {
+        self.comm.as_raw()
+    }
+
+    /// `MPI_SUM` of `len` `f32`s at `buf`, in place (or through a scratch copy of the input if
+    /// `MPI_IN_PLACE` is unknown).
+    ///
+    /// # Safety
+    /// `buf` is valid for reads and writes of `len` `f32`s.
+    unsafe fn sum_f32_in_place(&self, buf: *mut f32, len: usize) -> CommResult<()> {
+        let count = mpi_count("all_reduce", len)?;
+        let (dt, sum) = (f32_datatype(), sum_op());
+        let code = match self.in_place {
+            // SAFETY: caller guarantees `buf`; MPI_IN_PLACE makes it both input and output.
+            Some(ip) => unsafe { ffi::MPI_Allreduce(ip, buf.cast(), count, dt, sum, self.raw()) },
+            None => {
+                // SAFETY: caller guarantees `buf` is readable for `len` f32s.
+                let input = unsafe { std::slice::from_raw_parts(buf, len) }.to_vec();
+                // SAFETY: `input` and `buf` are disjoint buffers of `count` f32s.
+                unsafe {
+                    ffi::MPI_Allreduce(
+                        input.as_ptr().cast(),
+                        buf.cast(),
+                        count,
+                        dt,
+                        sum,
+                        self.raw(),
+                    )
+                }
+            }
+        };
+        check("MPI_Allreduce", code)
+    }
+
+    /// Reduce-scatter (`MPI_SUM`) of `f32`s: `send` holds `size · recv.len()`.
+    fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32]) -> CommResult<()> {
+        let n = recv.len();
+        if send.len() * size_of::<f32>() >= self.allreduce_from_bytes {
+            let mut scratch = send.to_vec();
+            // SAFETY: `scratch` is an owned buffer of `send.len()` f32s.
+            unsafe { self.sum_f32_in_place(scratch.as_mut_ptr(), scratch.len())? };
+            recv.copy_from_slice(&scratch[self.rank * n..(self.rank + 1) * n]);
+            return Ok(());
+        }
+        let count = mpi_count("reduce_scatter", n)?;
+        // SAFETY: `send` holds size · n f32s and `recv` n f32s (checked by the caller); they are
+        // distinct borrows, so disjoint.
+        check("MPI_Reduce_scatter_block", unsafe {
+            ffi::MPI_Reduce_scatter_block(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                count,
+                f32_datatype(),
+                sum_op(),
+                self.raw(),
+            )
+        })
+    }
+}
+
+impl Collective for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> CommResult<()> {
+        let n = equal_chunks("all_gather", buf.len(), self.size)?;
+        let dt = datatype::<T>("all_gather")?;
+        let count = mpi_count("all_gather", n)?;
+        if n == 0 || self.size == 1 {
+            return Ok(());
+        }
+        let code = match self.in_place {
+            // SAFETY: `buf` holds size · n elements of T, whose MPI datatype is `dt` (checked by
+            // `datatype`); with MPI_IN_PLACE chunk `rank` is the input and the rest is written.
+            Some(ip) => unsafe {
+                ffi::MPI_Allgather(
+                    ip,
+                    0,
+                    dt,
+                    buf.as_mut_ptr().cast(),
+                    count,
+                    dt,
+                    self.raw(),
+                )
+            },
+            None => {
+                let mine = buf[self.rank * n..(self.rank + 1) * n].to_vec();
+                // SAFETY: `mine` (n elements) and `buf` (size · n) are disjoint buffers of T.
+                unsafe {
+                    ffi::MPI_Allgather(
+                        mine.as_ptr().cast(),
+                        count,
+                        dt,
+                        buf.as_mut_ptr().cast(),
+                        count,
+                        dt,
+                        self.raw(),
+                    )
+                }
+            }
+        };
+        check("MPI_Allgather", code)
+    }
+
+    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
+        if recv.len() != send.len() * self.size {
+            return Err(CommError::InvalidArgument(format!(
+                "all_gather: recv has {} elements, expected {} ({} ranks × {})",
+                recv.len(),
+                send.len() * self.size,
+                self.size,
+                send.len()
+            )));
+        }
+        let dt = datatype::<T>("all_gather")?;
+        let count = mpi_count("all_gather", send.len())?;
+        if send.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `send` (n) and `recv` (size · n) are distinct borrows of T, datatype `dt`.
+        check("MPI_Allgather", unsafe {
+            ffi::MPI_Allgather(
+                send.as_ptr().cast(),
+                count,
+                dt,
+                recv.as_mut_ptr().cast(),
+                count,
+                dt,
+                self.raw(),
+            )
+        })
+    }
+
+    fn reduce_scatter<T: Reducible>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        if send.len() != recv.len() * self.size {
+            return Err(CommError::InvalidArgument(format!(
+                "reduce_scatter: send has {} elements, expected {} ({} ranks × {})",
+                send.len(),
+                recv.len() * self.size,
+                self.size,
+                recv.len()
+            )));
+        }
+        mpi_count("reduce_scatter", send.len())?;
+        if recv.is_empty() {
+            return Ok(());
+        }
+        let scale = op.scale(self.size);
+        if let (Some(send), Some(recv)) = (as_f32(send), as_f32_mut(recv)) {
+            self.reduce_scatter_f32(send, recv)?;
+            if op != ReduceOp::Sum {
+                recv.iter_mut().for_each(|x| *x *= scale);
+            }
+            return Ok(());
+        }
+        // Widen to f32, reduce, round once.
+        let wide: Vec<f32> = send.iter().map(|x| x.to_acc()).collect();
+        let mut out = vec![0f32; recv.len()];
+        self.reduce_scatter_f32(&wide, &mut out)?;
+        recv.iter_mut()
+            .zip(&out)
+            .for_each(|(r, &s)| *r = T::from_acc(s * scale));
+        Ok(())
+    }
+
+    fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
+        mpi_count("all_reduce", buf.len())?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let scale = op.scale(self.size);
+        if let Some(buf) = as_f32_mut(buf) {
+            // SAFETY: `buf` is an exclusive borrow of `buf.len()` f32s.
+            unsafe { self.sum_f32_in_place(buf.as_mut_ptr(), buf.len())? };
+            if op != ReduceOp::Sum {
+                buf.iter_mut().for_each(|x| *x *= scale);
+            }
+            return Ok(());
+        }
+        let mut wide: Vec<f32> = buf.iter().map(|x| x.to_acc()).collect();
+        // SAFETY: `wide` is an owned buffer of `buf.len()` f32s.
+        unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
+        buf.iter_mut()
+            .zip(&wide)
+            .for_each(|(b, &s)| *b = T::from_acc(s * scale));
+        Ok(())
+    }
+
+    fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
+        if root >= self.size {
+            return Err(CommError::InvalidArgument(format!(
+                "broadcast: root {root} outside a communicator of {} ranks",
+                self.size
+            )));
+        }
+        let dt = datatype::<T>("broadcast")?;
+        let count = mpi_count("broadcast", buf.len())?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        // `root < size`, and `size` came from a c_int.
+        let root = root as c_int;
+        // SAFETY: `buf` is an exclusive borrow of `count` elements of T, datatype `dt`.
+        check("MPI_Bcast", unsafe {
+            ffi::MPI_Bcast(buf.as_mut_ptr().cast(), count, dt, root, self.raw())
+        })
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        // SAFETY: `self.comm` is a live communicator.
+        check("MPI_Barrier", unsafe { ffi::MPI_Barrier(self.raw()) })
+    }
+
+    fn split(&self, color: usize, key: usize) -> CommResult<Self> {
+        let color = c_int::try_from(color)
+            .map_err(|_| CommError::InvalidArgument(format!("split: color {color} > i32::MAX")))?;
+        let key = c_int::try_from(key)
+            .map_err(|_| CommError::InvalidArgument(format!("split: key {key} > i32::MAX")))?;
+        let comm = self
+            .comm
+            .split_by_color_with_key(Color::with_value(color), key)
+            .ok_or_else(|| engine("MPI_Comm_split returned no communicator"))?;
+        Self::wrap(
+            comm,
+            self.in_place,
+            self.allreduce_from_bytes,
+            Rc::clone(&self.universe),
+        )
+    }
+}
+
+/// `MPI_IN_PLACE` of the MPI library named by `MPI_Get_library_version`, if known.
+fn in_place_sentinel(library_version: &str) -> Option<*mut c_void> {
+    if library_version.contains("Open MPI") {
+        // Open MPI's mpi.h: `#define MPI_IN_PLACE ((void *) 1)`.
+        Some(std::ptr::without_provenance_mut(1))
+    } else if library_version.contains("MPICH") {
+        // MPICH's mpi.h (and MVAPICH's, Intel MPI's): `#define MPI_IN_PLACE (void *) -1`.
+        Some(std::ptr::without_provenance_mut(usize::MAX))
+    } else {
+        None
+    }
+}
+
+/// The MPI datatype `T` moves as: `f32` → `MPI_FLOAT`, `bf16` → `MPI_UINT16_T` (its bit
+/// pattern), `u8` → `MPI_UINT8_T`. Decided by `TypeId`, not by the safe [`Element::KIND`], so
+/// a foreign type claiming a kind can never make MPI write bytes of the wrong size or validity.
+fn datatype<T: Element>(op: &str) -> CommResult<ffi::MPI_Datatype> {
+    let id = TypeId::of::<T>();
+    if id == TypeId::of::<f32>() {
+        Ok(f32_datatype())
+    } else if id == TypeId::of::<bf16>() {
+        Ok(u16::equivalent_datatype().as_raw())
+    } else if id == TypeId::of::<u8>() {
+        Ok(u8::equivalent_datatype().as_raw())
+    } else {
+        Err(CommError::InvalidArgument(format!(
+            "{op}: element type {} has no MPI datatype",
+            std::any::type_name::<T>()
+        )))
+    }
+}
+
+fn f32_datatype() -> ffi::MPI_Datatype {
+    f32::equivalent_datatype().as_raw()
+}
+
+fn sum_op() -> ffi::MPI_Op {
+    SystemOperation::sum().as_raw()
+}
+
+/// `buf` as `f32`s if `T` is `f32`.
+fn as_f32<T: 'static>(buf: &[T]) -> Option<&[f32]> {
+    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| {
+        // SAFETY: T is f32 (same TypeId), so this is the same slice at the same type.
+        unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<f32>(), buf.len()) }
+    })
+}
+
+/// `buf` as `f32`s if `T` is `f32`.
+fn as_f32_mut<T: 'static>(buf: &mut [T]) -> Option<&mut [f32]> {
+    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| {
+        // SAFETY: T is f32 (same TypeId), so this is the same slice at the same type, and the
+        // exclusive borrow moves into the result.
+        unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<f32>(), buf.len()) }
+    })
+}
+
+/// An element count as MPI's `int`.
+fn mpi_count(op: &str, len: usize) -> CommResult<c_int> {
+    c_int::try_from(len).map_err(|_| {
+        CommError::InvalidArgument(format!(
+            "{op}: {len} elements exceed MPI's int count; split the buffer"
+        ))
+    })
+}
+
+fn engine(msg: &str) -> CommError {
+    CommError::Engine(msg.into())
+}
+
+/// Turns an MPI return code into a result (the communicators use `MPI_ERRORS_RETURN`).
+fn check(call: &str, code: c_int) -> CommResult<()> {
+    if code == ffi::MPI_SUCCESS as c_int {
+        return Ok(());
+    }
+    let mut text = [0 as c_char; ffi::MPI_MAX_ERROR_STRING as usize + 1];
+    let mut len: c_int = 0;
+    // SAFETY: `text` holds MPI_MAX_ERROR_STRING characters as MPI_Error_string requires.
+    let ok = unsafe { ffi::MPI_Error_string(code, text.as_mut_ptr(), &mut len) };
+    let msg = if ok == ffi::MPI_SUCCESS as c_int {
+        let len = usize::try_from(len).unwrap_or(0).min(text.len());
+        let bytes: Vec<u8> = text[..len].iter().map(|&c| c as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    } else {
+        format!("error code {code}")
+    };
+    Err(CommError::Engine(format!("{call}: {msg}")))
+}

@@ -1,1 +1,0 @@
-//! NCCL engine (being written).
