@@ -222,9 +222,7 @@ impl NcclComm {
                     let f = &f;
                     std::thread::Builder::new()
                         .name(format!("nccl-rank-{rank}"))
-                        .spawn_scoped(s, move || {
-                            NcclComm::from_id(&id, rank, size, device).map(f)
-                        })
+                        .spawn_scoped(s, move || NcclComm::from_id(&id, rank, size, device).map(f))
                 })
                 .collect();
             handles
@@ -240,7 +238,9 @@ impl NcclComm {
                             .cloned()
                             .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
                             .unwrap_or_default();
-                        Err(CommError::PeerFailed(format!("rank {rank} panicked: {msg}")))
+                        Err(CommError::PeerFailed(format!(
+                            "rank {rank} panicked: {msg}"
+                        )))
                     }),
                 })
                 .collect()
@@ -300,7 +300,12 @@ impl NcclComm {
         Ok(())
     }
 
-    fn nccl_op(&self, op: &str, kind: ElementKind, reduce: ReduceOp) -> CommResult<sys::ncclRedOp_t> {
+    fn nccl_op(
+        &self,
+        op: &str,
+        kind: ElementKind,
+        reduce: ReduceOp,
+    ) -> CommResult<sys::ncclRedOp_t> {
         match (reduce, kind) {
             (ReduceOp::Sum, _) => Ok(sys::ncclRedOp_t::ncclSum),
             (ReduceOp::Avg, ElementKind::U8) => Err(CommError::InvalidArgument(format!(

@@ -116,11 +116,7 @@ fn reduce<T: Element, D: DeviceElement>(c: &NcclComm, buf: &mut [T]) -> CommResu
     c.download(&dev, buf)
 }
 
-fn bcast<T: Element, D: DeviceElement>(
-    c: &NcclComm,
-    buf: &mut [T],
-    root: usize,
-) -> CommResult<()> {
+fn bcast<T: Element, D: DeviceElement>(c: &NcclComm, buf: &mut [T], root: usize) -> CommResult<()> {
     if root >= c.size() {
         return Err(CommError::InvalidArgument(format!(
             "broadcast: root {root} outside a communicator of {} ranks",
@@ -144,7 +140,8 @@ fn bcast<T: Element, D: DeviceElement>(
 fn scale<T: Reducible>(buf: &mut [T], op: ReduceOp, size: usize) {
     if op == ReduceOp::Avg {
         let s = op.scale(size);
-        buf.iter_mut().for_each(|x| *x = T::from_acc(x.to_acc() * s));
+        buf.iter_mut()
+            .for_each(|x| *x = T::from_acc(x.to_acc() * s));
     }
 }
 

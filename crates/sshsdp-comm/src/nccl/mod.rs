@@ -250,7 +250,10 @@ mod tests {
             assert_eq!((comm.rank(), comm.size()), (0, 1));
             return;
         }
-        assert!(matches!(NcclUniqueId::new(), Err(CommError::Unavailable(_))));
+        assert!(matches!(
+            NcclUniqueId::new(),
+            Err(CommError::Unavailable(_))
+        ));
         let id = NcclUniqueId::from_bytes(&[0u8; NCCL_UNIQUE_ID_BYTES]).unwrap();
         assert!(matches!(
             NcclComm::from_id(&id, 0, 1, 0),

@@ -53,11 +53,16 @@ fn quietly<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     let out = panic::catch_unwind(AssertUnwindSafe(f));
     panic::set_hook(previous);
     out.map_err(|payload| {
-        payload
+        let msg = payload
             .downcast_ref::<String>()
             .cloned()
             .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "unknown panic".into())
+            .unwrap_or_else(|| "unknown panic".into());
+        // cudarc's message lists every file name it tried; keep its first sentence.
+        match msg.find(" - searched for library names") {
+            Some(cut) => msg[..cut].to_string(),
+            None => msg,
+        }
     })
 }
 
@@ -70,8 +75,8 @@ fn run_probe() -> Result<Found, String> {
     })
     .map_err(|why| {
         format!(
-            "the CUDA driver library (libcuda.so) could not be loaded: {why}. Is an NVIDIA \
-             driver installed and on LD_LIBRARY_PATH?"
+            "the CUDA driver library could not be loaded ({why}); is an NVIDIA driver \
+             installed, with libcuda.so or libcuda.so.1 on the library path?"
         )
     })?
     .map_err(|e| format!("the CUDA driver failed to initialise or count devices: {e}"))?;
@@ -93,7 +98,7 @@ fn run_probe() -> Result<Found, String> {
     })
     .map_err(|why| {
         format!(
-            "the NCCL library could not be loaded: {why}. cudarc looks for libnccl.so, while \
+            "the NCCL library could not be loaded ({why}); cudarc looks for libnccl.so, while \
              NCCL ships libnccl.so.2 (e.g. in the Python package nvidia-nccl-cu13, under \
              site-packages/nvidia/nccl/lib/): create a symlink libnccl.so -> libnccl.so.2 in a \
              directory on LD_LIBRARY_PATH"
@@ -117,7 +122,7 @@ fn found() -> CommResult<&'static Found> {
     PROBE
         .get_or_init(run_probe)
         .as_ref()
-        .map_err(|why| CommError::Unavailable(format!("NCCL engine: {why}")))
+        .map_err(|why| CommError::Unavailable(format!("nccl: {why}")))
 }
 
 /// Checks that the CUDA driver, a GPU and a usable NCCL library are present, without panicking.
