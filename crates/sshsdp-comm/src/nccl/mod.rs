@@ -31,8 +31,9 @@
 //!
 //! [`ReduceOp::Sum`](crate::ReduceOp::Sum) is `ncclSum`. On the device path
 //! [`ReduceOp::Avg`](crate::ReduceOp::Avg) is `ncclAvg` (NCCL's native average, no extra
-//! kernel; its rounding is NCCL's). The host path runs `ncclSum` and multiplies by `1 / size` once on the host after the copy back, which is exactly the crate's
-//! definition of the average (sum, then one multiplication), so it matches the other engines.
+//! kernel; its rounding is NCCL's). The host path runs `ncclSum` and multiplies by `1 / size`
+//! once on the host after the copy back, which is exactly the crate's definition of the
+//! average (sum, then one multiplication), so it matches the other engines.
 //! `u8` may be summed on the device (NCCL wraps modulo 256); averaging `u8` is an argument error.
 //!
 //! # Sub-communicators
