@@ -8,20 +8,35 @@
 //! Every rank runs [`sshsdp_comm::conformance::run_all`]; each check's failure count is summed
 //! over ranks, rank 0 prints one line per check (with this rank's and rank 0's messages), and
 //! every rank exits non-zero if any check failed on any rank.
+//!
+//! `SSHSDP_MPI_RS_ALGO=block|varcount|allreduce` forces one reduce-scatter algorithm for every
+//! size (the default policy switches by size, and the suite's buffers are all small).
 
 use std::process::ExitCode;
 
-use sshsdp_comm::mpi::MpiComm;
+use sshsdp_comm::mpi::{MpiComm, ReduceScatterAlgo, ReduceScatterPolicy};
 use sshsdp_comm::{conformance, Collective, ReduceOp};
 
 fn main() -> ExitCode {
-    let comm = match MpiComm::init() {
+    let mut comm = match MpiComm::init() {
         Ok(comm) => comm,
         Err(e) => {
             eprintln!("mpi_conformance: {e}");
             return ExitCode::FAILURE;
         }
     };
+    if let Some(algo) = std::env::var("SSHSDP_MPI_RS_ALGO").ok().filter(|a| !a.is_empty()) {
+        let algo = match algo.as_str() {
+            "block" => ReduceScatterAlgo::Block,
+            "varcount" => ReduceScatterAlgo::Varcount,
+            "allreduce" => ReduceScatterAlgo::AllReduce,
+            other => {
+                eprintln!("mpi_conformance: unknown SSHSDP_MPI_RS_ALGO {other:?}");
+                return ExitCode::FAILURE;
+            }
+        };
+        comm.set_reduce_scatter_policy(ReduceScatterPolicy::always(algo));
+    }
     let (rank, size) = (comm.rank(), comm.size());
     let results = conformance::run_all(&comm);
 
@@ -43,8 +58,9 @@ fn main() -> ExitCode {
     let _ = comm.barrier();
     if rank == 0 {
         println!(
-            "MPI conformance, {size} rank(s), MPI_IN_PLACE: {}",
-            comm.uses_mpi_in_place()
+            "MPI conformance, {size} rank(s), MPI_IN_PLACE: {}, {:?}",
+            comm.uses_mpi_in_place(),
+            comm.reduce_scatter_policy()
         );
         for ((name, outcome), &failed) in results.iter().zip(&failures) {
             match (failed as usize, outcome) {

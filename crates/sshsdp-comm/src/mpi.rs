@@ -85,6 +85,7 @@
 //! [`split`]: Collective::split
 
 use std::any::TypeId;
+use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void};
 use std::rc::Rc;
 
@@ -102,9 +103,9 @@ use crate::collective::equal_chunks;
 use crate::{Collective, CommError, CommResult, Element, ReduceOp, Reducible};
 
 /// Default size of a reduce-scatter's `send` buffer, in bytes, from which
-/// [`Collective::reduce_scatter`] runs as all-reduce on a scratch copy instead of
-/// `MPI_Reduce_scatter_block` (measured; see the module docs).
-pub const DEFAULT_ALLREDUCE_FROM_BYTES: usize = 4 << 20;
+/// [`Collective::reduce_scatter`] runs as an all-reduce into a scratch buffer instead of
+/// `MPI_Reduce_scatter` (measured; see the module docs).
+pub const DEFAULT_ALLREDUCE_FROM_BYTES: usize = 32 << 20;
 
 /// One rank's communicator in an MPI job.
 ///
@@ -116,9 +117,68 @@ pub struct MpiComm {
     size: usize,
     /// `MPI_IN_PLACE` of the running MPI library, if recognised.
     in_place: Option<*mut c_void>,
-    /// `send` size in bytes from which reduce-scatter runs as all-reduce.
-    allreduce_from_bytes: usize,
+    /// How reduce-scatter runs.
+    rs_policy: ReduceScatterPolicy,
+    /// Result buffer of the all-reduce reduce-scatter path, kept across calls (see
+    /// [`MpiComm::release_scratch`]).
+    scratch: RefCell<Vec<f32>>,
     universe: Rc<Universe>,
+}
+
+/// An MPI call a reduce-scatter can run as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceScatterAlgo {
+    /// `MPI_Reduce_scatter_block(send, recv)`: no copy.
+    Block,
+    /// `MPI_Reduce_scatter(send, recv, counts)` with equal counts: no copy.
+    Varcount,
+    /// `MPI_Allreduce(send, scratch)` into a buffer kept by the communicator, then this rank's
+    /// chunk is copied to `recv` (for `bf16`: in place on the widened `f32` copy).
+    AllReduce,
+}
+
+/// Which [`ReduceScatterAlgo`] a reduce-scatter uses, by the size of `send` in bytes (as `f32`:
+/// a `bf16` reduction is decided by its widened size). Must be equal on all ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReduceScatterPolicy {
+    /// Used below `large_from_bytes`.
+    pub small: ReduceScatterAlgo,
+    /// Used from `large_from_bytes` on.
+    pub large: ReduceScatterAlgo,
+    /// The threshold, in bytes of `f32` `send`.
+    pub large_from_bytes: usize,
+}
+
+impl ReduceScatterPolicy {
+    /// One algorithm for every size.
+    pub fn always(algo: ReduceScatterAlgo) -> Self {
+        Self {
+            small: algo,
+            large: algo,
+            large_from_bytes: 0,
+        }
+    }
+
+    /// The algorithm for a `send` of `bytes`.
+    pub fn algo(&self, bytes: usize) -> ReduceScatterAlgo {
+        if bytes >= self.large_from_bytes {
+            self.large
+        } else {
+            self.small
+        }
+    }
+}
+
+impl Default for ReduceScatterPolicy {
+    /// `Varcount` below [`DEFAULT_ALLREDUCE_FROM_BYTES`], `AllReduce` from there on (measured;
+    /// see the module docs).
+    fn default() -> Self {
+        Self {
+            small: ReduceScatterAlgo::Varcount,
+            large: ReduceScatterAlgo::AllReduce,
+            large_from_bytes: DEFAULT_ALLREDUCE_FROM_BYTES,
+        }
+    }
 }
 
 impl MpiComm {
@@ -146,7 +206,7 @@ impl MpiComm {
         Self::wrap(
             comm,
             in_place,
-            DEFAULT_ALLREDUCE_FROM_BYTES,
+            ReduceScatterPolicy::default(),
             Rc::new(universe),
         )
     }
@@ -154,7 +214,7 @@ impl MpiComm {
     fn wrap(
         comm: SimpleCommunicator,
         in_place: Option<*mut c_void>,
-        allreduce_from_bytes: usize,
+        rs_policy: ReduceScatterPolicy,
         universe: Rc<Universe>,
     ) -> CommResult<Self> {
         // SAFETY: `comm` is a live intra-communicator owned by us; the error handler is a
@@ -168,7 +228,8 @@ impl MpiComm {
             size: usize::try_from(size).map_err(|_| engine("negative size"))?,
             comm,
             in_place,
-            allreduce_from_bytes,
+            rs_policy,
+            scratch: RefCell::new(Vec::new()),
             universe,
         })
     }
@@ -190,17 +251,21 @@ impl MpiComm {
         self.in_place.is_some()
     }
 
-    /// The `send` size in bytes from which [`Collective::reduce_scatter`] runs as an all-reduce
-    /// of a scratch copy (default [`DEFAULT_ALLREDUCE_FROM_BYTES`]).
-    pub fn allreduce_from_bytes(&self) -> usize {
-        self.allreduce_from_bytes
+    /// How [`Collective::reduce_scatter`] picks its MPI call.
+    pub fn reduce_scatter_policy(&self) -> ReduceScatterPolicy {
+        self.rs_policy
     }
 
-    /// Sets the reduce-scatter threshold (`usize::MAX`: always `MPI_Reduce_scatter_block`;
-    /// `0`: always all-reduce). Must be equal on all ranks. Communicators split afterwards
-    /// inherit it.
-    pub fn set_allreduce_from_bytes(&mut self, bytes: usize) {
-        self.allreduce_from_bytes = bytes;
+    /// Sets how [`Collective::reduce_scatter`] picks its MPI call; must be equal on all ranks.
+    /// Communicators split afterwards inherit it.
+    pub fn set_reduce_scatter_policy(&mut self, policy: ReduceScatterPolicy) {
+        self.rs_policy = policy;
+    }
+
+    /// Frees the scratch buffer of the all-reduce reduce-scatter path (it keeps the size of
+    /// the largest `send` seen, so that repeated calls do not page-fault a fresh allocation).
+    pub fn release_scratch(&self) {
+        *self.scratch.borrow_mut() = Vec::new();
     }
 
     fn raw(&self) -> ffi::MPI_Comm {
@@ -237,29 +302,60 @@ impl MpiComm {
         check("MPI_Allreduce", code)
     }
 
-    /// Reduce-scatter (`MPI_SUM`) of `f32`s: `send` holds `size · recv.len()`.
+    /// Reduce-scatter (`MPI_SUM`) of `f32`s: `send` holds `size · recv.len()` (checked by the
+    /// caller, as is that `send.len()` fits an MPI count).
     fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32]) -> CommResult<()> {
         let n = recv.len();
-        if send.len() * size_of::<f32>() >= self.allreduce_from_bytes {
-            let mut scratch = send.to_vec();
-            // SAFETY: `scratch` is an owned buffer of `send.len()` f32s.
-            unsafe { self.sum_f32_in_place(scratch.as_mut_ptr(), scratch.len())? };
-            recv.copy_from_slice(&scratch[self.rank * n..(self.rank + 1) * n]);
-            return Ok(());
-        }
         let count = mpi_count("reduce_scatter", n)?;
-        // SAFETY: `send` holds size · n f32s and `recv` n f32s (checked by the caller); they are
-        // distinct borrows, so disjoint.
-        check("MPI_Reduce_scatter_block", unsafe {
-            ffi::MPI_Reduce_scatter_block(
-                send.as_ptr().cast(),
-                recv.as_mut_ptr().cast(),
-                count,
-                f32_datatype(),
-                sum_op(),
-                self.raw(),
-            )
-        })
+        let (dt, sum) = (f32_datatype(), sum_op());
+        let mine = self.rank * n..(self.rank + 1) * n;
+        match self.rs_policy.algo(send.len() * size_of::<f32>()) {
+            // SAFETY (both): `send` holds size · n f32s and `recv` n f32s (checked by the
+            // caller); they are distinct borrows, so disjoint; `counts` holds size ints.
+            ReduceScatterAlgo::Block => check("MPI_Reduce_scatter_block", unsafe {
+                ffi::MPI_Reduce_scatter_block(
+                    send.as_ptr().cast(),
+                    recv.as_mut_ptr().cast(),
+                    count,
+                    dt,
+                    sum,
+                    self.raw(),
+                )
+            }),
+            ReduceScatterAlgo::Varcount => {
+                let counts = vec![count; self.size];
+                check("MPI_Reduce_scatter", unsafe {
+                    ffi::MPI_Reduce_scatter(
+                        send.as_ptr().cast(),
+                        recv.as_mut_ptr().cast(),
+                        counts.as_ptr(),
+                        dt,
+                        sum,
+                        self.raw(),
+                    )
+                })
+            }
+            ReduceScatterAlgo::AllReduce => {
+                let mut scratch = self.scratch.borrow_mut();
+                if scratch.len() < send.len() {
+                    scratch.resize(send.len(), 0.0);
+                }
+                let total = mpi_count("reduce_scatter", send.len())?;
+                // SAFETY: `send` and `scratch` are distinct buffers of at least `total` f32s.
+                check("MPI_Allreduce", unsafe {
+                    ffi::MPI_Allreduce(
+                        send.as_ptr().cast(),
+                        scratch.as_mut_ptr().cast(),
+                        total,
+                        dt,
+                        sum,
+                        self.raw(),
+                    )
+                })?;
+                recv.copy_from_slice(&scratch[mine]);
+                Ok(())
+            }
+        }
     }
 }
 
@@ -369,9 +465,20 @@ impl Collective for MpiComm {
             return Ok(());
         }
         // Widen to f32, reduce, round once.
-        let wide: Vec<f32> = send.iter().map(|x| x.to_acc()).collect();
-        let mut out = vec![0f32; recv.len()];
-        self.reduce_scatter_f32(&wide, &mut out)?;
+        let mut wide: Vec<f32> = send.iter().map(|x| x.to_acc()).collect();
+        let n = recv.len();
+        let out = if self.rs_policy.algo(wide.len() * size_of::<f32>())
+            == ReduceScatterAlgo::AllReduce
+        {
+            // The widened copy is ours: all-reduce it in place, no scratch buffer.
+            // SAFETY: `wide` is an owned buffer of `wide.len()` f32s.
+            unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
+            wide.drain(self.rank * n..(self.rank + 1) * n).collect()
+        } else {
+            let mut out = vec![0f32; n];
+            self.reduce_scatter_f32(&wide, &mut out)?;
+            out
+        };
         recv.iter_mut()
             .zip(&out)
             .for_each(|(r, &s)| *r = T::from_acc(s * scale));
@@ -438,7 +545,7 @@ impl Collective for MpiComm {
         Self::wrap(
             comm,
             self.in_place,
-            self.allreduce_from_bytes,
+            self.rs_policy,
             Rc::clone(&self.universe),
         )
     }
