@@ -98,7 +98,9 @@ fn main() {
             comm.all_gather_in_place(&mut buf).expect("all_gather")
         });
         let send = src[..chunk].to_vec();
-        let t_raw = time(&comm, bytes, || raw.all_gather_into(&send[..], &mut dst[..]));
+        let t_raw = time(&comm, bytes, || {
+            raw.all_gather_into(&send[..], &mut dst[..])
+        });
         let mut rows = vec![("all_gather", t_ours, t_raw, bus_ag)];
 
         // reduce_scatter: ours (threshold path), raw MPI_Reduce_scatter_block; plus the paths.

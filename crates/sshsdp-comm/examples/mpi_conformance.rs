@@ -25,7 +25,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if let Some(algo) = std::env::var("SSHSDP_MPI_RS_ALGO").ok().filter(|a| !a.is_empty()) {
+    if let Some(algo) = std::env::var("SSHSDP_MPI_RS_ALGO")
+        .ok()
+        .filter(|a| !a.is_empty())
+    {
         let algo = match algo.as_str() {
             "block" => ReduceScatterAlgo::Block,
             "varcount" => ReduceScatterAlgo::Varcount,

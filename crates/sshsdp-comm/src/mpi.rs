@@ -40,21 +40,41 @@
 //!   `MPI_Op` on `u16` would move 2 bytes but round after every pairwise step.
 //! * [`ReduceOp::Avg`] is `MPI_SUM` then one multiplication by [`ReduceOp::scale`], so values
 //!   are computed like the threads engine's (same scale factor, same single rounding).
-//! * [`Collective::reduce_scatter`] is out of place by contract (`send` → `recv`). Small buffers
-//!   use `MPI_Reduce_scatter_block`, no copy. From [`DEFAULT_ALLREDUCE_FROM_BYTES`] of `send`
-//!   on, Open MPI 4.1's reduce-scatter measured slower than its all-reduce on this project's
-//!   machine (shared memory, see the table below), so the engine copies `send` into a scratch
-//!   buffer, all-reduces that in place and copies out its own chunk: one copy of `send` and one
-//!   of `recv`, paid back by the faster algorithm. [`MpiComm::set_allreduce_from_bytes`] moves
-//!   the threshold (`usize::MAX` always uses `MPI_Reduce_scatter_block`).
+//! * [`Collective::reduce_scatter`] is out of place by contract (`send` → `recv`) and picks
+//!   its MPI call by the size of `send` ([`ReduceScatterPolicy`], equal on all ranks):
+//!   below [`DEFAULT_ALLREDUCE_FROM_BYTES`] (32 MiB) it calls `MPI_Reduce_scatter` with equal
+//!   counts, no copy; from there on it calls `MPI_Allreduce(send → scratch)` into a buffer the
+//!   communicator keeps (so repeated calls do not page-fault a fresh allocation;
+//!   [`MpiComm::release_scratch`] frees it) and copies this rank's chunk to `recv` — one copy
+//!   of `recv.len()` elements, paid back by the faster algorithm. For `bf16` the all-reduce
+//!   runs in place on the widened `f32` copy instead, no scratch. `MPI_Reduce_scatter_block`,
+//!   the obvious call, is never the fastest of the three here: Open MPI 4.1's tuned component
+//!   picks a reduce-then-scatter style algorithm for it, while `MPI_Reduce_scatter` gets the
+//!   ring for large commutative reductions. [`MpiComm::set_reduce_scatter_policy`] overrides
+//!   the choice ([`ReduceScatterPolicy::always`]).
 //!
-//! Measured with `examples/mpi_bandwidth.rs` (Open MPI 4.1.4, one host, 2 cores, shared
-//! memory; f32; time of one reduce-scatter whose `send` has the size shown, median of 5):
+//! Measured with `examples/mpi_bandwidth.rs` (Open MPI 4.1.4 `vader` shared memory, one VM
+//! with 2 cores that other builds were using at the same time, so single numbers vary by
+//! ±50%; `f32`; milliseconds for one reduce-scatter of a `send` of the size shown, slowest
+//! rank, median of 5–20 repetitions):
 //!
 //! ```text
-//! ranks  send size   reduce_scatter_block   MPI_Reduce_scatter   all_reduce + copies
-//! (filled in from the bandwidth runs)
+//! ranks  send MiB   Reduce_scatter_block   Reduce_scatter   Allreduce->scratch
+//!   2       1              0.75                0.16              0.23
+//!   2       4             16.60                5.68              6.35
+//!   2      16             48.98               20.15             30.58
+//!   2      32             71.71               73.99             51.50
+//!   2      64            116.68              140.34             95.02
+//!   2     256            472.00              595.25            337.09
+//!   4       1              4.59                0.87              1.96
+//!   4       4             15.84                7.36              8.72
+//!   4      16             35.80               31.96             62.61
+//!   4      64            298.71              361.50            244.69
 //! ```
+//!
+//! `MPI_Reduce_scatter` wins up to 16 MiB by 1.1–5× over the block call; from 32 MiB
+//! (2 ranks, where the machine is not oversubscribed) the all-reduce path wins by 20–40%.
+//! Four ranks on two cores are oversubscribed and too noisy to move the threshold.
 //!
 //! # Asynchronous calls
 //!
@@ -309,7 +329,7 @@ impl MpiComm {
         let count = mpi_count("reduce_scatter", n)?;
         let (dt, sum) = (f32_datatype(), sum_op());
         let mine = self.rank * n..(self.rank + 1) * n;
-        match self.rs_policy.algo(send.len() * size_of::<f32>()) {
+        match self.rs_policy.algo(size_of_val(send)) {
             // SAFETY (both): `send` holds size · n f32s and `recv` n f32s (checked by the
             // caller); they are distinct borrows, so disjoint; `counts` holds size ints.
             ReduceScatterAlgo::Block => check("MPI_Reduce_scatter_block", unsafe {
@@ -379,15 +399,7 @@ impl Collective for MpiComm {
             // SAFETY: `buf` holds size · n elements of T, whose MPI datatype is `dt` (checked by
             // `datatype`); with MPI_IN_PLACE chunk `rank` is the input and the rest is written.
             Some(ip) => unsafe {
-                ffi::MPI_Allgather(
-                    ip,
-                    0,
-                    dt,
-                    buf.as_mut_ptr().cast(),
-                    count,
-                    dt,
-                    self.raw(),
-                )
+                ffi::MPI_Allgather(ip, 0, dt, buf.as_mut_ptr().cast(), count, dt, self.raw())
             },
             None => {
                 let mine = buf[self.rank * n..(self.rank + 1) * n].to_vec();
@@ -467,18 +479,17 @@ impl Collective for MpiComm {
         // Widen to f32, reduce, round once.
         let mut wide: Vec<f32> = send.iter().map(|x| x.to_acc()).collect();
         let n = recv.len();
-        let out = if self.rs_policy.algo(wide.len() * size_of::<f32>())
-            == ReduceScatterAlgo::AllReduce
-        {
-            // The widened copy is ours: all-reduce it in place, no scratch buffer.
-            // SAFETY: `wide` is an owned buffer of `wide.len()` f32s.
-            unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
-            wide.drain(self.rank * n..(self.rank + 1) * n).collect()
-        } else {
-            let mut out = vec![0f32; n];
-            self.reduce_scatter_f32(&wide, &mut out)?;
-            out
-        };
+        let out =
+            if self.rs_policy.algo(size_of_val(wide.as_slice())) == ReduceScatterAlgo::AllReduce {
+                // The widened copy is ours: all-reduce it in place, no scratch buffer.
+                // SAFETY: `wide` is an owned buffer of `wide.len()` f32s.
+                unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
+                wide.drain(self.rank * n..(self.rank + 1) * n).collect()
+            } else {
+                let mut out = vec![0f32; n];
+                self.reduce_scatter_f32(&wide, &mut out)?;
+                out
+            };
         recv.iter_mut()
             .zip(&out)
             .for_each(|(r, &s)| *r = T::from_acc(s * scale));
