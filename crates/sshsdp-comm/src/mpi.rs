@@ -41,17 +41,18 @@
 //! * [`ReduceOp::Avg`] is `MPI_SUM` then one multiplication by [`ReduceOp::scale`], so values
 //!   are computed like the threads engine's (same scale factor, same single rounding).
 //! * [`Collective::reduce_scatter`] is out of place by contract (`send` → `recv`) and picks
-//!   its MPI call by the size of `send` ([`ReduceScatterPolicy`], equal on all ranks):
-//!   below [`DEFAULT_ALLREDUCE_FROM_BYTES`] (32 MiB) it calls `MPI_Reduce_scatter` with equal
-//!   counts, no copy; from there on it calls `MPI_Allreduce(send → scratch)` into a buffer the
+//!   its MPI call by the size of `send` and the number of ranks
+//!   ([`ReduceScatterPolicy::measured`], equal on all ranks): below
+//!   [`DEFAULT_ALLREDUCE_FROM_BYTES`] (32 MiB) it calls `MPI_Reduce_scatter` with equal
+//!   counts, no copy; from there on, with more than two ranks, `MPI_Reduce_scatter_block`, no
+//!   copy; with two ranks `MPI_Allreduce(send → scratch)` into a buffer the
 //!   communicator keeps (so repeated calls do not page-fault a fresh allocation;
 //!   [`MpiComm::release_scratch`] frees it) and copies this rank's chunk to `recv` — one copy
 //!   of `recv.len()` elements, paid back by the faster algorithm. For `bf16` the all-reduce
-//!   runs in place on the widened `f32` copy instead, no scratch. `MPI_Reduce_scatter_block`,
-//!   the obvious call, is never the fastest of the three here: Open MPI 4.1's tuned component
-//!   picks a reduce-then-scatter style algorithm for it, while `MPI_Reduce_scatter` gets the
-//!   ring for large commutative reductions. [`MpiComm::set_reduce_scatter_policy`] overrides
-//!   the choice ([`ReduceScatterPolicy::always`]).
+//!   runs in place on the widened `f32` copy instead, no scratch.
+//!   [`MpiComm::set_reduce_scatter_policy`] overrides the choice
+//!   ([`ReduceScatterPolicy::always`]); split communicators inherit an override, otherwise
+//!   they get the measured policy for their own size.
 //!
 //! Measured with `examples/mpi_bandwidth.rs` (Open MPI 4.1.4 `vader` shared memory, one VM
 //! with 2 cores that other builds were using at the same time, so single numbers vary by
@@ -72,9 +73,15 @@
 //!   4      64            298.71              361.50            244.69
 //! ```
 //!
-//! `MPI_Reduce_scatter` wins up to 16 MiB by 1.1–5× over the block call; from 32 MiB
-//! (2 ranks, where the machine is not oversubscribed) the all-reduce path wins by 20–40%.
-//! Four ranks on two cores are oversubscribed and too noisy to move the threshold.
+//! A second run (2 ranks: 55.7 / 73.3 / 46.6 ms at 64 MiB, 231 / 284 / 172 ms at 256 MiB;
+//! 4 ranks: 176.6 / 317.6 / 242.1 ms at 64 MiB, 528 / 1449 / 802 ms at 256 MiB; the first run
+//! at 4 ranks, 256 MiB: 501 / 1554 / 766 ms) agrees: `MPI_Reduce_scatter` wins up to 16 MiB
+//! by 1.1–5× over the block call; from 32 MiB the all-reduce path wins with two ranks by
+//! 20–40%, while with four ranks (oversubscribed on two cores, so all-reduce's extra
+//! arithmetic costs CPU the other ranks need) `MPI_Reduce_scatter_block` wins. The ring that
+//! `MPI_Reduce_scatter` uses for small and medium messages is the slowest at 64 MiB and
+//! above. Re-measure on real hardware (more cores, other interconnects) with the example and
+//! set the policy accordingly.
 //!
 //! # Asynchronous calls
 //!
@@ -139,6 +146,9 @@ pub struct MpiComm {
     in_place: Option<*mut c_void>,
     /// How reduce-scatter runs.
     rs_policy: ReduceScatterPolicy,
+    /// The policy set by the caller, inherited by split communicators (otherwise each gets
+    /// [`ReduceScatterPolicy::measured`] for its own size).
+    rs_override: Option<ReduceScatterPolicy>,
     /// Result buffer of the all-reduce reduce-scatter path, kept across calls (see
     /// [`MpiComm::release_scratch`]).
     scratch: RefCell<Vec<f32>>,
@@ -189,13 +199,18 @@ impl ReduceScatterPolicy {
     }
 }
 
-impl Default for ReduceScatterPolicy {
-    /// `Varcount` below [`DEFAULT_ALLREDUCE_FROM_BYTES`], `AllReduce` from there on (measured;
-    /// see the module docs).
-    fn default() -> Self {
+impl ReduceScatterPolicy {
+    /// The measured default for a communicator of `ranks` ranks (see the module docs):
+    /// `Varcount` below [`DEFAULT_ALLREDUCE_FROM_BYTES`]; from there on `AllReduce` for two
+    /// ranks and `Block` for more.
+    pub fn measured(ranks: usize) -> Self {
         Self {
             small: ReduceScatterAlgo::Varcount,
-            large: ReduceScatterAlgo::AllReduce,
+            large: if ranks <= 2 {
+                ReduceScatterAlgo::AllReduce
+            } else {
+                ReduceScatterAlgo::Block
+            },
             large_from_bytes: DEFAULT_ALLREDUCE_FROM_BYTES,
         }
     }
@@ -223,18 +238,13 @@ impl MpiComm {
     pub fn world(universe: Universe) -> CommResult<Self> {
         let comm = universe.world().duplicate();
         let in_place = in_place_sentinel(&mpi::environment::library_version().unwrap_or_default());
-        Self::wrap(
-            comm,
-            in_place,
-            ReduceScatterPolicy::default(),
-            Rc::new(universe),
-        )
+        Self::wrap(comm, in_place, None, Rc::new(universe))
     }
 
     fn wrap(
         comm: SimpleCommunicator,
         in_place: Option<*mut c_void>,
-        rs_policy: ReduceScatterPolicy,
+        rs_override: Option<ReduceScatterPolicy>,
         universe: Rc<Universe>,
     ) -> CommResult<Self> {
         // SAFETY: `comm` is a live intra-communicator owned by us; the error handler is a
@@ -242,13 +252,15 @@ impl MpiComm {
         check("MPI_Comm_set_errhandler", unsafe {
             ffi::MPI_Comm_set_errhandler(comm.as_raw(), ffi::RSMPI_ERRORS_RETURN)
         })?;
-        let (rank, size) = (comm.rank(), comm.size());
+        let rank = usize::try_from(comm.rank()).map_err(|_| engine("negative rank"))?;
+        let size = usize::try_from(comm.size()).map_err(|_| engine("negative size"))?;
         Ok(Self {
-            rank: usize::try_from(rank).map_err(|_| engine("negative rank"))?,
-            size: usize::try_from(size).map_err(|_| engine("negative size"))?,
+            rank,
+            size,
             comm,
             in_place,
-            rs_policy,
+            rs_policy: rs_override.unwrap_or(ReduceScatterPolicy::measured(size)),
+            rs_override,
             scratch: RefCell::new(Vec::new()),
             universe,
         })
@@ -280,6 +292,7 @@ impl MpiComm {
     /// Communicators split afterwards inherit it.
     pub fn set_reduce_scatter_policy(&mut self, policy: ReduceScatterPolicy) {
         self.rs_policy = policy;
+        self.rs_override = Some(policy);
     }
 
     /// Frees the scratch buffer of the all-reduce reduce-scatter path (it keeps the size of
@@ -556,7 +569,7 @@ impl Collective for MpiComm {
         Self::wrap(
             comm,
             self.in_place,
-            self.rs_policy,
+            self.rs_override,
             Rc::clone(&self.universe),
         )
     }
