@@ -1,0 +1,75 @@
+//! The communication a runtime needs, as an object-safe trait over a mesh's communicators, so
+//! the runtime and its tensors need no engine type parameter.
+
+use sshsdp_comm::hierarchy::{self, MeshComms};
+use sshsdp_comm::{CommResult, Collective, ReduceOp};
+use sshsdp_plan::Sharding;
+
+/// Collectives of one rank over a `replicas × shards` mesh, on f32 buffers.
+pub(crate) trait MeshComm: Send {
+    /// World rank.
+    fn world_rank(&self) -> usize;
+    /// World size.
+    fn world_size(&self) -> usize;
+    /// All-gather of runtime shards over the shard group into the full bucket (under DDP the
+    /// runtime shard is the whole bucket: a copy).
+    fn gather_bucket(&self, sharding: Sharding, shard: &[f32], full: &mut [f32]) -> CommResult<()>;
+    /// World-averaged gradient of this rank's piece from a full-bucket gradient.
+    fn reduce_gradient(&self, sharding: Sharding, full: &[f32], piece: &mut [f32]) -> CommResult<()>;
+    /// After the update: rebuild the runtime shard from the replica group's pieces.
+    fn rebuild_shard(&self, sharding: Sharding, shard: &mut [f32]) -> CommResult<()>;
+    /// Broadcast from world rank 0.
+    fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()>;
+    /// All-gather of equal byte strings over the world.
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()>;
+}
+
+impl<C: Collective + Send> MeshComm for MeshComms<C> {
+    fn world_rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.size()
+    }
+
+    fn gather_bucket(&self, sharding: Sharding, shard: &[f32], full: &mut [f32]) -> CommResult<()> {
+        match sharding {
+            Sharding::Ddp => {
+                full.copy_from_slice(shard);
+                Ok(())
+            }
+            Sharding::Hierarchical | Sharding::Hsdp => self.shard_group.all_gather(shard, full),
+        }
+    }
+
+    fn reduce_gradient(&self, sharding: Sharding, full: &[f32], piece: &mut [f32]) -> CommResult<()> {
+        match sharding {
+            Sharding::Hierarchical => {
+                let mut scratch = vec![0f32; piece.len() * self.replicas()];
+                hierarchy::reduce_gradients_hierarchical(self, full, &mut scratch, piece)
+            }
+            Sharding::Hsdp => hierarchy::reduce_gradients_hsdp(self, full, piece),
+            Sharding::Ddp => {
+                piece.copy_from_slice(full);
+                self.world.all_reduce(piece, ReduceOp::Avg)
+            }
+        }
+    }
+
+    fn rebuild_shard(&self, sharding: Sharding, shard: &mut [f32]) -> CommResult<()> {
+        match sharding {
+            Sharding::Hierarchical => hierarchy::gather_runtime_shard(self, shard),
+            // Every replica stepped the same shard with the same gradient: nothing to move.
+            Sharding::Hsdp | Sharding::Ddp => Ok(()),
+        }
+    }
+
+    fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()> {
+        self.world.broadcast(buf, 0)
+    }
+
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()> {
+        self.world.all_gather(send, recv)
+    }
+}

@@ -1,0 +1,28 @@
+//! Errors of sharding and stepping.
+
+use sshsdp_comm::CommError;
+use sshsdp_plan::PlanError;
+use thiserror::Error;
+
+/// Why sharding a model or a training step failed.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum HsdpError {
+    /// The plan could not be built.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// A collective failed (a peer failed, timed out, or the calls did not match).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// Ranks planned different models: their module structures differ.
+    #[error("ranks disagree on the model: plan fingerprints differ (this rank: {ours}); every rank must shard the same module structure with the same config")]
+    PlanMismatch {
+        /// This rank's plan fingerprint.
+        ours: String,
+    },
+    /// A feature the decorator does not support yet.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// An earlier failure left the runtime unusable.
+    #[error("the runtime failed earlier: {0}")]
+    Failed(String),
+}

@@ -1,0 +1,44 @@
+//! `Hsdp<B>`: a Burn backend decorator for sharded data parallelism.
+//!
+//! ```ignore
+//! type B = Autodiff<Hsdp<NdArray>>;
+//! let model: MyModel<B> = MyModelConfig::new().init(&device);
+//! let (model, runtime) = sshsdp_backend::shard::<B, _, _>(model, HsdpConfig::new(mesh), comm, &device)?;
+//! let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
+//! for batch in data {
+//!     let loss = model.forward(batch);
+//!     let _ = loss.backward();          // gradients are reduce-scattered as they become final
+//!     optim.step(&runtime, lr)?;        // each rank steps its pieces; runtime shards rebuilt
+//! }
+//! ```
+//!
+//! Every op of `Hsdp<B>` runs on `B` with `B`'s own kernels (the forwarding in `ops/` is
+//! generated from Burn's ops traits). What differs is parameters: [`shard`] keeps them in
+//! bucket storage planned by `sshsdp-plan`, sharded over the mesh, and swaps each for a handle;
+//! an op that meets a handle gathers its bucket (one all-gather into a fresh buffer that
+//! becomes the bucket tensor) and uses a view at the parameter's offset. Autodiff hands each
+//! final gradient to the runtime, which accumulates it into the bucket's gradient buffer and
+//! reduces the bucket (reduce-scatter in the shard group, then across replicas) once complete.
+
+mod backend;
+mod backend_ext;
+mod comm;
+mod config;
+mod error;
+mod handle;
+mod ops;
+mod optim;
+mod registry;
+mod runtime;
+mod shard;
+mod tensor;
+
+pub use backend::Hsdp;
+pub use backend_ext::ShardableBackend;
+pub use config::HsdpConfig;
+pub use error::HsdpError;
+pub use handle::HsdpRuntime;
+pub use optim::ShardedOptimizer;
+pub use runtime::Counters;
+pub use shard::{named_params, shard};
+pub use tensor::{HsdpFloat, ParamHandle};

@@ -1,0 +1,322 @@
+//! The per-rank runtime: bucket storage, residency, gradient reduction and the update hook.
+//!
+//! Storage per bucket: this rank's *runtime shard* (f32, persistent, `1/S` of the bucket), the
+//! gathered bucket while resident (a 1-D tensor of `B` that parameters are views of), a
+//! full-bucket gradient buffer while backward fills it, and the reduced gradient of this
+//! rank's *piece* (its update shard). In the f32 runtime format the fp32 master weights *are*
+//! the piece's runtime elements, updated in place.
+//!
+//! Errors inside ops (a failed gather during forward or backward) cannot be returned through
+//! Burn's op signatures: the runtime records the failure, hands out zeros from then on (no
+//! further collectives, so no hang), and the next [`Runtime::update`] returns the error.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use burn_backend::distributed::DistributedParamId;
+
+use burn_backend::{read_sync, Backend, Shape, Slice, TensorData};
+use sshsdp_plan::Plan;
+
+use crate::comm::MeshComm;
+use crate::error::HsdpError;
+
+/// Bytes moved and copied since the last [`Runtime::take_counters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Bytes received by bucket all-gathers (forward and backward).
+    pub gathered_bytes: u64,
+    /// Bytes of full-bucket gradients entering reductions.
+    pub reduced_bytes: u64,
+    /// Parameter bytes copied outside collectives and re-derivation (0 on the zero-copy path).
+    pub param_bytes_copied: u64,
+    /// Gradient bytes copied from autodiff's tensors into bucket gradient buffers.
+    pub grad_bytes_copied: u64,
+    /// Bucket gathers (a bucket gathered again in backward counts again).
+    pub gathers: u64,
+}
+
+struct BucketState<B: Backend> {
+    shard: Vec<f32>,
+    resident: Option<B::FloatTensorPrimitive>,
+    grad_full: Vec<f32>,
+    pending: usize,
+    grad_piece: Vec<f32>,
+}
+
+struct State<B: Backend> {
+    comm: Box<dyn MeshComm>,
+    buckets: Vec<BucketState<B>>,
+    lru: VecDeque<usize>,
+    failure: Option<String>,
+    counters: Counters,
+}
+
+/// One rank's sharded parameters.
+pub struct Runtime<B: Backend> {
+    plan: Plan,
+    device: B::Device,
+    piece_in_shard: usize,
+    max_resident: usize,
+    state: Mutex<State<B>>,
+    ids: OnceLock<Vec<DistributedParamId>>,
+}
+
+fn elems(bytes: u64) -> usize {
+    (bytes / 4) as usize
+}
+
+impl<B: Backend> Runtime<B> {
+    pub(crate) fn new(
+        plan: Plan,
+        device: B::Device,
+        comm: Box<dyn MeshComm>,
+        shards: Vec<Vec<f32>>,
+        max_resident: usize,
+    ) -> Result<Self, HsdpError> {
+        let rank = comm.world_rank();
+        let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
+        let buckets = shards
+            .into_iter()
+            .map(|shard| BucketState {
+                shard,
+                resident: None,
+                grad_full: Vec::new(),
+                pending: 0,
+                grad_piece: Vec::new(),
+            })
+            .collect();
+        Ok(Self {
+            plan,
+            device,
+            piece_in_shard,
+            max_resident: max_resident.max(1),
+            state: Mutex::new(State {
+                comm,
+                buckets,
+                lru: VecDeque::new(),
+                failure: None,
+                counters: Counters::default(),
+            }),
+            ids: OnceLock::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<B>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the gradient-routing ids of the parameters (by plan index), once.
+    pub(crate) fn set_ids(&self, ids: Vec<DistributedParamId>) {
+        let _ = self.ids.set(ids);
+    }
+
+    /// The gradient-routing id of parameter `index`.
+    pub(crate) fn id(&self, index: usize) -> DistributedParamId {
+        self.ids.get().expect("ids are set at registration")[index]
+    }
+
+    /// The plan this runtime follows.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Elements of bucket `b`'s full buffer.
+    fn bucket_elems(&self, b: usize) -> usize {
+        elems(self.plan.buffer_bytes(b))
+    }
+
+    /// Elements of one piece of bucket `b`.
+    fn piece_elems(&self, b: usize) -> usize {
+        elems(self.plan.buckets()[b].piece_bytes)
+    }
+
+    /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.
+    pub(crate) fn view(&self, index: usize) -> B::FloatTensorPrimitive {
+        let p = &self.plan.params()[index];
+        let shape = Shape::from(p.spec.shape.clone());
+        let mut st = self.lock();
+        let Some(full) = self.resident(&mut st, p.bucket) else {
+            return B::float_zeros(shape, &self.device, burn_backend::FloatDType::F32);
+        };
+        let start = elems(p.offset) as isize;
+        let end = start + p.spec.numel() as isize;
+        let flat = B::float_slice(full, &[Slice { start, end: Some(end), step: 1 }]);
+        B::float_reshape(flat, shape)
+    }
+
+    /// The gathered bucket, gathering it if needed; `None` after a failure.
+    fn resident(&self, st: &mut State<B>, b: usize) -> Option<B::FloatTensorPrimitive> {
+        if let Some(t) = &st.buckets[b].resident {
+            let t = t.clone();
+            st.lru.retain(|&x| x != b);
+            st.lru.push_back(b);
+            return Some(t);
+        }
+        if st.failure.is_some() {
+            return None;
+        }
+        // Gather straight into a fresh buffer that then becomes the tensor's storage: the
+        // collective writes every byte (our own shard included), nothing is copied around it.
+        let mut full = vec![0f32; self.bucket_elems(b)];
+        let sharding = self.plan.config().sharding;
+        if let Err(e) = st.comm.gather_bucket(sharding, &st.buckets[b].shard, &mut full) {
+            st.failure = Some(e.to_string());
+            return None;
+        }
+        if sharding == sshsdp_plan::Sharding::Ddp {
+            // Replicated parameters are copied into a fresh tensor after each update.
+            st.counters.param_bytes_copied += 4 * full.len() as u64;
+        } else {
+            st.counters.gathers += 1;
+            st.counters.gathered_bytes += 4 * (full.len() - st.buckets[b].shard.len()) as u64;
+        }
+        let n = full.len();
+        let tensor = B::float_from_data(TensorData::new(full, [n]), &self.device);
+        st.buckets[b].resident = Some(tensor.clone());
+        st.lru.push_back(b);
+        while st.lru.len() > self.max_resident {
+            let old = st.lru.pop_front().expect("non-empty");
+            st.buckets[old].resident = None;
+        }
+        Some(tensor)
+    }
+
+    /// A backward pass starts; `indices` are the parameters that will receive a gradient.
+    pub(crate) fn begin_backward(&self, indices: &[usize]) {
+        let mut st = self.lock();
+        for b in st.buckets.iter_mut() {
+            b.pending = 0;
+        }
+        for &i in indices {
+            let b = self.plan.params()[i].bucket;
+            st.buckets[b].pending += 1;
+        }
+    }
+
+    /// Parameter `index`'s final gradient: accumulate it into its bucket; reduce the bucket once
+    /// every expected gradient has arrived.
+    pub(crate) fn submit_gradient(&self, index: usize, grad: B::FloatTensorPrimitive) {
+        let p = &self.plan.params()[index];
+        let values: Vec<f32> = match read_sync(B::float_into_data(grad))
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|d| d.convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}")))
+        {
+            Ok(v) => v,
+            Err(e) => {
+                self.lock().failure = Some(format!("reading the gradient of {}: {e}", p.spec.path));
+                return;
+            }
+        };
+        let b = p.bucket;
+        let mut st = self.lock();
+        let n_full = self.bucket_elems(b);
+        let bucket = &mut st.buckets[b];
+        if bucket.grad_full.is_empty() {
+            bucket.grad_full = vec![0f32; n_full];
+        }
+        let start = elems(p.offset);
+        for (dst, src) in bucket.grad_full[start..start + values.len()].iter_mut().zip(&values) {
+            *dst += src;
+        }
+        bucket.pending = bucket.pending.saturating_sub(1);
+        let complete = bucket.pending == 0;
+        st.counters.grad_bytes_copied += 4 * values.len() as u64;
+        if complete {
+            self.reduce_bucket(&mut st, b);
+        }
+    }
+
+    fn reduce_bucket(&self, st: &mut State<B>, b: usize) {
+        let full = std::mem::take(&mut st.buckets[b].grad_full);
+        if st.failure.is_some() {
+            return;
+        }
+        let mut piece = vec![0f32; self.piece_elems(b)];
+        if let Err(e) = st
+            .comm
+            .reduce_gradient(self.plan.config().sharding, &full, &mut piece)
+        {
+            st.failure = Some(e.to_string());
+            return;
+        }
+        st.counters.reduced_bytes += 4 * full.len() as u64;
+        let acc = &mut st.buckets[b].grad_piece;
+        if acc.is_empty() {
+            *acc = piece;
+        } else {
+            acc.iter_mut().zip(&piece).for_each(|(a, g)| *a += g);
+        }
+    }
+
+    /// Runs the optimizer on this rank's pieces and rebuilds the runtime shards.
+    ///
+    /// `step(bucket, master, grad)` updates the piece's fp32 master elements in place from its
+    /// world-averaged gradient. Buckets that received no gradient are left as they are. Every
+    /// gathered bucket is released, so the next forward gathers the new values.
+    pub fn update(
+        &self,
+        mut step: impl FnMut(usize, &mut [f32], &[f32]) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        let mut st = self.lock();
+        if let Some(f) = &st.failure {
+            return Err(HsdpError::Failed(f.clone()));
+        }
+        if let Some(b) = st.buckets.iter().position(|b| b.pending > 0) {
+            return Err(HsdpError::Failed(format!(
+                "bucket {b} is still waiting for {} gradients: finish backward before stepping",
+                st.buckets[b].pending
+            )));
+        }
+        let sharding = self.plan.config().sharding;
+        for b in 0..st.buckets.len() {
+            let grad = std::mem::take(&mut st.buckets[b].grad_piece);
+            if grad.is_empty() {
+                continue;
+            }
+            let pe = self.piece_elems(b);
+            let range = self.piece_in_shard * pe..(self.piece_in_shard + 1) * pe;
+            step(b, &mut st.buckets[b].shard[range], &grad)?;
+            let State { comm, buckets, .. } = &mut *st;
+            if let Err(e) = comm.rebuild_shard(sharding, &mut buckets[b].shard) {
+                st.failure = Some(e.to_string());
+                return Err(e.into());
+            }
+        }
+        for b in st.buckets.iter_mut() {
+            b.resident = None;
+        }
+        st.lru.clear();
+        Ok(())
+    }
+
+    /// The counters since the last call, reset to zero.
+    pub fn take_counters(&self) -> Counters {
+        std::mem::take(&mut self.lock().counters)
+    }
+
+    /// A copy of parameter `index`'s current values, gathered (for checks and export).
+    pub fn param_values(&self, index: usize) -> Result<Vec<f32>, HsdpError> {
+        let view = self.view(index);
+        if let Some(f) = &self.lock().failure {
+            return Err(HsdpError::Failed(f.clone()));
+        }
+        read_sync(B::float_into_data(view))
+            .map_err(|e| HsdpError::Failed(format!("{e:?}")))?
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| HsdpError::Failed(format!("{e:?}")))
+    }
+
+    /// Bytes of this rank's persistent runtime shards.
+    pub fn shard_bytes(&self) -> u64 {
+        self.lock().buckets.iter().map(|b| 4 * b.shard.len() as u64).sum()
+    }
+}
+
+impl<B: Backend> Runtime<B> {
+    /// The device parameters are gathered on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+}

@@ -1,0 +1,231 @@
+//! Registration: [`shard`] walks an unmodified Burn module, plans it, moves its values into
+//! bucket storage and swaps every float parameter for a handle into it.
+//!
+//! Parameters are keyed by module path (`layers.0.attn.query.weight`), not by Burn's random
+//! `ParamId`, so all ranks agree; ranks compare plan fingerprints before anything else and a
+//! mismatch is an error on every rank. Initial values are broadcast from rank 0, so ranks that
+//! initialised their modules differently still start identical.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_backend::distributed::DistributedParamId;
+use sshsdp_comm::hierarchy::MeshComms;
+use sshsdp_comm::Collective;
+use sshsdp_plan::{DType, ParamSpec, Plan};
+
+use crate::backend_ext::ShardableBackend;
+use crate::comm::MeshComm;
+use crate::runtime::Runtime;
+use crate::tensor::{HsdpFloat, ParamHandle};
+use crate::{registry, HsdpConfig, HsdpError, HsdpRuntime};
+
+/// Walks module paths: the names of the modules entered, joined by dots.
+#[derive(Default)]
+struct PathTracker {
+    stack: Vec<String>,
+}
+
+impl PathTracker {
+    fn enter(&mut self, name: &str) {
+        self.stack.push(name.to_string());
+    }
+
+    fn exit(&mut self) {
+        self.stack.pop();
+    }
+
+    fn path(&self) -> String {
+        self.stack.join(".")
+    }
+}
+
+/// Collects each float parameter's path, shape and values, in module order.
+struct Collector {
+    paths: PathTracker,
+    params: Vec<(String, Vec<usize>, Vec<f32>)>,
+    error: Option<String>,
+}
+
+impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collector {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.paths.enter(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.paths.exit();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let tensor = param.val();
+        let shape = tensor.dims().to_vec();
+        match tensor.into_data().convert::<f32>().into_vec::<f32>() {
+            Ok(values) => self.params.push((self.paths.path(), shape, values)),
+            Err(e) => {
+                self.error
+                    .get_or_insert(format!("reading {}: {e:?}", self.paths.path()));
+            }
+        }
+    }
+}
+
+/// Every float parameter of `module` as `(path, shape, values)`, in module order — the keys
+/// [`shard`] plans by. Useful to compare or export weights.
+pub fn named_params<B: burn::tensor::backend::Backend, M: Module<B>>(
+    module: &M,
+) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, HsdpError> {
+    let mut collector = Collector {
+        paths: PathTracker::default(),
+        params: Vec::new(),
+        error: None,
+    };
+    module.visit(&mut collector);
+    match collector.error {
+        Some(e) => Err(HsdpError::Unsupported(e)),
+        None => Ok(collector.params),
+    }
+}
+
+/// Swaps each float parameter for a handle into bucket storage.
+struct Swapper<B: ShardableBackend> {
+    paths: PathTracker,
+    runtime: Arc<Runtime<B::Inner>>,
+    index: HashMap<String, usize>,
+}
+
+impl<B: ShardableBackend> ModuleMapper<B> for Swapper<B> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.paths.enter(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.paths.exit();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let index = self.index[&self.paths.path()];
+        let require_grad = tensor.is_require_grad();
+        let handle = ParamHandle {
+            runtime: self.runtime.clone(),
+            index,
+            shape: tensor.shape(),
+        };
+        Param::from_mapped_value(id, leaf::<B, D>(HsdpFloat::Param(handle), require_grad), mapper)
+    }
+}
+
+/// A fresh autodiff leaf around `primitive`; a parameter handle that requires a gradient is
+/// marked so its gradient reaches the runtime.
+fn leaf<B: ShardableBackend, const D: usize>(primitive: HsdpFloat<B::Inner>, require_grad: bool) -> Tensor<B, D> {
+    let id = primitive.param().map(|h| h.runtime.id(h.index));
+    let tensor = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(B::from_hsdp(primitive)));
+    match (require_grad, id) {
+        (true, Some(id)) => B::mark_distributed(tensor.require_grad(), id),
+        (true, None) => tensor.require_grad(),
+        (false, _) => tensor,
+    }
+}
+
+/// Gives every parameter a fresh autodiff leaf around the same storage.
+///
+/// Burn's autodiff consumes a graph's nodes, leaves included, in backward; Burn's own
+/// optimizers therefore return new parameter tensors every step. Sharded parameters keep their
+/// storage, so after each step the module gets new leaves over the same handles.
+pub(crate) fn refresh_leaves<B: ShardableBackend, M: Module<B>>(module: M) -> M {
+    struct Refresher;
+    impl<B: ShardableBackend> ModuleMapper<B> for Refresher {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let require_grad = tensor.is_require_grad();
+            let primitive = B::to_hsdp(tensor.into_primitive().tensor());
+            Param::from_mapped_value(id, leaf::<B, D>(primitive, require_grad), mapper)
+        }
+    }
+    module.map(&mut Refresher)
+}
+
+/// Shards `module` over the ranks of `comm` (a collective call: every rank calls it with the same
+/// module structure and config). Returns the module with its parameters in bucket storage and the
+/// runtime that steps them.
+pub fn shard<B, M, C>(
+    module: M,
+    config: HsdpConfig,
+    comm: C,
+    device: &B::Device,
+) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
+where
+    B: ShardableBackend,
+    M: Module<B>,
+    C: Collective + Send + 'static,
+{
+    config.validate()?;
+    config.mesh.check_world_size(comm.size())?;
+    let params = named_params(&module)?;
+    let specs: Vec<ParamSpec> = params
+        .iter()
+        .enumerate()
+        .map(|(i, (path, shape, _))| {
+            ParamSpec::new(path.clone(), shape.clone(), DType::F32).with_order(i as u64)
+        })
+        .collect();
+    let plan = Plan::build(specs, config.mesh, config.plan.clone())?;
+    let comm = MeshComms::new(comm, config.mesh.replicas(), config.mesh.shards())?;
+    check_same_plan(&comm, &plan)?;
+
+    let values: HashMap<&str, &[f32]> = params
+        .iter()
+        .map(|(path, _, v)| (path.as_str(), v.as_slice()))
+        .collect();
+    let rank = comm.world_rank();
+    let shard_index = plan.runtime_shard_of(rank)?;
+    let mut shards = Vec::with_capacity(plan.buckets().len());
+    for (b, bucket) in plan.buckets().iter().enumerate() {
+        let mut full = vec![0f32; (plan.buffer_bytes(b) / 4) as usize];
+        for p in &plan.params()[bucket.params.clone()] {
+            let start = (p.offset / 4) as usize;
+            let v = values[p.spec.path.as_str()];
+            full[start..start + v.len()].copy_from_slice(v);
+        }
+        comm.broadcast_world(&mut full)?;
+        let shard_len = full.len() / plan.runtime_shards();
+        shards.push(full[shard_index * shard_len..(shard_index + 1) * shard_len].to_vec());
+    }
+    let index: HashMap<String, usize> = plan
+        .params()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.spec.path.clone(), i))
+        .collect();
+    let runtime = Arc::new(Runtime::new(
+        plan,
+        device.clone(),
+        Box::new(comm),
+        shards,
+        config.max_resident_buckets,
+    )?);
+    runtime.set_ids(registry::register(&runtime));
+    let mut swapper = Swapper::<B> {
+        paths: PathTracker::default(),
+        runtime: runtime.clone(),
+        index,
+    };
+    let module = module.map(&mut swapper);
+    Ok((module, HsdpRuntime::new(runtime)))
+}
+
+/// Compares plan fingerprints over the world; every rank gets the same verdict.
+fn check_same_plan(comm: &dyn MeshComm, plan: &Plan) -> Result<(), HsdpError> {
+    let ours = plan.fingerprint().0;
+    let mut all = vec![0u8; 32 * comm.world_size()];
+    comm.all_gather_bytes(&ours, &mut all)?;
+    if all.chunks(32).all(|fp| fp == ours) {
+        Ok(())
+    } else {
+        Err(HsdpError::PlanMismatch {
+            ours: plan.fingerprint().to_string(),
+        })
+    }
+}

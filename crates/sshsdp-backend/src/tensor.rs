@@ -1,0 +1,109 @@
+//! The float primitive of `Hsdp<B>`: either a local tensor of `B` or a handle to a parameter
+//! that lives in sharded bucket storage.
+//!
+//! A handle holds no data. An op that meets one asks the runtime for a view of the parameter in
+//! its bucket's gathered buffer (gathering the bucket first if it is not resident), so autograd
+//! can keep handles for backward without keeping gathered memory alive: backward re-gathers
+//! what it needs.
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn_backend::{Backend, DType, Shape, TensorMetadata};
+
+use crate::runtime::Runtime;
+
+/// A float tensor of `Hsdp<B>`.
+pub enum HsdpFloat<B: Backend> {
+    /// An ordinary tensor of the inner backend (activations, gradients, anything computed).
+    Local(B::FloatTensorPrimitive),
+    /// A parameter in sharded bucket storage.
+    Param(ParamHandle<B>),
+}
+
+/// A parameter: its runtime and its index in the runtime's plan.
+pub struct ParamHandle<B: Backend> {
+    pub(crate) runtime: Arc<Runtime<B>>,
+    pub(crate) index: usize,
+    pub(crate) shape: Shape,
+}
+
+impl<B: Backend> Clone for ParamHandle<B> {
+    fn clone(&self) -> Self {
+        Self {
+            runtime: self.runtime.clone(),
+            index: self.index,
+            shape: self.shape.clone(),
+        }
+    }
+}
+
+impl<B: Backend> ParamHandle<B> {
+    /// Module path of the parameter.
+    pub fn path(&self) -> &str {
+        &self.runtime.plan().params()[self.index].spec.path
+    }
+
+    /// The parameter as a tensor of `B`: a view into its gathered bucket.
+    pub fn resolve(&self) -> B::FloatTensorPrimitive {
+        self.runtime.view(self.index)
+    }
+}
+
+impl<B: Backend> HsdpFloat<B> {
+    /// The inner backend's tensor (a view into the bucket for a parameter).
+    pub fn resolve(self) -> B::FloatTensorPrimitive {
+        match self {
+            HsdpFloat::Local(t) => t,
+            HsdpFloat::Param(h) => h.resolve(),
+        }
+    }
+
+    /// The parameter handle, if this is one.
+    pub fn param(&self) -> Option<&ParamHandle<B>> {
+        match self {
+            HsdpFloat::Param(h) => Some(h),
+            HsdpFloat::Local(_) => None,
+        }
+    }
+}
+
+impl<B: Backend> Clone for HsdpFloat<B> {
+    fn clone(&self) -> Self {
+        match self {
+            HsdpFloat::Local(t) => HsdpFloat::Local(t.clone()),
+            HsdpFloat::Param(h) => HsdpFloat::Param(h.clone()),
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for HsdpFloat<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HsdpFloat::Local(t) => f.debug_tuple("Local").field(t).finish(),
+            HsdpFloat::Param(h) => f
+                .debug_struct("Param")
+                .field("path", &h.path())
+                .field("shape", &h.shape)
+                .finish(),
+        }
+    }
+}
+
+impl<B: Backend> TensorMetadata for HsdpFloat<B> {
+    fn dtype(&self) -> DType {
+        match self {
+            HsdpFloat::Local(t) => t.dtype(),
+            // Parameters are stored and viewed as f32 (the only runtime format of the decorator
+            // so far; see `HsdpConfig`).
+            HsdpFloat::Param(_) => DType::F32,
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        match self {
+            HsdpFloat::Local(t) => t.shape(),
+            HsdpFloat::Param(h) => h.shape.clone(),
+        }
+    }
+}
