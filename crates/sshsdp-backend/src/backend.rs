@@ -6,8 +6,8 @@ use std::marker::PhantomData;
 use burn_backend::distributed::{
     CollectiveTensor, DistributedBackend, DistributedParams, ReduceOperation, TensorRef,
 };
-use burn_backend::{Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData};
 use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData};
 use cubecl::device::DeviceId;
 
 use crate::registry;
@@ -56,7 +56,11 @@ impl<B: Backend> Backend for Hsdp<B> {
         B::ad_enabled(device)
     }
 
-    fn memory_persistent_allocations<Output: Send, Input: Send, Func: Fn(Input) -> Output + Send>(
+    fn memory_persistent_allocations<
+        Output: Send,
+        Input: Send,
+        Func: Fn(Input) -> Output + Send,
+    >(
         device: &Self::Device,
         input: Input,
         func: Func,
@@ -103,7 +107,11 @@ impl<B: Backend> Backend for Hsdp<B> {
 /// Autodiff calls these as gradients become final. `Hsdp<B>` implements them itself, without
 /// asking `B` to be a `DistributedBackend`, so `Autodiff<Hsdp<NdArray>>` works.
 impl<B: Backend> DistributedBackend for Hsdp<B> {
-    fn start_communication_server(_devices: &[Self::Device], _config: burn_backend::distributed::DistributedConfig) {}
+    fn start_communication_server(
+        _devices: &[Self::Device],
+        _config: burn_backend::distributed::DistributedConfig,
+    ) {
+    }
 
     fn close_communication_server(_device: &Self::Device) {}
 

@@ -6,8 +6,8 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn_backend::distributed::DistributedParamId;
-use burn_backend::BackendTypes;
 use burn_backend::tensor::FloatTensor;
+use burn_backend::BackendTypes;
 
 use crate::tensor::HsdpFloat;
 use crate::Hsdp;
@@ -24,7 +24,10 @@ pub trait ShardableBackend: Backend {
     fn from_hsdp(tensor: HsdpFloat<Self::Inner>) -> FloatTensor<Self>;
 
     /// Marks a parameter so its final gradient is handed to the runtime.
-    fn mark_distributed<const D: usize>(tensor: Tensor<Self, D>, id: DistributedParamId) -> Tensor<Self, D>;
+    fn mark_distributed<const D: usize>(
+        tensor: Tensor<Self, D>,
+        id: DistributedParamId,
+    ) -> Tensor<Self, D>;
 }
 
 impl<B: Backend> ShardableBackend for Hsdp<B> {
@@ -38,7 +41,10 @@ impl<B: Backend> ShardableBackend for Hsdp<B> {
         tensor
     }
 
-    fn mark_distributed<const D: usize>(tensor: Tensor<Self, D>, _id: DistributedParamId) -> Tensor<Self, D> {
+    fn mark_distributed<const D: usize>(
+        tensor: Tensor<Self, D>,
+        _id: DistributedParamId,
+    ) -> Tensor<Self, D> {
         // Without autodiff there are no gradients to route.
         tensor
     }
@@ -55,7 +61,10 @@ impl<B: Backend, C: CheckpointStrategy> ShardableBackend for Autodiff<Hsdp<B>, C
         <Self as AutodiffBackend>::from_inner(tensor)
     }
 
-    fn mark_distributed<const D: usize>(tensor: Tensor<Self, D>, id: DistributedParamId) -> Tensor<Self, D> {
+    fn mark_distributed<const D: usize>(
+        tensor: Tensor<Self, D>,
+        id: DistributedParamId,
+    ) -> Tensor<Self, D> {
         tensor.set_distributed(id)
     }
 }

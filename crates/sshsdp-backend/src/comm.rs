@@ -2,7 +2,7 @@
 //! the runtime and its tensors need no engine type parameter.
 
 use sshsdp_comm::hierarchy::{self, MeshComms};
-use sshsdp_comm::{CommResult, Collective, ReduceOp};
+use sshsdp_comm::{Collective, CommResult, ReduceOp};
 use sshsdp_plan::Sharding;
 
 /// Collectives of one rank over a `replicas × shards` mesh, on f32 buffers.
@@ -15,7 +15,12 @@ pub(crate) trait MeshComm: Send {
     /// runtime shard is the whole bucket: a copy).
     fn gather_bucket(&self, sharding: Sharding, shard: &[f32], full: &mut [f32]) -> CommResult<()>;
     /// World-averaged gradient of this rank's piece from a full-bucket gradient.
-    fn reduce_gradient(&self, sharding: Sharding, full: &[f32], piece: &mut [f32]) -> CommResult<()>;
+    fn reduce_gradient(
+        &self,
+        sharding: Sharding,
+        full: &[f32],
+        piece: &mut [f32],
+    ) -> CommResult<()>;
     /// After the update: rebuild the runtime shard from the replica group's pieces.
     fn rebuild_shard(&self, sharding: Sharding, shard: &mut [f32]) -> CommResult<()>;
     /// Broadcast from world rank 0.
@@ -43,7 +48,12 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
         }
     }
 
-    fn reduce_gradient(&self, sharding: Sharding, full: &[f32], piece: &mut [f32]) -> CommResult<()> {
+    fn reduce_gradient(
+        &self,
+        sharding: Sharding,
+        full: &[f32],
+        piece: &mut [f32],
+    ) -> CommResult<()> {
         match sharding {
             Sharding::Hierarchical => {
                 let mut scratch = vec![0f32; piece.len() * self.replicas()];

@@ -47,9 +47,11 @@ impl<B: Backend> HsdpRuntime<B> {
 
     /// The current values of the parameter at `path`, gathered.
     pub fn param_values(&self, path: &str) -> Result<Vec<f32>, HsdpError> {
-        let index = self.runtime.plan().param_index(path).ok_or_else(|| {
-            HsdpError::Unsupported(format!("no parameter at path `{path}`"))
-        })?;
+        let index = self
+            .runtime
+            .plan()
+            .param_index(path)
+            .ok_or_else(|| HsdpError::Unsupported(format!("no parameter at path `{path}`")))?;
         self.runtime.param_values(index)
     }
 

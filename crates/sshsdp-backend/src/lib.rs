@@ -32,6 +32,7 @@ mod registry;
 mod runtime;
 mod shard;
 mod tensor;
+mod worker;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;

@@ -35,7 +35,12 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     /// One optimizer step with learning rate `lr` on every piece of `runtime` that has a
     /// gradient; returns `module` with fresh autodiff leaves over the updated storage (as Burn's
     /// own optimizers return a new module).
-    pub fn step<AB, M>(&mut self, lr: f64, module: M, runtime: &HsdpRuntime<B>) -> Result<M, HsdpError>
+    pub fn step<AB, M>(
+        &mut self,
+        lr: f64,
+        module: M,
+        runtime: &HsdpRuntime<B>,
+    ) -> Result<M, HsdpError>
     where
         AB: ShardableBackend<Inner = B>,
         M: Module<AB>,
@@ -47,7 +52,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {
         runtime.update(|bucket, master, grad| {
             let n = master.len();
-            let param = Tensor::<B, 1>::from_data(TensorData::new(master.to_vec(), [n]), &self.device);
+            let param =
+                Tensor::<B, 1>::from_data(TensorData::new(master.to_vec(), [n]), &self.device);
             let grad = Tensor::<B, 1>::from_data(TensorData::new(grad.to_vec(), [n]), &self.device);
             let state = self.states.remove(&bucket);
             let (param, state) = self.optimizer.step(lr, param, grad, state);
@@ -58,7 +64,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
                 .into_data()
                 .convert::<f32>()
                 .into_vec::<f32>()
-                .map_err(|e| HsdpError::Failed(format!("reading updated bucket {bucket}: {e:?}")))?;
+                .map_err(|e| {
+                    HsdpError::Failed(format!("reading updated bucket {bucket}: {e:?}"))
+                })?;
             master.copy_from_slice(&values);
             Ok(())
         })

@@ -54,7 +54,10 @@ pub(crate) fn begin_backward<B: Backend>(params: &[DistributedParams]) {
     let mut by_runtime: Vec<(Arc<Runtime<B>>, Vec<usize>)> = Vec::new();
     for p in params {
         if let Some((runtime, index)) = lookup::<B>(&p.param_id) {
-            match by_runtime.iter_mut().find(|(r, _)| Arc::ptr_eq(r, &runtime)) {
+            match by_runtime
+                .iter_mut()
+                .find(|(r, _)| Arc::ptr_eq(r, &runtime))
+            {
                 Some((_, list)) => list.push(index),
                 None => by_runtime.push((runtime, vec![index])),
             }

@@ -11,7 +11,7 @@
 //! further collectives, so no hang), and the next [`Runtime::update`] returns the error.
 
 use std::collections::VecDeque;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use burn_backend::distributed::DistributedParamId;
 
@@ -20,6 +20,7 @@ use sshsdp_plan::Plan;
 
 use crate::comm::MeshComm;
 use crate::error::HsdpError;
+use crate::worker::{Reply, Worker};
 
 /// Bytes moved and copied since the last [`Runtime::take_counters`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -37,15 +38,15 @@ pub struct Counters {
 }
 
 struct BucketState<B: Backend> {
-    shard: Vec<f32>,
+    shard: Arc<Vec<f32>>,
     resident: Option<B::FloatTensorPrimitive>,
     grad_full: Vec<f32>,
     pending: usize,
+    reductions: Vec<Reply>,
     grad_piece: Vec<f32>,
 }
 
 struct State<B: Backend> {
-    comm: Box<dyn MeshComm>,
     buckets: Vec<BucketState<B>>,
     lru: VecDeque<usize>,
     failure: Option<String>,
@@ -59,6 +60,7 @@ pub struct Runtime<B: Backend> {
     piece_in_shard: usize,
     max_resident: usize,
     state: Mutex<State<B>>,
+    worker: Worker,
     ids: OnceLock<Vec<DistributedParamId>>,
 }
 
@@ -79,20 +81,22 @@ impl<B: Backend> Runtime<B> {
         let buckets = shards
             .into_iter()
             .map(|shard| BucketState {
-                shard,
+                shard: Arc::new(shard),
                 resident: None,
                 grad_full: Vec::new(),
                 pending: 0,
+                reductions: Vec::new(),
                 grad_piece: Vec::new(),
             })
             .collect();
+        let worker = Worker::start(comm, plan.config().sharding, rank);
         Ok(Self {
             plan,
             device,
             piece_in_shard,
             max_resident: max_resident.max(1),
+            worker,
             state: Mutex::new(State {
-                comm,
                 buckets,
                 lru: VecDeque::new(),
                 failure: None,
@@ -141,7 +145,14 @@ impl<B: Backend> Runtime<B> {
         };
         let start = elems(p.offset) as isize;
         let end = start + p.spec.numel() as isize;
-        let flat = B::float_slice(full, &[Slice { start, end: Some(end), step: 1 }]);
+        let flat = B::float_slice(
+            full,
+            &[Slice {
+                start,
+                end: Some(end),
+                step: 1,
+            }],
+        );
         B::float_reshape(flat, shape)
     }
 
@@ -158,12 +169,18 @@ impl<B: Backend> Runtime<B> {
         }
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
-        let mut full = vec![0f32; self.bucket_elems(b)];
         let sharding = self.plan.config().sharding;
-        if let Err(e) = st.comm.gather_bucket(sharding, &st.buckets[b].shard, &mut full) {
-            st.failure = Some(e.to_string());
-            return None;
-        }
+        let full = match self
+            .worker
+            .gather(st.buckets[b].shard.clone(), self.bucket_elems(b))
+            .wait()
+        {
+            Ok(full) => full,
+            Err(e) => {
+                st.failure = Some(e.to_string());
+                return None;
+            }
+        };
         if sharding == sshsdp_plan::Sharding::Ddp {
             // Replicated parameters are copied into a fresh tensor after each update.
             st.counters.param_bytes_copied += 4 * full.len() as u64;
@@ -200,8 +217,11 @@ impl<B: Backend> Runtime<B> {
         let p = &self.plan.params()[index];
         let values: Vec<f32> = match read_sync(B::float_into_data(grad))
             .map_err(|e| format!("{e:?}"))
-            .and_then(|d| d.convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}")))
-        {
+            .and_then(|d| {
+                d.convert::<f32>()
+                    .into_vec::<f32>()
+                    .map_err(|e| format!("{e:?}"))
+            }) {
             Ok(v) => v,
             Err(e) => {
                 self.lock().failure = Some(format!("reading the gradient of {}: {e}", p.spec.path));
@@ -216,7 +236,10 @@ impl<B: Backend> Runtime<B> {
             bucket.grad_full = vec![0f32; n_full];
         }
         let start = elems(p.offset);
-        for (dst, src) in bucket.grad_full[start..start + values.len()].iter_mut().zip(&values) {
+        for (dst, src) in bucket.grad_full[start..start + values.len()]
+            .iter_mut()
+            .zip(&values)
+        {
             *dst += src;
         }
         bucket.pending = bucket.pending.saturating_sub(1);
@@ -227,25 +250,30 @@ impl<B: Backend> Runtime<B> {
         }
     }
 
+    /// Queues the bucket's reduction on the communication thread; backward goes on.
     fn reduce_bucket(&self, st: &mut State<B>, b: usize) {
         let full = std::mem::take(&mut st.buckets[b].grad_full);
-        if st.failure.is_some() {
-            return;
-        }
-        let mut piece = vec![0f32; self.piece_elems(b)];
-        if let Err(e) = st
-            .comm
-            .reduce_gradient(self.plan.config().sharding, &full, &mut piece)
-        {
-            st.failure = Some(e.to_string());
-            return;
-        }
         st.counters.reduced_bytes += 4 * full.len() as u64;
-        let acc = &mut st.buckets[b].grad_piece;
-        if acc.is_empty() {
-            *acc = piece;
-        } else {
-            acc.iter_mut().zip(&piece).for_each(|(a, g)| *a += g);
+        let reply = self.worker.reduce(full, self.piece_elems(b));
+        st.buckets[b].reductions.push(reply);
+    }
+
+    /// Waits for bucket `b`'s queued reductions and adds them into its gradient piece.
+    fn collect_reductions(st: &mut State<B>, b: usize) {
+        for reply in std::mem::take(&mut st.buckets[b].reductions) {
+            match reply.wait() {
+                Ok(piece) => {
+                    let acc = &mut st.buckets[b].grad_piece;
+                    if acc.is_empty() {
+                        *acc = piece;
+                    } else {
+                        acc.iter_mut().zip(&piece).for_each(|(a, g)| *a += g);
+                    }
+                }
+                Err(e) => {
+                    st.failure.get_or_insert(e.to_string());
+                }
+            }
         }
     }
 
@@ -259,16 +287,19 @@ impl<B: Backend> Runtime<B> {
         mut step: impl FnMut(usize, &mut [f32], &[f32]) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
         let mut st = self.lock();
-        if let Some(f) = &st.failure {
-            return Err(HsdpError::Failed(f.clone()));
-        }
         if let Some(b) = st.buckets.iter().position(|b| b.pending > 0) {
             return Err(HsdpError::Failed(format!(
                 "bucket {b} is still waiting for {} gradients: finish backward before stepping",
                 st.buckets[b].pending
             )));
         }
-        let sharding = self.plan.config().sharding;
+        for b in 0..st.buckets.len() {
+            Self::collect_reductions(&mut st, b);
+        }
+        if let Some(f) = &st.failure {
+            return Err(HsdpError::Failed(f.clone()));
+        }
+        let mut rebuilds = Vec::new();
         for b in 0..st.buckets.len() {
             let grad = std::mem::take(&mut st.buckets[b].grad_piece);
             if grad.is_empty() {
@@ -276,11 +307,19 @@ impl<B: Backend> Runtime<B> {
             }
             let pe = self.piece_elems(b);
             let range = self.piece_in_shard * pe..(self.piece_in_shard + 1) * pe;
-            step(b, &mut st.buckets[b].shard[range], &grad)?;
-            let State { comm, buckets, .. } = &mut *st;
-            if let Err(e) = comm.rebuild_shard(sharding, &mut buckets[b].shard) {
-                st.failure = Some(e.to_string());
-                return Err(e.into());
+            let shard = Arc::make_mut(&mut st.buckets[b].shard);
+            step(b, &mut shard[range], &grad)?;
+            let shard = std::mem::take(&mut st.buckets[b].shard);
+            let shard = Arc::try_unwrap(shard).unwrap_or_else(|shared| (*shared).clone());
+            rebuilds.push((b, self.worker.rebuild(shard)));
+        }
+        for (b, reply) in rebuilds {
+            match reply.wait() {
+                Ok(shard) => st.buckets[b].shard = Arc::new(shard),
+                Err(e) => {
+                    st.failure = Some(e.to_string());
+                    return Err(e.into());
+                }
             }
         }
         for b in st.buckets.iter_mut() {
@@ -310,7 +349,11 @@ impl<B: Backend> Runtime<B> {
 
     /// Bytes of this rank's persistent runtime shards.
     pub fn shard_bytes(&self) -> u64 {
-        self.lock().buckets.iter().map(|b| 4 * b.shard.len() as u64).sum()
+        self.lock()
+            .buckets
+            .iter()
+            .map(|b| 4 * b.shard.len() as u64)
+            .sum()
     }
 }
 

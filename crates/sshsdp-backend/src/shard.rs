@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorPrimitive};
-use burn_backend::distributed::DistributedParamId;
 use sshsdp_comm::hierarchy::MeshComms;
 use sshsdp_comm::Collective;
 use sshsdp_plan::{DType, ParamSpec, Plan};
@@ -113,13 +112,20 @@ impl<B: ShardableBackend> ModuleMapper<B> for Swapper<B> {
             index,
             shape: tensor.shape(),
         };
-        Param::from_mapped_value(id, leaf::<B, D>(HsdpFloat::Param(handle), require_grad), mapper)
+        Param::from_mapped_value(
+            id,
+            leaf::<B, D>(HsdpFloat::Param(handle), require_grad),
+            mapper,
+        )
     }
 }
 
 /// A fresh autodiff leaf around `primitive`; a parameter handle that requires a gradient is
 /// marked so its gradient reaches the runtime.
-fn leaf<B: ShardableBackend, const D: usize>(primitive: HsdpFloat<B::Inner>, require_grad: bool) -> Tensor<B, D> {
+fn leaf<B: ShardableBackend, const D: usize>(
+    primitive: HsdpFloat<B::Inner>,
+    require_grad: bool,
+) -> Tensor<B, D> {
     let id = primitive.param().map(|h| h.runtime.id(h.index));
     let tensor = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(B::from_hsdp(primitive)));
     match (require_grad, id) {

@@ -65,7 +65,10 @@ impl<B: Backend> TinyLm<B> {
             let h = b.norm_mlp.forward(x.clone());
             x = x.clone() + b.down.forward(gelu(b.up.forward(h)));
         }
-        let logits = self.lm_head.forward(self.norm.forward(x)).reshape([batch * SEQ, VOCAB]);
+        let logits = self
+            .lm_head
+            .forward(self.norm.forward(x))
+            .reshape([batch * SEQ, VOCAB]);
         CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, target)
@@ -102,7 +105,12 @@ pub fn batches(steps: usize, batch: usize) -> Vec<Vec<i64>> {
 }
 
 /// Rows `[first, first + count)` of a flat batch as a token tensor.
-pub fn rows<B: Backend>(batch: &[i64], first: usize, count: usize, device: &B::Device) -> Tensor<B, 2, Int> {
+pub fn rows<B: Backend>(
+    batch: &[i64],
+    first: usize,
+    count: usize,
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
     let w = SEQ + 1;
     let data = batch[first * w..(first + count) * w].to_vec();
     Tensor::from_data(TensorData::new(data, [count, w]), device)

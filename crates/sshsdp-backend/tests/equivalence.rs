@@ -138,7 +138,10 @@ fn assert_equivalent(opt: Opt, mesh: Mesh, sharding: Sharding) {
                 .zip(want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            assert!(max <= 1e-4, "{opt:?} {mesh} {sharding:?} {path}: max diff {max}");
+            assert!(
+                max <= 1e-4,
+                "{opt:?} {mesh} {sharding:?} {path}: max diff {max}"
+            );
         }
     }
 }

@@ -16,7 +16,9 @@ impl<B: Backend> BoolTensorOps<Self> for Hsdp<B> {
     fn bool_ones(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
         B::bool_ones(shape, device, dtype)
     }
-    fn bool_into_data(tensor: BoolTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn bool_into_data(
+        tensor: BoolTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         B::bool_into_data(tensor)
     }
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
@@ -40,25 +42,55 @@ impl<B: Backend> BoolTensorOps<Self> for Hsdp<B> {
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
         B::bool_slice(tensor, slices)
     }
-    fn bool_slice_assign(tensor: BoolTensor<Self>, slices: &[Slice], value: BoolTensor<Self>) -> BoolTensor<Self> {
+    fn bool_slice_assign(
+        tensor: BoolTensor<Self>,
+        slices: &[Slice],
+        value: BoolTensor<Self>,
+    ) -> BoolTensor<Self> {
         B::bool_slice_assign(tensor, slices, value)
     }
-    fn bool_mask_where(tensor: BoolTensor<Self>, mask: BoolTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
+    fn bool_mask_where(
+        tensor: BoolTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: BoolTensor<Self>,
+    ) -> BoolTensor<Self> {
         B::bool_mask_where(tensor, mask, value)
     }
-    fn bool_mask_fill(tensor: BoolTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> BoolTensor<Self> {
+    fn bool_mask_fill(
+        tensor: BoolTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: Scalar,
+    ) -> BoolTensor<Self> {
         B::bool_mask_fill(tensor, mask, value)
     }
-    fn bool_gather(dim: usize, tensor: BoolTensor<Self>, indices: IntTensor<Self>) -> BoolTensor<Self> {
+    fn bool_gather(
+        dim: usize,
+        tensor: BoolTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> BoolTensor<Self> {
         B::bool_gather(dim, tensor, indices)
     }
-    fn bool_scatter_or(dim: usize, tensor: BoolTensor<Self>, indices: IntTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
+    fn bool_scatter_or(
+        dim: usize,
+        tensor: BoolTensor<Self>,
+        indices: IntTensor<Self>,
+        value: BoolTensor<Self>,
+    ) -> BoolTensor<Self> {
         B::bool_scatter_or(dim, tensor, indices, value)
     }
-    fn bool_select(tensor: BoolTensor<Self>, dim: usize, indices: IntTensor<Self>) -> BoolTensor<Self> {
+    fn bool_select(
+        tensor: BoolTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+    ) -> BoolTensor<Self> {
         B::bool_select(tensor, dim, indices)
     }
-    fn bool_select_or(tensor: BoolTensor<Self>, dim: usize, indices: IntTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
+    fn bool_select_or(
+        tensor: BoolTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+        value: BoolTensor<Self>,
+    ) -> BoolTensor<Self> {
         B::bool_select_or(tensor, dim, indices, value)
     }
     fn bool_repeat_dim(tensor: BoolTensor<Self>, dim: usize, times: usize) -> BoolTensor<Self> {
@@ -115,13 +147,21 @@ impl<B: Backend> BoolTensorOps<Self> for Hsdp<B> {
     fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
         B::bool_all_dim(tensor, dim)
     }
-    fn bool_argwhere(tensor: BoolTensor<Self>, out_dtype: IntDType) -> impl Future<Output = IntTensor<Self>> + 'static + Send {
+    fn bool_argwhere(
+        tensor: BoolTensor<Self>,
+        out_dtype: IntDType,
+    ) -> impl Future<Output = IntTensor<Self>> + 'static + Send {
         B::bool_argwhere(tensor, out_dtype)
     }
     fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         B::bool_expand(tensor, shape)
     }
-    fn bool_unfold(tensor: BoolTensor<Self>, dim: usize, size: usize, step: usize) -> BoolTensor<Self> {
+    fn bool_unfold(
+        tensor: BoolTensor<Self>,
+        dim: usize,
+        size: usize,
+        step: usize,
+    ) -> BoolTensor<Self> {
         B::bool_unfold(tensor, dim, size, step)
     }
 }

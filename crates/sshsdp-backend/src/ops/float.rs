@@ -10,7 +10,12 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
         float_out(B::float_from_data(data, device))
     }
-    fn float_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+    fn float_random(
+        shape: Shape,
+        distribution: Distribution,
+        device: &Device<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
         float_out(B::float_random(shape, distribution, device, dtype))
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
@@ -19,10 +24,17 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
     fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         float_out(B::float_ones(shape, device, dtype))
     }
-    fn float_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+    fn float_full(
+        shape: Shape,
+        fill_value: Scalar,
+        device: &Device<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
         float_out(B::float_full(shape, fill_value, device, dtype))
     }
-    fn float_into_data(tensor: FloatTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn float_into_data(
+        tensor: FloatTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         B::float_into_data(float_in(tensor))
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
@@ -82,7 +94,11 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         float_out(B::float_matmul(float_in(lhs), float_in(rhs)))
     }
-    fn float_cross(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+    fn float_cross(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        dim: usize,
+    ) -> FloatTensor<Self> {
         float_out(B::float_cross(float_in(lhs), float_in(rhs), dim))
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -106,70 +122,172 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         float_out(B::float_reshape(float_in(tensor), shape))
     }
-    fn float_gather(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+    fn float_gather(
+        dim: usize,
+        tensor: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
         float_out(B::float_gather(dim, float_in(tensor), indices))
     }
-    fn float_scatter_add(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::float_scatter_add(dim, float_in(tensor), indices, float_in(value)))
+    fn float_scatter_add(
+        dim: usize,
+        tensor: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::float_scatter_add(
+            dim,
+            float_in(tensor),
+            indices,
+            float_in(value),
+        ))
     }
-    fn float_scatter_nd(_data: FloatTensor<Self>, _indices: IntTensor<Self>, _values: FloatTensor<Self>, _reduction: burn_backend::tensor::IndexingUpdateOp) -> FloatTensor<Self> {
-        float_out(B::float_scatter_nd(float_in(_data), _indices, float_in(_values), _reduction))
+    fn float_scatter_nd(
+        _data: FloatTensor<Self>,
+        _indices: IntTensor<Self>,
+        _values: FloatTensor<Self>,
+        _reduction: burn_backend::tensor::IndexingUpdateOp,
+    ) -> FloatTensor<Self> {
+        float_out(B::float_scatter_nd(
+            float_in(_data),
+            _indices,
+            float_in(_values),
+            _reduction,
+        ))
     }
     fn float_gather_nd(_data: FloatTensor<Self>, _indices: IntTensor<Self>) -> FloatTensor<Self> {
         float_out(B::float_gather_nd(float_in(_data), _indices))
     }
-    fn float_select(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>) -> FloatTensor<Self> {
+    fn float_select(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
         float_out(B::float_select(float_in(tensor), dim, indices))
     }
-    fn float_select_add(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::float_select_add(float_in(tensor), dim, indices, float_in(value)))
+    fn float_select_add(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::float_select_add(
+            float_in(tensor),
+            dim,
+            indices,
+            float_in(value),
+        ))
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
         float_out(B::float_slice(float_in(tensor), slices))
     }
-    fn float_slice_assign(tensor: FloatTensor<Self>, slices: &[Slice], value: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::float_slice_assign(float_in(tensor), slices, float_in(value)))
+    fn float_slice_assign(
+        tensor: FloatTensor<Self>,
+        slices: &[Slice],
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::float_slice_assign(
+            float_in(tensor),
+            slices,
+            float_in(value),
+        ))
     }
-    fn float_mask_where(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn float_mask_where(
+        tensor: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         float_out(B::float_mask_where(float_in(tensor), mask, float_in(value)))
     }
-    fn float_mask_fill(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+    fn float_mask_fill(
+        tensor: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: Scalar,
+    ) -> FloatTensor<Self> {
         float_out(B::float_mask_fill(float_in(tensor), mask, value))
     }
-    fn float_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_equal(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_equal(float_in(lhs), float_in(rhs), out_dtype)
     }
-    fn float_not_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_not_equal(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_not_equal(float_in(lhs), float_in(rhs), out_dtype)
     }
-    fn float_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_equal_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_equal_elem(float_in(lhs), rhs, out_dtype)
     }
-    fn float_not_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_not_equal_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_not_equal_elem(float_in(lhs), rhs, out_dtype)
     }
-    fn float_greater(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_greater(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_greater(float_in(lhs), float_in(rhs), out_dtype)
     }
-    fn float_greater_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_greater_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_greater_elem(float_in(lhs), rhs, out_dtype)
     }
-    fn float_greater_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_greater_equal(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_greater_equal(float_in(lhs), float_in(rhs), out_dtype)
     }
-    fn float_greater_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_greater_equal_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_greater_equal_elem(float_in(lhs), rhs, out_dtype)
     }
-    fn float_lower(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_lower(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_lower(float_in(lhs), float_in(rhs), out_dtype)
     }
-    fn float_lower_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_lower_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_lower_elem(float_in(lhs), rhs, out_dtype)
     }
-    fn float_lower_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_lower_equal(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_lower_equal(float_in(lhs), float_in(rhs), out_dtype)
     }
-    fn float_lower_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_lower_equal_elem(
+        lhs: FloatTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_lower_equal_elem(float_in(lhs), rhs, out_dtype)
     }
     fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -302,12 +420,20 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
         float_out(B::float_erf(float_in(tensor)))
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
-        float_out(B::float_cat(tensors.into_iter().map(float_in).collect(), dim))
+        float_out(B::float_cat(
+            tensors.into_iter().map(float_in).collect(),
+            dim,
+        ))
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         B::float_argmax(float_in(tensor), dim, out_dtype)
     }
-    fn float_argtopk(tensor: FloatTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> {
+    fn float_argtopk(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        k: usize,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::float_argtopk(float_in(tensor), dim, k, out_dtype)
     }
     fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> {
@@ -322,8 +448,15 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         float_out(B::float_max_dim(float_in(tensor), dim))
     }
-    fn float_max_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
-        { let (r0, r1) = B::float_max_dim_with_indices(float_in(tensor), dim, indices_dtype); (float_out(r0), r1) }
+    fn float_max_dim_with_indices(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        indices_dtype: IntDType,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        {
+            let (r0, r1) = B::float_max_dim_with_indices(float_in(tensor), dim, indices_dtype);
+            (float_out(r0), r1)
+        }
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         float_out(B::float_min(float_in(tensor)))
@@ -331,8 +464,15 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         float_out(B::float_min_dim(float_in(tensor), dim))
     }
-    fn float_min_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
-        { let (r0, r1) = B::float_min_dim_with_indices(float_in(tensor), dim, indices_dtype); (float_out(r0), r1) }
+    fn float_min_dim_with_indices(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        indices_dtype: IntDType,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        {
+            let (r0, r1) = B::float_min_dim_with_indices(float_in(tensor), dim, indices_dtype);
+            (float_out(r0), r1)
+        }
     }
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         float_out(B::float_max_abs(float_in(tensor)))
@@ -343,13 +483,21 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         B::float_any(float_in(tensor), out_dtype)
     }
-    fn float_any_dim(tensor: FloatTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_any_dim(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_any_dim(float_in(tensor), dim, out_dtype)
     }
     fn float_all(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         B::float_all(float_in(tensor), out_dtype)
     }
-    fn float_all_dim(tensor: FloatTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn float_all_dim(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::float_all_dim(float_in(tensor), dim, out_dtype)
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -361,16 +509,43 @@ impl<B: Backend> FloatTensorOps<Self> for Hsdp<B> {
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
         float_out(B::float_sort(float_in(tensor), dim, descending))
     }
-    fn float_sort_with_indices(tensor: FloatTensor<Self>, dim: usize, descending: bool, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
-        { let (r0, r1) = B::float_sort_with_indices(float_in(tensor), dim, descending, indices_dtype); (float_out(r0), r1) }
+    fn float_sort_with_indices(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        descending: bool,
+        indices_dtype: IntDType,
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        {
+            let (r0, r1) =
+                B::float_sort_with_indices(float_in(tensor), dim, descending, indices_dtype);
+            (float_out(r0), r1)
+        }
     }
-    fn float_argsort(tensor: FloatTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> IntTensor<Self> {
+    fn float_argsort(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        descending: bool,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::float_argsort(float_in(tensor), dim, descending, out_dtype)
     }
-    fn float_grid_sample_2d(tensor: FloatTensor<Self>, grid: FloatTensor<Self>, options: GridSampleOptions) -> FloatTensor<Self> {
-        float_out(B::float_grid_sample_2d(float_in(tensor), float_in(grid), options))
+    fn float_grid_sample_2d(
+        tensor: FloatTensor<Self>,
+        grid: FloatTensor<Self>,
+        options: GridSampleOptions,
+    ) -> FloatTensor<Self> {
+        float_out(B::float_grid_sample_2d(
+            float_in(tensor),
+            float_in(grid),
+            options,
+        ))
     }
-    fn float_unfold(tensor: FloatTensor<Self>, dim: usize, size: usize, step: usize) -> FloatTensor<Self> {
+    fn float_unfold(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        size: usize,
+        step: usize,
+    ) -> FloatTensor<Self> {
         float_out(B::float_unfold(float_in(tensor), dim, size, step))
     }
     fn float_is_nan(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {

@@ -10,7 +10,9 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_empty(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         B::int_empty(shape, device, dtype)
     }
-    fn int_into_data(tensor: IntTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn int_into_data(
+        tensor: IntTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         B::int_into_data(tensor)
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
@@ -28,34 +30,69 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
         B::int_slice(tensor, slices)
     }
-    fn int_slice_assign(tensor: IntTensor<Self>, slices: &[Slice], value: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_slice_assign(
+        tensor: IntTensor<Self>,
+        slices: &[Slice],
+        value: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_slice_assign(tensor, slices, value)
     }
     fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         float_out(B::int_into_float(tensor, out_dtype))
     }
-    fn int_mask_where(tensor: IntTensor<Self>, mask: BoolTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_mask_where(
+        tensor: IntTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_mask_where(tensor, mask, value)
     }
-    fn int_mask_fill(tensor: IntTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> IntTensor<Self> {
+    fn int_mask_fill(
+        tensor: IntTensor<Self>,
+        mask: BoolTensor<Self>,
+        value: Scalar,
+    ) -> IntTensor<Self> {
         B::int_mask_fill(tensor, mask, value)
     }
-    fn int_gather(dim: usize, tensor: IntTensor<Self>, indices: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_gather(
+        dim: usize,
+        tensor: IntTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_gather(dim, tensor, indices)
     }
-    fn int_scatter_add(dim: usize, tensor: IntTensor<Self>, indices: IntTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_scatter_add(
+        dim: usize,
+        tensor: IntTensor<Self>,
+        indices: IntTensor<Self>,
+        value: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_scatter_add(dim, tensor, indices, value)
     }
-    fn int_scatter_nd(_data: IntTensor<Self>, _indices: IntTensor<Self>, _values: IntTensor<Self>, _reduction: burn_backend::tensor::IndexingUpdateOp) -> IntTensor<Self> {
+    fn int_scatter_nd(
+        _data: IntTensor<Self>,
+        _indices: IntTensor<Self>,
+        _values: IntTensor<Self>,
+        _reduction: burn_backend::tensor::IndexingUpdateOp,
+    ) -> IntTensor<Self> {
         B::int_scatter_nd(_data, _indices, _values, _reduction)
     }
     fn int_gather_nd(_data: IntTensor<Self>, _indices: IntTensor<Self>) -> IntTensor<Self> {
         B::int_gather_nd(_data, _indices)
     }
-    fn int_select(tensor: IntTensor<Self>, dim: usize, indices: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_select(
+        tensor: IntTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_select(tensor, dim, indices)
     }
-    fn int_select_add(tensor: IntTensor<Self>, dim: usize, indices: IntTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
+    fn int_select_add(
+        tensor: IntTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+        value: IntTensor<Self>,
+    ) -> IntTensor<Self> {
         B::int_select_add(tensor, dim, indices, value)
     }
     fn int_repeat_dim(tensor: IntTensor<Self>, dim: usize, times: usize) -> IntTensor<Self> {
@@ -64,40 +101,80 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_cat(tensors: Vec<IntTensor<Self>>, dim: usize) -> IntTensor<Self> {
         B::int_cat(tensors, dim)
     }
-    fn int_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_equal(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_equal(lhs, rhs, out_dtype)
     }
-    fn int_not_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_not_equal(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_not_equal(lhs, rhs, out_dtype)
     }
     fn int_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         B::int_equal_elem(lhs, rhs, out_dtype)
     }
-    fn int_not_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_not_equal_elem(
+        lhs: IntTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_not_equal_elem(lhs, rhs, out_dtype)
     }
-    fn int_greater(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_greater(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_greater(lhs, rhs, out_dtype)
     }
-    fn int_greater_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_greater_elem(
+        lhs: IntTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_greater_elem(lhs, rhs, out_dtype)
     }
-    fn int_greater_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_greater_equal(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_greater_equal(lhs, rhs, out_dtype)
     }
-    fn int_greater_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_greater_equal_elem(
+        lhs: IntTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_greater_equal_elem(lhs, rhs, out_dtype)
     }
-    fn int_lower(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_lower(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_lower(lhs, rhs, out_dtype)
     }
     fn int_lower_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         B::int_lower_elem(lhs, rhs, out_dtype)
     }
-    fn int_lower_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_lower_equal(
+        lhs: IntTensor<Self>,
+        rhs: IntTensor<Self>,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_lower_equal(lhs, rhs, out_dtype)
     }
-    fn int_lower_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn int_lower_equal_elem(
+        lhs: IntTensor<Self>,
+        rhs: Scalar,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::int_lower_equal_elem(lhs, rhs, out_dtype)
     }
     fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
@@ -160,7 +237,12 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         B::int_ones(shape, device, dtype)
     }
-    fn int_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+    fn int_full(
+        shape: Shape,
+        fill_value: Scalar,
+        device: &Device<Self>,
+        dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::int_full(shape, fill_value, device, dtype)
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
@@ -211,7 +293,10 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         B::int_max_dim(tensor, dim)
     }
-    fn int_max_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_max_dim_with_indices(
+        tensor: IntTensor<Self>,
+        dim: usize,
+    ) -> (IntTensor<Self>, IntTensor<Self>) {
         B::int_max_dim_with_indices(tensor, dim)
     }
     fn int_max_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
@@ -226,7 +311,10 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         B::int_min_dim(tensor, dim)
     }
-    fn int_min_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_min_dim_with_indices(
+        tensor: IntTensor<Self>,
+        dim: usize,
+    ) -> (IntTensor<Self>, IntTensor<Self>) {
         B::int_min_dim_with_indices(tensor, dim)
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
@@ -244,10 +332,20 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         B::int_flip(tensor, axes)
     }
-    fn int_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+    fn int_random(
+        shape: Shape,
+        distribution: Distribution,
+        device: &Device<Self>,
+        dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::int_random(shape, distribution, device, dtype)
     }
-    fn int_arange_step(range: Range<i64>, step: usize, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+    fn int_arange_step(
+        range: Range<i64>,
+        step: usize,
+        device: &Device<Self>,
+        dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::int_arange_step(range, step, device, dtype)
     }
     fn int_arange(range: Range<i64>, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
@@ -274,7 +372,11 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_sort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
         B::int_sort(tensor, dim, descending)
     }
-    fn int_sort_with_indices(tensor: IntTensor<Self>, dim: usize, descending: bool) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_sort_with_indices(
+        tensor: IntTensor<Self>,
+        dim: usize,
+        descending: bool,
+    ) -> (IntTensor<Self>, IntTensor<Self>) {
         B::int_sort_with_indices(tensor, dim, descending)
     }
     fn int_argsort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
@@ -316,7 +418,12 @@ impl<B: Backend> IntTensorOps<Self> for Hsdp<B> {
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
         B::int_cast(tensor, dtype)
     }
-    fn int_unfold(tensor: IntTensor<Self>, dim: usize, size: usize, step: usize) -> IntTensor<Self> {
+    fn int_unfold(
+        tensor: IntTensor<Self>,
+        dim: usize,
+        size: usize,
+        step: usize,
+    ) -> IntTensor<Self> {
         B::int_unfold(tensor, dim, size, step)
     }
 }

@@ -18,9 +18,7 @@ pub(crate) mod prelude {
     pub use crate::Hsdp;
     pub use burn_backend::ops::*;
     pub use burn_backend::quantization::*;
-    pub use burn_backend::tensor::{
-        BoolTensor, Device, FloatTensor, IntTensor, QuantizedTensor,
-    };
+    pub use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor, QuantizedTensor};
     pub use burn_backend::{
         Backend, BoolDType, Distribution, ExecutionError, FloatDType, IntDType, Scalar, Shape,
         Slice, TensorData, TensorPrimitive,

@@ -10,169 +10,710 @@ impl<B: Backend> ModuleOps<Self> for Hsdp<B> {
     fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
         float_out(B::embedding(float_in(weights), indices))
     }
-    fn embedding_backward(weights: FloatTensor<Self>, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::embedding_backward(float_in(weights), float_in(output_grad), indices))
+    fn embedding_backward(
+        weights: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::embedding_backward(
+            float_in(weights),
+            float_in(output_grad),
+            indices,
+        ))
     }
-    fn linear(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+    fn linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
         float_out(B::linear(float_in(x), float_in(weight), bias.map(float_in)))
     }
-    fn linear_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::linear_x_backward(float_in(weight), float_in(output_grad)))
+    fn linear_x_backward(
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::linear_x_backward(
+            float_in(weight),
+            float_in(output_grad),
+        ))
     }
-    fn linear_weight_backward(x: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::linear_weight_backward(float_in(x), float_in(output_grad)))
+    fn linear_weight_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::linear_weight_backward(
+            float_in(x),
+            float_in(output_grad),
+        ))
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         float_out(B::linear_bias_backward(float_in(output_grad)))
     }
-    fn conv1d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<1>) -> FloatTensor<Self> {
-        float_out(B::conv1d(float_in(x), float_in(weight), bias.map(float_in), options))
+    fn conv1d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<1>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv1d(
+            float_in(x),
+            float_in(weight),
+            bias.map(float_in),
+            options,
+        ))
     }
-    fn conv1d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self> {
-        float_out(B::conv1d_x_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv1d_x_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<1>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv1d_x_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv1d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self> {
-        float_out(B::conv1d_weight_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv1d_weight_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<1>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv1d_weight_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv1d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::conv1d_bias_backward(float_in(x), float_in(bias), float_in(output_grad)))
+    fn conv1d_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv1d_bias_backward(
+            float_in(x),
+            float_in(bias),
+            float_in(output_grad),
+        ))
     }
-    fn conv2d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<2>) -> FloatTensor<Self> {
-        float_out(B::conv2d(float_in(x), float_in(weight), bias.map(float_in), options))
+    fn conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv2d(
+            float_in(x),
+            float_in(weight),
+            bias.map(float_in),
+            options,
+        ))
     }
-    fn conv2d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<2>) -> FloatTensor<Self> {
-        float_out(B::conv2d_x_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv2d_x_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv2d_x_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv2d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<2>) -> FloatTensor<Self> {
-        float_out(B::conv2d_weight_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv2d_weight_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv2d_weight_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv2d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::conv2d_bias_backward(float_in(x), float_in(bias), float_in(output_grad)))
+    fn conv2d_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv2d_bias_backward(
+            float_in(x),
+            float_in(bias),
+            float_in(output_grad),
+        ))
     }
-    fn deform_conv2d(x: FloatTensor<Self>, offset: FloatTensor<Self>, weight: FloatTensor<Self>, mask: Option<FloatTensor<Self>>, bias: Option<FloatTensor<Self>>, options: DeformConvOptions<2>) -> FloatTensor<Self> {
-        float_out(B::deform_conv2d(float_in(x), float_in(offset), float_in(weight), mask.map(float_in), bias.map(float_in), options))
+    fn deform_conv2d(
+        x: FloatTensor<Self>,
+        offset: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        mask: Option<FloatTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        options: DeformConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        float_out(B::deform_conv2d(
+            float_in(x),
+            float_in(offset),
+            float_in(weight),
+            mask.map(float_in),
+            bias.map(float_in),
+            options,
+        ))
     }
-    fn deform_conv2d_backward(x: FloatTensor<Self>, offset: FloatTensor<Self>, weight: FloatTensor<Self>, mask: Option<FloatTensor<Self>>, bias: Option<FloatTensor<Self>>, output_grad: FloatTensor<Self>, options: DeformConvOptions<2>) -> DeformConv2dBackward<Self> {
-        deform_conv2d_backward_out(B::deform_conv2d_backward(float_in(x), float_in(offset), float_in(weight), mask.map(float_in), bias.map(float_in), float_in(output_grad), options))
+    fn deform_conv2d_backward(
+        x: FloatTensor<Self>,
+        offset: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        mask: Option<FloatTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        output_grad: FloatTensor<Self>,
+        options: DeformConvOptions<2>,
+    ) -> DeformConv2dBackward<Self> {
+        deform_conv2d_backward_out(B::deform_conv2d_backward(
+            float_in(x),
+            float_in(offset),
+            float_in(weight),
+            mask.map(float_in),
+            bias.map(float_in),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv3d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<3>) -> FloatTensor<Self> {
-        float_out(B::conv3d(float_in(x), float_in(weight), bias.map(float_in), options))
+    fn conv3d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<3>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv3d(
+            float_in(x),
+            float_in(weight),
+            bias.map(float_in),
+            options,
+        ))
     }
-    fn conv3d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<3>) -> FloatTensor<Self> {
-        float_out(B::conv3d_x_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv3d_x_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<3>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv3d_x_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv3d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<3>) -> FloatTensor<Self> {
-        float_out(B::conv3d_weight_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv3d_weight_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<3>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv3d_weight_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv3d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::conv3d_bias_backward(float_in(x), float_in(bias), float_in(output_grad)))
+    fn conv3d_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv3d_bias_backward(
+            float_in(x),
+            float_in(bias),
+            float_in(output_grad),
+        ))
     }
-    fn conv_transpose1d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvTransposeOptions<1>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose1d(float_in(x), float_in(weight), bias.map(float_in), options))
+    fn conv_transpose1d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvTransposeOptions<1>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose1d(
+            float_in(x),
+            float_in(weight),
+            bias.map(float_in),
+            options,
+        ))
     }
-    fn conv_transpose1d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<1>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose1d_x_backward(float_in(weight), float_in(output_grad), options))
+    fn conv_transpose1d_x_backward(
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvTransposeOptions<1>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose1d_x_backward(
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv_transpose1d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<1>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose1d_weight_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv_transpose1d_weight_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvTransposeOptions<1>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose1d_weight_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv_transpose1d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose1d_bias_backward(float_in(x), float_in(bias), float_in(output_grad)))
+    fn conv_transpose1d_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose1d_bias_backward(
+            float_in(x),
+            float_in(bias),
+            float_in(output_grad),
+        ))
     }
-    fn conv_transpose2d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvTransposeOptions<2>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose2d(float_in(x), float_in(weight), bias.map(float_in), options))
+    fn conv_transpose2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvTransposeOptions<2>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose2d(
+            float_in(x),
+            float_in(weight),
+            bias.map(float_in),
+            options,
+        ))
     }
-    fn conv_transpose2d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<2>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose2d_x_backward(float_in(weight), float_in(output_grad), options))
+    fn conv_transpose2d_x_backward(
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvTransposeOptions<2>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose2d_x_backward(
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv_transpose2d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<2>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose2d_weight_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv_transpose2d_weight_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvTransposeOptions<2>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose2d_weight_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv_transpose2d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose2d_bias_backward(float_in(x), float_in(bias), float_in(output_grad)))
+    fn conv_transpose2d_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose2d_bias_backward(
+            float_in(x),
+            float_in(bias),
+            float_in(output_grad),
+        ))
     }
-    fn conv_transpose3d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvTransposeOptions<3>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose3d(float_in(x), float_in(weight), bias.map(float_in), options))
+    fn conv_transpose3d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvTransposeOptions<3>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose3d(
+            float_in(x),
+            float_in(weight),
+            bias.map(float_in),
+            options,
+        ))
     }
-    fn conv_transpose3d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<3>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose3d_x_backward(float_in(weight), float_in(output_grad), options))
+    fn conv_transpose3d_x_backward(
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvTransposeOptions<3>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose3d_x_backward(
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv_transpose3d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<3>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose3d_weight_backward(float_in(x), float_in(weight), float_in(output_grad), options))
+    fn conv_transpose3d_weight_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvTransposeOptions<3>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose3d_weight_backward(
+            float_in(x),
+            float_in(weight),
+            float_in(output_grad),
+            options,
+        ))
     }
-    fn conv_transpose3d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        float_out(B::conv_transpose3d_bias_backward(float_in(x), float_in(bias), float_in(output_grad)))
+    fn conv_transpose3d_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        float_out(B::conv_transpose3d_bias_backward(
+            float_in(x),
+            float_in(bias),
+            float_in(output_grad),
+        ))
     }
-    fn unfold4d(x: FloatTensor<Self>, kernel_size: [usize; 2], options: UnfoldOptions) -> FloatTensor<Self> {
+    fn unfold4d(
+        x: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        options: UnfoldOptions,
+    ) -> FloatTensor<Self> {
         float_out(B::unfold4d(float_in(x), kernel_size, options))
     }
-    fn avg_pool1d(x: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, count_include_pad: bool, ceil_mode: bool) -> FloatTensor<Self> {
-        float_out(B::avg_pool1d(float_in(x), kernel_size, stride, padding, count_include_pad, ceil_mode))
+    fn avg_pool1d(
+        x: FloatTensor<Self>,
+        kernel_size: usize,
+        stride: usize,
+        padding: usize,
+        count_include_pad: bool,
+        ceil_mode: bool,
+    ) -> FloatTensor<Self> {
+        float_out(B::avg_pool1d(
+            float_in(x),
+            kernel_size,
+            stride,
+            padding,
+            count_include_pad,
+            ceil_mode,
+        ))
     }
-    fn avg_pool1d_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, count_include_pad: bool, ceil_mode: bool) -> FloatTensor<Self> {
-        float_out(B::avg_pool1d_backward(float_in(x), float_in(grad), kernel_size, stride, padding, count_include_pad, ceil_mode))
+    fn avg_pool1d_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        kernel_size: usize,
+        stride: usize,
+        padding: usize,
+        count_include_pad: bool,
+        ceil_mode: bool,
+    ) -> FloatTensor<Self> {
+        float_out(B::avg_pool1d_backward(
+            float_in(x),
+            float_in(grad),
+            kernel_size,
+            stride,
+            padding,
+            count_include_pad,
+            ceil_mode,
+        ))
     }
-    fn avg_pool2d(x: FloatTensor<Self>, kernel_size: [usize; 2], stride: [usize; 2], padding: [usize; 2], count_include_pad: bool, ceil_mode: bool) -> FloatTensor<Self> {
-        float_out(B::avg_pool2d(float_in(x), kernel_size, stride, padding, count_include_pad, ceil_mode))
+    fn avg_pool2d(
+        x: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+        ceil_mode: bool,
+    ) -> FloatTensor<Self> {
+        float_out(B::avg_pool2d(
+            float_in(x),
+            kernel_size,
+            stride,
+            padding,
+            count_include_pad,
+            ceil_mode,
+        ))
     }
-    fn avg_pool2d_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>, kernel_size: [usize; 2], stride: [usize; 2], padding: [usize; 2], count_include_pad: bool, ceil_mode: bool) -> FloatTensor<Self> {
-        float_out(B::avg_pool2d_backward(float_in(x), float_in(grad), kernel_size, stride, padding, count_include_pad, ceil_mode))
+    fn avg_pool2d_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+        ceil_mode: bool,
+    ) -> FloatTensor<Self> {
+        float_out(B::avg_pool2d_backward(
+            float_in(x),
+            float_in(grad),
+            kernel_size,
+            stride,
+            padding,
+            count_include_pad,
+            ceil_mode,
+        ))
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
         float_out(B::adaptive_avg_pool2d(float_in(x), output_size))
     }
-    fn adaptive_avg_pool2d_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn adaptive_avg_pool2d_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         float_out(B::adaptive_avg_pool2d_backward(float_in(x), float_in(grad)))
     }
     fn adaptive_avg_pool1d(x: FloatTensor<Self>, output_size: usize) -> FloatTensor<Self> {
         float_out(B::adaptive_avg_pool1d(float_in(x), output_size))
     }
-    fn adaptive_avg_pool1d_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn adaptive_avg_pool1d_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         float_out(B::adaptive_avg_pool1d_backward(float_in(x), float_in(grad)))
     }
-    fn max_pool1d(x: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> FloatTensor<Self> {
-        float_out(B::max_pool1d(float_in(x), kernel_size, stride, padding, dilation, ceil_mode))
+    fn max_pool1d(
+        x: FloatTensor<Self>,
+        kernel_size: usize,
+        stride: usize,
+        padding: usize,
+        dilation: usize,
+        ceil_mode: bool,
+    ) -> FloatTensor<Self> {
+        float_out(B::max_pool1d(
+            float_in(x),
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+        ))
     }
-    fn max_pool1d_with_indices(x: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> MaxPool1dWithIndices<Self> {
-        { let r = B::max_pool1d_with_indices(float_in(x), kernel_size, stride, padding, dilation, ceil_mode); MaxPool1dWithIndices { output: float_out(r.output), indices: r.indices } }
+    fn max_pool1d_with_indices(
+        x: FloatTensor<Self>,
+        kernel_size: usize,
+        stride: usize,
+        padding: usize,
+        dilation: usize,
+        ceil_mode: bool,
+    ) -> MaxPool1dWithIndices<Self> {
+        {
+            let r = B::max_pool1d_with_indices(
+                float_in(x),
+                kernel_size,
+                stride,
+                padding,
+                dilation,
+                ceil_mode,
+            );
+            MaxPool1dWithIndices {
+                output: float_out(r.output),
+                indices: r.indices,
+            }
+        }
     }
-    fn max_pool1d_with_indices_backward(x: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> MaxPool1dBackward<Self> {
-        { let r = B::max_pool1d_with_indices_backward(float_in(x), kernel_size, stride, padding, dilation, ceil_mode, float_in(output_grad), indices); MaxPool1dBackward { x_grad: float_out(r.x_grad) } }
+    fn max_pool1d_with_indices_backward(
+        x: FloatTensor<Self>,
+        kernel_size: usize,
+        stride: usize,
+        padding: usize,
+        dilation: usize,
+        ceil_mode: bool,
+        output_grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> MaxPool1dBackward<Self> {
+        {
+            let r = B::max_pool1d_with_indices_backward(
+                float_in(x),
+                kernel_size,
+                stride,
+                padding,
+                dilation,
+                ceil_mode,
+                float_in(output_grad),
+                indices,
+            );
+            MaxPool1dBackward {
+                x_grad: float_out(r.x_grad),
+            }
+        }
     }
-    fn max_pool2d(x: FloatTensor<Self>, kernel_size: [usize; 2], stride: [usize; 2], padding: [usize; 2], dilation: [usize; 2], ceil_mode: bool) -> FloatTensor<Self> {
-        float_out(B::max_pool2d(float_in(x), kernel_size, stride, padding, dilation, ceil_mode))
+    fn max_pool2d(
+        x: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        ceil_mode: bool,
+    ) -> FloatTensor<Self> {
+        float_out(B::max_pool2d(
+            float_in(x),
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+        ))
     }
-    fn max_pool2d_with_indices(x: FloatTensor<Self>, kernel_size: [usize; 2], stride: [usize; 2], padding: [usize; 2], dilation: [usize; 2], ceil_mode: bool) -> MaxPool2dWithIndices<Self> {
-        { let r = B::max_pool2d_with_indices(float_in(x), kernel_size, stride, padding, dilation, ceil_mode); MaxPool2dWithIndices { output: float_out(r.output), indices: r.indices } }
+    fn max_pool2d_with_indices(
+        x: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        ceil_mode: bool,
+    ) -> MaxPool2dWithIndices<Self> {
+        {
+            let r = B::max_pool2d_with_indices(
+                float_in(x),
+                kernel_size,
+                stride,
+                padding,
+                dilation,
+                ceil_mode,
+            );
+            MaxPool2dWithIndices {
+                output: float_out(r.output),
+                indices: r.indices,
+            }
+        }
     }
-    fn max_pool2d_with_indices_backward(x: FloatTensor<Self>, kernel_size: [usize; 2], stride: [usize; 2], padding: [usize; 2], dilation: [usize; 2], ceil_mode: bool, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> MaxPool2dBackward<Self> {
-        { let r = B::max_pool2d_with_indices_backward(float_in(x), kernel_size, stride, padding, dilation, ceil_mode, float_in(output_grad), indices); MaxPool2dBackward { x_grad: float_out(r.x_grad) } }
+    fn max_pool2d_with_indices_backward(
+        x: FloatTensor<Self>,
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        ceil_mode: bool,
+        output_grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> MaxPool2dBackward<Self> {
+        {
+            let r = B::max_pool2d_with_indices_backward(
+                float_in(x),
+                kernel_size,
+                stride,
+                padding,
+                dilation,
+                ceil_mode,
+                float_in(output_grad),
+                indices,
+            );
+            MaxPool2dBackward {
+                x_grad: float_out(r.x_grad),
+            }
+        }
     }
-    fn interpolate(x: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self> {
+    fn interpolate(
+        x: FloatTensor<Self>,
+        output_size: [usize; 2],
+        options: InterpolateOptions,
+    ) -> FloatTensor<Self> {
         float_out(B::interpolate(float_in(x), output_size, options))
     }
-    fn interpolate_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self> {
-        float_out(B::interpolate_backward(float_in(x), float_in(grad), output_size, options))
+    fn interpolate_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        output_size: [usize; 2],
+        options: InterpolateOptions,
+    ) -> FloatTensor<Self> {
+        float_out(B::interpolate_backward(
+            float_in(x),
+            float_in(grad),
+            output_size,
+            options,
+        ))
     }
-    fn attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, mask: Option<BoolTensor<Self>>, attn_bias: Option<FloatTensor<Self>>, options: AttentionModuleOptions) -> FloatTensor<Self> {
-        float_out(B::attention(float_in(query), float_in(key), float_in(value), mask, attn_bias.map(float_in), options))
+    fn attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        attn_bias: Option<FloatTensor<Self>>,
+        options: AttentionModuleOptions,
+    ) -> FloatTensor<Self> {
+        float_out(B::attention(
+            float_in(query),
+            float_in(key),
+            float_in(value),
+            mask,
+            attn_bias.map(float_in),
+            options,
+        ))
     }
-    fn layer_norm(tensor: FloatTensor<Self>, gamma: FloatTensor<Self>, beta: Option<FloatTensor<Self>>, epsilon: f64) -> FloatTensor<Self> {
-        float_out(B::layer_norm(float_in(tensor), float_in(gamma), beta.map(float_in), epsilon))
+    fn layer_norm(
+        tensor: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        float_out(B::layer_norm(
+            float_in(tensor),
+            float_in(gamma),
+            beta.map(float_in),
+            epsilon,
+        ))
     }
-    fn ctc_loss(log_probs: FloatTensor<Self>, targets: IntTensor<Self>, input_lengths: IntTensor<Self>, target_lengths: IntTensor<Self>, blank: usize) -> FloatTensor<Self> {
-        float_out(B::ctc_loss(float_in(log_probs), targets, input_lengths, target_lengths, blank))
+    fn ctc_loss(
+        log_probs: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        input_lengths: IntTensor<Self>,
+        target_lengths: IntTensor<Self>,
+        blank: usize,
+    ) -> FloatTensor<Self> {
+        float_out(B::ctc_loss(
+            float_in(log_probs),
+            targets,
+            input_lengths,
+            target_lengths,
+            blank,
+        ))
     }
     fn has_ctc_loss_backward() -> bool {
         B::has_ctc_loss_backward()
     }
-    fn ctc_loss_backward(_log_probs: FloatTensor<Self>, _targets: IntTensor<Self>, _input_lengths: IntTensor<Self>, _target_lengths: IntTensor<Self>, _grad_loss: FloatTensor<Self>, _blank: usize) -> FloatTensor<Self> {
-        float_out(B::ctc_loss_backward(float_in(_log_probs), _targets, _input_lengths, _target_lengths, float_in(_grad_loss), _blank))
+    fn ctc_loss_backward(
+        _log_probs: FloatTensor<Self>,
+        _targets: IntTensor<Self>,
+        _input_lengths: IntTensor<Self>,
+        _target_lengths: IntTensor<Self>,
+        _grad_loss: FloatTensor<Self>,
+        _blank: usize,
+    ) -> FloatTensor<Self> {
+        float_out(B::ctc_loss_backward(
+            float_in(_log_probs),
+            _targets,
+            _input_lengths,
+            _target_lengths,
+            float_in(_grad_loss),
+            _blank,
+        ))
     }
-    fn rfft(signal: FloatTensor<Self>, dim: usize, n: Option<usize>) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        { let (r0, r1) = B::rfft(float_in(signal), dim, n); (float_out(r0), float_out(r1)) }
+    fn rfft(
+        signal: FloatTensor<Self>,
+        dim: usize,
+        n: Option<usize>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        {
+            let (r0, r1) = B::rfft(float_in(signal), dim, n);
+            (float_out(r0), float_out(r1))
+        }
     }
-    fn irfft(spectrum_re: FloatTensor<Self>, spectrum_im: FloatTensor<Self>, dim: usize, n: Option<usize>) -> FloatTensor<Self> {
-        float_out(B::irfft(float_in(spectrum_re), float_in(spectrum_im), dim, n))
+    fn irfft(
+        spectrum_re: FloatTensor<Self>,
+        spectrum_im: FloatTensor<Self>,
+        dim: usize,
+        n: Option<usize>,
+    ) -> FloatTensor<Self> {
+        float_out(B::irfft(
+            float_in(spectrum_re),
+            float_in(spectrum_im),
+            dim,
+            n,
+        ))
     }
 }

@@ -23,7 +23,10 @@ pub fn float_is_require_grad<B: Backend>(tensor: &HsdpFloat<B>) -> bool {
 }
 
 /// Sets the gradient flag; a parameter handle stays a handle.
-pub fn float_set_require_grad<B: Backend>(tensor: HsdpFloat<B>, require_grad: bool) -> HsdpFloat<B> {
+pub fn float_set_require_grad<B: Backend>(
+    tensor: HsdpFloat<B>,
+    require_grad: bool,
+) -> HsdpFloat<B> {
     match tensor {
         HsdpFloat::Local(t) => HsdpFloat::Local(B::float_set_require_grad(t, require_grad)),
         param => param,

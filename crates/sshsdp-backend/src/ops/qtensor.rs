@@ -10,7 +10,11 @@ impl<B: Backend> QTensorOps<Self> for Hsdp<B> {
     fn q_from_data(data: TensorData, device: &Device<Self>) -> QuantizedTensor<Self> {
         B::q_from_data(data, device)
     }
-    fn quantize(tensor: FloatTensor<Self>, scheme: &QuantScheme, qparams: QuantizationParametersPrimitive<Self>) -> QuantizedTensor<Self> {
+    fn quantize(
+        tensor: FloatTensor<Self>,
+        scheme: &QuantScheme,
+        qparams: QuantizationParametersPrimitive<Self>,
+    ) -> QuantizedTensor<Self> {
         B::quantize(float_in(tensor), scheme, qparams_in(qparams))
     }
     fn quantize_dynamic(tensor: FloatTensor<Self>, scheme: &QuantScheme) -> QuantizedTensor<Self> {
@@ -28,13 +32,18 @@ impl<B: Backend> QTensorOps<Self> for Hsdp<B> {
     fn q_reshape(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
         B::q_reshape(tensor, shape)
     }
-    fn q_into_data(tensor: QuantizedTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn q_into_data(
+        tensor: QuantizedTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         B::q_into_data(tensor)
     }
     fn q_detach(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         B::q_detach(tensor)
     }
-    fn q_set_require_grad(tensor: QuantizedTensor<Self>, _require_grad: bool) -> QuantizedTensor<Self> {
+    fn q_set_require_grad(
+        tensor: QuantizedTensor<Self>,
+        _require_grad: bool,
+    ) -> QuantizedTensor<Self> {
         B::q_set_require_grad(tensor, _require_grad)
     }
     fn q_is_require_grad(_tensor: &QuantizedTensor<Self>) -> bool {
@@ -46,7 +55,11 @@ impl<B: Backend> QTensorOps<Self> for Hsdp<B> {
     fn q_transpose(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         B::q_transpose(tensor)
     }
-    fn q_swap_dims(tensor: QuantizedTensor<Self>, dim1: usize, dim2: usize) -> QuantizedTensor<Self> {
+    fn q_swap_dims(
+        tensor: QuantizedTensor<Self>,
+        dim1: usize,
+        dim2: usize,
+    ) -> QuantizedTensor<Self> {
         B::q_swap_dims(tensor, dim1, dim2)
     }
     fn q_permute(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
@@ -55,16 +68,28 @@ impl<B: Backend> QTensorOps<Self> for Hsdp<B> {
     fn q_flip(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
         B::q_flip(tensor, axes)
     }
-    fn q_select(tensor: QuantizedTensor<Self>, dim: usize, indices: IntTensor<Self>) -> QuantizedTensor<Self> {
+    fn q_select(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        indices: IntTensor<Self>,
+    ) -> QuantizedTensor<Self> {
         B::q_select(tensor, dim, indices)
     }
     fn q_slice(tensor: QuantizedTensor<Self>, slices: &[Slice]) -> QuantizedTensor<Self> {
         B::q_slice(tensor, slices)
     }
-    fn q_gather(dim: usize, tensor: QuantizedTensor<Self>, indices: IntTensor<Self>) -> QuantizedTensor<Self> {
+    fn q_gather(
+        dim: usize,
+        tensor: QuantizedTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> QuantizedTensor<Self> {
         B::q_gather(dim, tensor, indices)
     }
-    fn q_repeat_dim(tensor: QuantizedTensor<Self>, dim: usize, times: usize) -> QuantizedTensor<Self> {
+    fn q_repeat_dim(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        times: usize,
+    ) -> QuantizedTensor<Self> {
         B::q_repeat_dim(tensor, dim, times)
     }
     fn q_add(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
@@ -193,7 +218,12 @@ impl<B: Backend> QTensorOps<Self> for Hsdp<B> {
     fn q_argmax(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         B::q_argmax(tensor, dim, out_dtype)
     }
-    fn q_argtopk(tensor: QuantizedTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> {
+    fn q_argtopk(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        k: usize,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::q_argtopk(tensor, dim, k, out_dtype)
     }
     fn q_topk(tensor: QuantizedTensor<Self>, dim: usize, k: usize) -> QuantizedTensor<Self> {
@@ -208,7 +238,11 @@ impl<B: Backend> QTensorOps<Self> for Hsdp<B> {
     fn q_max_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
         B::q_max_dim(tensor, dim)
     }
-    fn q_max_dim_with_indices(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_max_dim_with_indices(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        out_dtype: IntDType,
+    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         B::q_max_dim_with_indices(tensor, dim, out_dtype)
     }
     fn q_min(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
@@ -217,7 +251,11 @@ impl<B: Backend> QTensorOps<Self> for Hsdp<B> {
     fn q_min_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
         B::q_min_dim(tensor, dim)
     }
-    fn q_min_dim_with_indices(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_min_dim_with_indices(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        out_dtype: IntDType,
+    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         B::q_min_dim_with_indices(tensor, dim, out_dtype)
     }
     fn q_max_abs(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
@@ -229,22 +267,44 @@ impl<B: Backend> QTensorOps<Self> for Hsdp<B> {
     fn q_any(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         B::q_any(tensor, out_dtype)
     }
-    fn q_any_dim(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn q_any_dim(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::q_any_dim(tensor, dim, out_dtype)
     }
     fn q_all(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         B::q_all(tensor, out_dtype)
     }
-    fn q_all_dim(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
+    fn q_all_dim(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        out_dtype: BoolDType,
+    ) -> BoolTensor<Self> {
         B::q_all_dim(tensor, dim, out_dtype)
     }
-    fn q_sort(tensor: QuantizedTensor<Self>, dim: usize, descending: bool) -> QuantizedTensor<Self> {
+    fn q_sort(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        descending: bool,
+    ) -> QuantizedTensor<Self> {
         B::q_sort(tensor, dim, descending)
     }
-    fn q_sort_with_indices(tensor: QuantizedTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_sort_with_indices(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        descending: bool,
+        out_dtype: IntDType,
+    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         B::q_sort_with_indices(tensor, dim, descending, out_dtype)
     }
-    fn q_argsort(tensor: QuantizedTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> IntTensor<Self> {
+    fn q_argsort(
+        tensor: QuantizedTensor<Self>,
+        dim: usize,
+        descending: bool,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
         B::q_argsort(tensor, dim, descending, out_dtype)
     }
 }

@@ -7,7 +7,9 @@ use super::overrides;
 use super::prelude::*;
 
 impl<B: Backend> TransactionOps<Self> for Hsdp<B> {
-    fn tr_execute(transaction: TransactionPrimitive<Self>) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
+    fn tr_execute(
+        transaction: TransactionPrimitive<Self>,
+    ) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
         B::tr_execute(transaction_in(transaction))
     }
 }
