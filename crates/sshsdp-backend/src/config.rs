@@ -4,6 +4,18 @@ use sshsdp_plan::{Mesh, PlanConfig, RuntimeFormat, Sharding};
 
 use crate::HsdpError;
 
+/// How gathered parameters reach the kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyMode {
+    /// SS-HSDP: the all-gather writes the bucket buffer that parameters are views of; nothing is
+    /// copied around the collective.
+    ZeroCopy,
+    /// The PyTorch FSDP2 data path, as a baseline on the same machinery: the local shard is
+    /// copied into the all-gather input (copy-in) and every parameter is copied out of the
+    /// gathered buffer into a tensor of its own (copy-out).
+    Fsdp2Style,
+}
+
 /// How to shard a model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HsdpConfig {
@@ -14,6 +26,8 @@ pub struct HsdpConfig {
     /// Gathered buckets kept at once (the one in use plus those just used); older ones are
     /// released. Backward gathers again what it needs. Default 2.
     pub max_resident_buckets: usize,
+    /// Zero-copy (default) or the FSDP2-style copy-in/copy-out baseline.
+    pub copy_mode: CopyMode,
 }
 
 impl HsdpConfig {
@@ -23,12 +37,19 @@ impl HsdpConfig {
             mesh,
             plan: PlanConfig::default().with_format(RuntimeFormat::F32),
             max_resident_buckets: 2,
+            copy_mode: CopyMode::ZeroCopy,
         }
     }
 
     /// The same config with another sharding mode.
     pub fn with_sharding(mut self, sharding: Sharding) -> Self {
         self.plan.sharding = sharding;
+        self
+    }
+
+    /// The same config with another copy mode.
+    pub fn with_copy_mode(mut self, mode: CopyMode) -> Self {
+        self.copy_mode = mode;
         self
     }
 

@@ -36,10 +36,10 @@ mod worker;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
-pub use config::HsdpConfig;
+pub use config::{CopyMode, HsdpConfig};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use optim::ShardedOptimizer;
 pub use runtime::Counters;
-pub use shard::{named_params, shard};
+pub use shard::{named_params, refresh_leaves, shard};
 pub use tensor::{HsdpFloat, ParamHandle};

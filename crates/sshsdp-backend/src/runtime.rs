@@ -19,6 +19,7 @@ use burn_backend::{read_sync, Backend, Shape, Slice, TensorData};
 use sshsdp_plan::Plan;
 
 use crate::comm::MeshComm;
+use crate::config::CopyMode;
 use crate::error::HsdpError;
 use crate::worker::{Reply, Worker};
 
@@ -37,9 +38,25 @@ pub struct Counters {
     pub gathers: u64,
 }
 
+/// A gathered bucket: one buffer that parameters are views of, or (FSDP2-style) one copied
+/// tensor per parameter.
+enum Resident<B: Backend> {
+    Bucket(B::FloatTensorPrimitive),
+    Params(Vec<B::FloatTensorPrimitive>),
+}
+
+impl<B: Backend> Clone for Resident<B> {
+    fn clone(&self) -> Self {
+        match self {
+            Resident::Bucket(t) => Resident::Bucket(t.clone()),
+            Resident::Params(v) => Resident::Params(v.clone()),
+        }
+    }
+}
+
 struct BucketState<B: Backend> {
     shard: Arc<Vec<f32>>,
-    resident: Option<B::FloatTensorPrimitive>,
+    resident: Option<Resident<B>>,
     grad_full: Vec<f32>,
     pending: usize,
     reductions: Vec<Reply>,
@@ -59,6 +76,7 @@ pub struct Runtime<B: Backend> {
     device: B::Device,
     piece_in_shard: usize,
     max_resident: usize,
+    copy_mode: CopyMode,
     state: Mutex<State<B>>,
     worker: Worker,
     ids: OnceLock<Vec<DistributedParamId>>,
@@ -75,6 +93,7 @@ impl<B: Backend> Runtime<B> {
         comm: Box<dyn MeshComm>,
         shards: Vec<Vec<f32>>,
         max_resident: usize,
+        copy_mode: CopyMode,
     ) -> Result<Self, HsdpError> {
         let rank = comm.world_rank();
         let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
@@ -95,6 +114,7 @@ impl<B: Backend> Runtime<B> {
             device,
             piece_in_shard,
             max_resident: max_resident.max(1),
+            copy_mode,
             worker,
             state: Mutex::new(State {
                 buckets,
@@ -140,8 +160,12 @@ impl<B: Backend> Runtime<B> {
         let p = &self.plan.params()[index];
         let shape = Shape::from(p.spec.shape.clone());
         let mut st = self.lock();
-        let Some(full) = self.resident(&mut st, p.bucket) else {
-            return B::float_zeros(shape, &self.device, burn_backend::FloatDType::F32);
+        let full = match self.resident(&mut st, p.bucket) {
+            Some(Resident::Bucket(full)) => full,
+            Some(Resident::Params(params)) => {
+                return params[index - self.plan.buckets()[p.bucket].params.start].clone()
+            }
+            None => return B::float_zeros(shape, &self.device, burn_backend::FloatDType::F32),
         };
         let start = elems(p.offset) as isize;
         let end = start + p.spec.numel() as isize;
@@ -157,7 +181,7 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// The gathered bucket, gathering it if needed; `None` after a failure.
-    fn resident(&self, st: &mut State<B>, b: usize) -> Option<B::FloatTensorPrimitive> {
+    fn resident(&self, st: &mut State<B>, b: usize) -> Option<Resident<B>> {
         if let Some(t) = &st.buckets[b].resident {
             let t = t.clone();
             st.lru.retain(|&x| x != b);
@@ -170,11 +194,15 @@ impl<B: Backend> Runtime<B> {
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
         let sharding = self.plan.config().sharding;
-        let full = match self
-            .worker
-            .gather(st.buckets[b].shard.clone(), self.bucket_elems(b))
-            .wait()
-        {
+        let input = match self.copy_mode {
+            CopyMode::ZeroCopy => st.buckets[b].shard.clone(),
+            CopyMode::Fsdp2Style => {
+                // Copy-in: the local shard is staged into the all-gather input.
+                st.counters.param_bytes_copied += 4 * st.buckets[b].shard.len() as u64;
+                Arc::new(st.buckets[b].shard.to_vec())
+            }
+        };
+        let full = match self.worker.gather(input, self.bucket_elems(b)).wait() {
             Ok(full) => full,
             Err(e) => {
                 st.failure = Some(e.to_string());
@@ -188,15 +216,35 @@ impl<B: Backend> Runtime<B> {
             st.counters.gathers += 1;
             st.counters.gathered_bytes += 4 * (full.len() - st.buckets[b].shard.len()) as u64;
         }
-        let n = full.len();
-        let tensor = B::float_from_data(TensorData::new(full, [n]), &self.device);
-        st.buckets[b].resident = Some(tensor.clone());
+        let resident = match self.copy_mode {
+            CopyMode::ZeroCopy => {
+                let n = full.len();
+                Resident::Bucket(B::float_from_data(TensorData::new(full, [n]), &self.device))
+            }
+            CopyMode::Fsdp2Style => {
+                // Copy-out: each parameter gets a tensor of its own.
+                let members = &self.plan.params()[self.plan.buckets()[b].params.clone()];
+                Resident::Params(
+                    members
+                        .iter()
+                        .map(|p| {
+                            let start = elems(p.offset);
+                            let values = full[start..start + p.spec.numel() as usize].to_vec();
+                            st.counters.param_bytes_copied += 4 * values.len() as u64;
+                            let data = TensorData::new(values, p.spec.shape.clone());
+                            B::float_from_data(data, &self.device)
+                        })
+                        .collect(),
+                )
+            }
+        };
+        st.buckets[b].resident = Some(resident.clone());
         st.lru.push_back(b);
         while st.lru.len() > self.max_resident {
             let old = st.lru.pop_front().expect("non-empty");
             st.buckets[old].resident = None;
         }
-        Some(tensor)
+        Some(resident)
     }
 
     /// A backward pass starts; `indices` are the parameters that will receive a gradient.

@@ -139,8 +139,10 @@ fn leaf<B: ShardableBackend, const D: usize>(
 ///
 /// Burn's autodiff consumes a graph's nodes, leaves included, in backward; Burn's own
 /// optimizers therefore return new parameter tensors every step. Sharded parameters keep their
-/// storage, so after each step the module gets new leaves over the same handles.
-pub(crate) fn refresh_leaves<B: ShardableBackend, M: Module<B>>(module: M) -> M {
+/// storage, so after each step the module gets new leaves over the same handles
+/// ([`crate::ShardedOptimizer::step`] does it). With gradient accumulation, call it after each
+/// micro-batch's backward as well, so the next backward routes its gradients to the runtime.
+pub fn refresh_leaves<B: ShardableBackend, M: Module<B>>(module: M) -> M {
     struct Refresher;
     impl<B: ShardableBackend> ModuleMapper<B> for Refresher {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -211,6 +213,7 @@ where
         Box::new(comm),
         shards,
         config.max_resident_buckets,
+        config.copy_mode,
     )?);
     runtime.set_ids(registry::register(&runtime));
     let mut swapper = Swapper::<B> {

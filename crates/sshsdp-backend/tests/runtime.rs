@@ -1,0 +1,261 @@
+//! The decorator's runtime behaviour: copies and traffic per mode, per-rank memory, gradient
+//! accumulation, failures and mismatched models.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, NdArray};
+use burn::optim::SgdConfig;
+use common::{batches, rows, TinyLm};
+use sshsdp_backend::{
+    named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError, ShardedOptimizer,
+};
+use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
+use sshsdp_comm::Collective;
+use sshsdp_plan::{Mesh, Sharding};
+
+type Inner = NdArray<f32>;
+type B = Autodiff<Hsdp<Inner>>;
+
+fn model() -> TinyLm<B> {
+    let m = TinyLm::new(&Default::default());
+    named_params(&m).unwrap();
+    m
+}
+
+fn threads(timeout_ms: u64) -> ThreadsConfig {
+    ThreadsConfig {
+        timeout: Duration::from_millis(timeout_ms),
+    }
+}
+
+/// Per-rank (losses, counters of the second step, shard bytes) of 2 steps in `mode`.
+fn run(
+    world: usize,
+    mode: CopyMode,
+    init: &TinyLm<B>,
+) -> Vec<(Vec<f32>, sshsdp_backend::Counters, u64)> {
+    ThreadsWorld::run(world, threads(30_000), |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let config = HsdpConfig::new(Mesh::flat(world).unwrap())
+            .with_bucket_elements(1500)
+            .with_copy_mode(mode);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
+        let mut losses = Vec::new();
+        let mut counters = Default::default();
+        for batch in batches(2, 8) {
+            runtime.take_counters();
+            let local = 8 / world;
+            let loss = model.loss(rows::<B>(&batch, rank * local, local, &device));
+            losses.push(loss.clone().into_scalar());
+            let _ = loss.backward();
+            model = sgd.step(0.05, model, &runtime).unwrap();
+            counters = runtime.take_counters();
+        }
+        (losses, counters, runtime.shard_bytes())
+    })
+    .unwrap()
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
+#[test]
+fn zero_copy_moves_parameters_only_in_collectives() {
+    let init = model();
+    let param_bytes: u64 = named_params(&init)
+        .unwrap()
+        .iter()
+        .map(|(_, _, v)| 4 * v.len() as u64)
+        .sum();
+    for world in [1, 2, 4] {
+        let zero = run(world, CopyMode::ZeroCopy, &init);
+        let fsdp2 = run(world, CopyMode::Fsdp2Style, &init);
+        for ((l0, c0, _), (l1, c1, _)) in zero.iter().zip(&fsdp2) {
+            assert_eq!(l0, l1, "both data paths compute the same");
+            assert_eq!(
+                c0.param_bytes_copied, 0,
+                "world {world}: zero-copy copied {c0:?}"
+            );
+            // Every bucket is gathered in forward (and again in backward when released): the
+            // FSDP2 path copies each gathered parameter out, plus its shard in.
+            assert!(
+                c1.param_bytes_copied >= param_bytes + param_bytes / world as u64,
+                "world {world}: FSDP2-style copied {} of {param_bytes} parameter bytes",
+                c1.param_bytes_copied
+            );
+            assert_eq!(c0.gathered_bytes, c1.gathered_bytes);
+            if world > 1 {
+                assert!(c0.gathered_bytes >= param_bytes * (world as u64 - 1) / world as u64);
+            }
+            assert!(c0.reduced_bytes >= param_bytes);
+        }
+    }
+}
+
+#[test]
+fn per_rank_storage_is_total_over_n_plus_padding() {
+    let init = model();
+    let param_bytes: u64 = named_params(&init)
+        .unwrap()
+        .iter()
+        .map(|(_, _, v)| 4 * v.len() as u64)
+        .sum();
+    for world in [1, 2, 4] {
+        let ranks = run(world, CopyMode::ZeroCopy, &init);
+        let plan = sshsdp_plan::Plan::build(
+            named_params(&init)
+                .unwrap()
+                .into_iter()
+                .enumerate()
+                .map(|(i, (p, s, _))| {
+                    sshsdp_plan::ParamSpec::new(p, s, sshsdp_plan::DType::F32).with_order(i as u64)
+                }),
+            Mesh::flat(world).unwrap(),
+            HsdpConfig::new(Mesh::flat(world).unwrap())
+                .with_bucket_elements(1500)
+                .plan,
+        )
+        .unwrap();
+        let padding = plan.stats().padding_bytes;
+        for (_, _, shard) in &ranks {
+            assert!(*shard >= param_bytes / world as u64);
+            assert!(
+                *shard <= param_bytes / world as u64 + padding,
+                "world {world}: {shard} bytes > {} + padding {padding}",
+                param_bytes / world as u64
+            );
+        }
+        let total: u64 = ranks.iter().map(|r| r.2).sum();
+        assert_eq!(total, param_bytes + padding);
+    }
+}
+
+#[test]
+fn gradient_accumulation_over_micro_batches_equals_one_batch() {
+    let init = model();
+    let results = ThreadsWorld::run(2, threads(30_000), |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let config = HsdpConfig::new(Mesh::flat(2).unwrap()).with_bucket_elements(1500);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
+        let batch = &batches(1, 8)[0];
+        // Two micro-batches of 2 rows each on this rank (4 rows per rank, 8 in all).
+        for micro in 0..2 {
+            let loss = model.loss(rows::<B>(batch, rank * 4 + micro * 2, 2, &device)) / 2.0;
+            let _ = loss.backward();
+            model = refresh_leaves(model);
+        }
+        model = sgd.step(0.5, model, &runtime).unwrap();
+        named_params(&model).unwrap()
+    })
+    .unwrap();
+    let single = ThreadsWorld::run(1, threads(30_000), |comm| {
+        let device = Default::default();
+        let config = HsdpConfig::new(Mesh::flat(1).unwrap()).with_bucket_elements(1500);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
+        let loss = model.loss(rows::<B>(&batches(1, 8)[0], 0, 8, &device));
+        let _ = loss.backward();
+        model = sgd.step(0.5, model, &runtime).unwrap();
+        named_params(&model).unwrap()
+    })
+    .unwrap();
+    let want = single[0].as_ref().unwrap();
+    let got = results[0].as_ref().unwrap();
+    let moved = want
+        .iter()
+        .zip(named_params(&init).unwrap())
+        .any(|((_, _, a), (_, _, b))| a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 1e-4));
+    assert!(moved, "the step changed the weights");
+    for ((path, _, a), (_, _, b)) in got.iter().zip(want) {
+        let max = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(max < 1e-5, "{path}: {max}");
+    }
+}
+
+#[test]
+fn a_rank_failing_mid_step_makes_the_others_error_not_hang() {
+    let init = model();
+    let start = Instant::now();
+    let results = ThreadsWorld::run(3, threads(3_000), |comm| -> Result<(), HsdpError> {
+        let device = Default::default();
+        let rank = comm.rank();
+        let config = HsdpConfig::new(Mesh::flat(3).unwrap()).with_bucket_elements(1500);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device)?;
+        let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
+        for (step, batch) in batches(3, 6).iter().enumerate() {
+            let loss = model.loss(rows::<B>(batch, rank * 2, 2, &device));
+            if rank == 1 && step == 1 {
+                panic!("rank 1 fails in the middle of step 1");
+            }
+            let _ = loss.backward();
+            model = sgd.step(0.05, model, &runtime)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        start.elapsed()
+    );
+    assert!(results[1].is_err(), "rank 1 panicked");
+    for rank in [0, 2] {
+        let outcome = results[rank]
+            .as_ref()
+            .expect("no panic on the surviving ranks");
+        let err = outcome.as_ref().unwrap_err();
+        assert!(
+            matches!(err, HsdpError::Failed(_) | HsdpError::Comm(_)),
+            "rank {rank}: {err}"
+        );
+    }
+}
+
+#[test]
+fn different_models_on_different_ranks_are_rejected_at_shard() {
+    let results = ThreadsWorld::run(2, threads(10_000), |comm| {
+        let device = Default::default();
+        let mut m = model();
+        if comm.rank() == 1 {
+            m.blocks.pop();
+        }
+        shard::<B, _, _>(m, HsdpConfig::new(Mesh::flat(2).unwrap()), comm, &device).map(|_| ())
+    })
+    .unwrap();
+    for r in results {
+        let err = r.unwrap().unwrap_err();
+        assert!(matches!(err, HsdpError::PlanMismatch { .. }), "{err}");
+    }
+}
+
+#[test]
+fn a_mesh_that_does_not_fit_the_world_is_an_error() {
+    let mut comms = ThreadsWorld::create(1, threads(1_000)).unwrap();
+    let err = shard::<B, _, _>(
+        model(),
+        HsdpConfig::new(Mesh::flat(2).unwrap()),
+        comms.pop().unwrap(),
+        &Default::default(),
+    )
+    .map(|_| ())
+    .unwrap_err();
+    assert!(matches!(err, HsdpError::Plan(_)), "{err}");
+    let mut comms = ThreadsWorld::create(1, threads(1_000)).unwrap();
+    let config = HsdpConfig::new(Mesh::flat(1).unwrap()).with_sharding(Sharding::Hsdp);
+    let mut bad = config.clone();
+    bad.plan.runtime_format = sshsdp_plan::RuntimeFormat::Mxfp8;
+    let err = shard::<B, _, _>(model(), bad, comms.pop().unwrap(), &Default::default())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(err, HsdpError::Unsupported(_)), "{err}");
+}
