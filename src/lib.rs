@@ -6,9 +6,11 @@
 //! - [`plan`]: the layout planner (mesh, parameter specs, buckets, runtime and update layouts,
 //!   memory accounting);
 //! - [`mx`]: the MXFP8 format reference (E4M3/E5M2 elements, E8M0 scales, row/column planes);
+//! - [`backend`]: `Hsdp<B>`, the Burn backend decorator, with `shard` and the sharded optimizer;
 //! - [`comm`]: collectives (the `Collective` trait, threads/MPI/NCCL engines, hierarchical
 //!   gradient paths).
 
+pub use sshsdp_backend as backend;
 pub use sshsdp_comm as comm;
 pub use sshsdp_mx as mx;
 pub use sshsdp_plan as plan;

@@ -41,5 +41,5 @@ pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use optim::ShardedOptimizer;
 pub use runtime::Counters;
-pub use shard::{named_params, refresh_leaves, shard};
+pub use shard::{named_params, refresh_leaves, shard, NamedParam};
 pub use tensor::{HsdpFloat, ParamHandle};

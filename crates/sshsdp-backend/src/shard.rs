@@ -41,10 +41,21 @@ impl PathTracker {
     }
 }
 
+/// A float parameter of a module, keyed by its path.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NamedParam {
+    /// Module path, e.g. `blocks.0.attn.query.weight`.
+    pub path: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values, row-major, as f32.
+    pub values: Vec<f32>,
+}
+
 /// Collects each float parameter's path, shape and values, in module order.
 struct Collector {
     paths: PathTracker,
-    params: Vec<(String, Vec<usize>, Vec<f32>)>,
+    params: Vec<NamedParam>,
     error: Option<String>,
 }
 
@@ -61,7 +72,11 @@ impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collector {
         let tensor = param.val();
         let shape = tensor.dims().to_vec();
         match tensor.into_data().convert::<f32>().into_vec::<f32>() {
-            Ok(values) => self.params.push((self.paths.path(), shape, values)),
+            Ok(values) => self.params.push(NamedParam {
+                path: self.paths.path(),
+                shape,
+                values,
+            }),
             Err(e) => {
                 self.error
                     .get_or_insert(format!("reading {}: {e:?}", self.paths.path()));
@@ -70,11 +85,11 @@ impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collector {
     }
 }
 
-/// Every float parameter of `module` as `(path, shape, values)`, in module order — the keys
-/// [`shard`] plans by. Useful to compare or export weights.
+/// Every float parameter of `module`, in module order, keyed by the paths [`shard`] plans by.
+/// Useful to compare or export weights.
 pub fn named_params<B: burn::tensor::backend::Backend, M: Module<B>>(
     module: &M,
-) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, HsdpError> {
+) -> Result<Vec<NamedParam>, HsdpError> {
     let mut collector = Collector {
         paths: PathTracker::default(),
         params: Vec::new(),
@@ -175,8 +190,8 @@ where
     let specs: Vec<ParamSpec> = params
         .iter()
         .enumerate()
-        .map(|(i, (path, shape, _))| {
-            ParamSpec::new(path.clone(), shape.clone(), DType::F32).with_order(i as u64)
+        .map(|(i, p)| {
+            ParamSpec::new(p.path.clone(), p.shape.clone(), DType::F32).with_order(i as u64)
         })
         .collect();
     let plan = Plan::build(specs, config.mesh, config.plan.clone())?;
@@ -185,7 +200,7 @@ where
 
     let values: HashMap<&str, &[f32]> = params
         .iter()
-        .map(|(path, _, v)| (path.as_str(), v.as_slice()))
+        .map(|p| (p.path.as_str(), p.values.as_slice()))
         .collect();
     let rank = comm.world_rank();
     let shard_index = plan.runtime_shard_of(rank)?;

@@ -63,7 +63,7 @@ fn reference(opt: Opt, init: &TinyLm<B>) -> (Vec<f32>, Weights) {
     let weights = named_params(&model)
         .unwrap()
         .into_iter()
-        .map(|(p, _, v)| (p, v))
+        .map(|p| (p.path, p.values))
         .collect();
     (losses, weights)
 }
@@ -97,7 +97,7 @@ fn sharded(opt: Opt, init: &TinyLm<B>, mesh: Mesh, sharding: Sharding) -> Vec<(V
         let weights = named_params(&model)
             .unwrap()
             .into_iter()
-            .map(|(p, _, v)| (p, v))
+            .map(|p| (p.path, p.values))
             .collect();
         (losses, weights)
     })

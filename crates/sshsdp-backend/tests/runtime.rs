@@ -69,7 +69,7 @@ fn zero_copy_moves_parameters_only_in_collectives() {
     let param_bytes: u64 = named_params(&init)
         .unwrap()
         .iter()
-        .map(|(_, _, v)| 4 * v.len() as u64)
+        .map(|p| 4 * p.values.len() as u64)
         .sum();
     for world in [1, 2, 4] {
         let zero = run(world, CopyMode::ZeroCopy, &init);
@@ -102,7 +102,7 @@ fn per_rank_storage_is_total_over_n_plus_padding() {
     let param_bytes: u64 = named_params(&init)
         .unwrap()
         .iter()
-        .map(|(_, _, v)| 4 * v.len() as u64)
+        .map(|p| 4 * p.values.len() as u64)
         .sum();
     for world in [1, 2, 4] {
         let ranks = run(world, CopyMode::ZeroCopy, &init);
@@ -111,8 +111,9 @@ fn per_rank_storage_is_total_over_n_plus_padding() {
                 .unwrap()
                 .into_iter()
                 .enumerate()
-                .map(|(i, (p, s, _))| {
-                    sshsdp_plan::ParamSpec::new(p, s, sshsdp_plan::DType::F32).with_order(i as u64)
+                .map(|(i, p)| {
+                    sshsdp_plan::ParamSpec::new(p.path, p.shape, sshsdp_plan::DType::F32)
+                        .with_order(i as u64)
                 }),
             Mesh::flat(world).unwrap(),
             HsdpConfig::new(Mesh::flat(world).unwrap())
@@ -167,15 +168,19 @@ fn gradient_accumulation_over_micro_batches_equals_one_batch() {
     .unwrap();
     let want = single[0].as_ref().unwrap();
     let got = results[0].as_ref().unwrap();
-    let moved = want
-        .iter()
-        .zip(named_params(&init).unwrap())
-        .any(|((_, _, a), (_, _, b))| a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 1e-4));
-    assert!(moved, "the step changed the weights");
-    for ((path, _, a), (_, _, b)) in got.iter().zip(want) {
-        let max = a
+    let moved = want.iter().zip(named_params(&init).unwrap()).any(|(a, b)| {
+        a.values
             .iter()
-            .zip(b)
+            .zip(&b.values)
+            .any(|(x, y)| (x - y).abs() > 1e-4)
+    });
+    assert!(moved, "the step changed the weights");
+    for (a, b) in got.iter().zip(want) {
+        let path = &a.path;
+        let max = a
+            .values
+            .iter()
+            .zip(&b.values)
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         assert!(max < 1e-5, "{path}: {max}");
