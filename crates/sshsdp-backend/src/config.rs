@@ -17,15 +17,19 @@ pub enum CopyMode {
 }
 
 /// How to shard a model.
+///
+/// A bucket gathered in forward stays resident through backward and is released by the update
+/// (FSDP2's `reshard_after_forward=False`). Releasing it after forward needs backward to gather
+/// it again *inside* Burn's autodiff, which holds its graph lock while a backward runs and, after
+/// each backward, locks every graph of the process: a rank blocked there on a peer that waits
+/// for that lock deadlocks. Resharding after forward therefore waits for a backward schedule
+/// that gathers ahead of autodiff (recorded order, prefetch on the communication thread).
 #[derive(Clone, Debug, PartialEq)]
 pub struct HsdpConfig {
     /// The rank mesh; must cover the communicator's world.
     pub mesh: Mesh,
     /// Planner settings (bucket size, sharding mode, runtime format, …).
     pub plan: PlanConfig,
-    /// Gathered buckets kept at once (the one in use plus those just used); older ones are
-    /// released. Backward gathers again what it needs. Default 2.
-    pub max_resident_buckets: usize,
     /// Zero-copy (default) or the FSDP2-style copy-in/copy-out baseline.
     pub copy_mode: CopyMode,
 }
@@ -36,7 +40,6 @@ impl HsdpConfig {
         Self {
             mesh,
             plan: PlanConfig::default().with_format(RuntimeFormat::F32),
-            max_resident_buckets: 2,
             copy_mode: CopyMode::ZeroCopy,
         }
     }

@@ -10,7 +10,6 @@
 //! Burn's op signatures: the runtime records the failure, hands out zeros from then on (no
 //! further collectives, so no hang), and the next [`Runtime::update`] returns the error.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use burn_backend::distributed::DistributedParamId;
@@ -65,7 +64,6 @@ struct BucketState<B: Backend> {
 
 struct State<B: Backend> {
     buckets: Vec<BucketState<B>>,
-    lru: VecDeque<usize>,
     failure: Option<String>,
     counters: Counters,
 }
@@ -75,7 +73,6 @@ pub struct Runtime<B: Backend> {
     plan: Plan,
     device: B::Device,
     piece_in_shard: usize,
-    max_resident: usize,
     copy_mode: CopyMode,
     state: Mutex<State<B>>,
     worker: Worker,
@@ -92,7 +89,6 @@ impl<B: Backend> Runtime<B> {
         device: B::Device,
         comm: Box<dyn MeshComm>,
         shards: Vec<Vec<f32>>,
-        max_resident: usize,
         copy_mode: CopyMode,
     ) -> Result<Self, HsdpError> {
         let rank = comm.world_rank();
@@ -113,12 +109,10 @@ impl<B: Backend> Runtime<B> {
             plan,
             device,
             piece_in_shard,
-            max_resident: max_resident.max(1),
             copy_mode,
             worker,
             state: Mutex::new(State {
                 buckets,
-                lru: VecDeque::new(),
                 failure: None,
                 counters: Counters::default(),
             }),
@@ -183,10 +177,7 @@ impl<B: Backend> Runtime<B> {
     /// The gathered bucket, gathering it if needed; `None` after a failure.
     fn resident(&self, st: &mut State<B>, b: usize) -> Option<Resident<B>> {
         if let Some(t) = &st.buckets[b].resident {
-            let t = t.clone();
-            st.lru.retain(|&x| x != b);
-            st.lru.push_back(b);
-            return Some(t);
+            return Some(t.clone());
         }
         if st.failure.is_some() {
             return None;
@@ -239,11 +230,6 @@ impl<B: Backend> Runtime<B> {
             }
         };
         st.buckets[b].resident = Some(resident.clone());
-        st.lru.push_back(b);
-        while st.lru.len() > self.max_resident {
-            let old = st.lru.pop_front().expect("non-empty");
-            st.buckets[old].resident = None;
-        }
         Some(resident)
     }
 
@@ -373,7 +359,6 @@ impl<B: Backend> Runtime<B> {
         for b in st.buckets.iter_mut() {
             b.resident = None;
         }
-        st.lru.clear();
         Ok(())
     }
 

@@ -227,7 +227,6 @@ where
         device.clone(),
         Box::new(comm),
         shards,
-        config.max_resident_buckets,
         config.copy_mode,
     )?);
     runtime.set_ids(registry::register(&runtime));
