@@ -37,20 +37,10 @@ pub struct Counters {
     pub gathers: u64,
 }
 
-/// A gathered bucket: one buffer that parameters are views of, or (FSDP2-style) one copied
-/// tensor per parameter.
-enum Resident<B: Backend> {
-    Bucket(B::FloatTensorPrimitive),
-    Params(Vec<B::FloatTensorPrimitive>),
-}
-
-impl<B: Backend> Clone for Resident<B> {
-    fn clone(&self) -> Self {
-        match self {
-            Resident::Bucket(t) => Resident::Bucket(t.clone()),
-            Resident::Params(v) => Resident::Params(v.clone()),
-        }
-    }
+/// A gathered bucket: each parameter's tensor — a view into the gathered buffer (zero-copy
+/// mode) or a copy of its part of it (FSDP2-style). The views keep the buffer alive.
+struct Resident<B: Backend> {
+    params: Vec<B::FloatTensorPrimitive>,
 }
 
 struct BucketState<B: Backend> {
@@ -154,33 +144,25 @@ impl<B: Backend> Runtime<B> {
         let p = &self.plan.params()[index];
         let shape = Shape::from(p.spec.shape.clone());
         let mut st = self.lock();
-        let full = match self.resident(&mut st, p.bucket) {
-            Some(Resident::Bucket(full)) => full,
-            Some(Resident::Params(params)) => {
-                return params[index - self.plan.buckets()[p.bucket].params.start].clone()
-            }
-            None => return B::float_zeros(shape, &self.device, burn_backend::FloatDType::F32),
-        };
-        let start = elems(p.offset) as isize;
-        let end = start + p.spec.numel() as isize;
-        let flat = B::float_slice(
-            full,
-            &[Slice {
-                start,
-                end: Some(end),
-                step: 1,
-            }],
-        );
-        B::float_reshape(flat, shape)
+        if !self.make_resident(&mut st, p.bucket) {
+            return B::float_zeros(shape, &self.device, burn_backend::FloatDType::F32);
+        }
+        let k = index - self.plan.buckets()[p.bucket].params.start;
+        st.buckets[p.bucket]
+            .resident
+            .as_ref()
+            .expect("made resident")
+            .params[k]
+            .clone()
     }
 
-    /// The gathered bucket, gathering it if needed; `None` after a failure.
-    fn resident(&self, st: &mut State<B>, b: usize) -> Option<Resident<B>> {
-        if let Some(t) = &st.buckets[b].resident {
-            return Some(t.clone());
+    /// Gathers bucket `b` if it is not resident; `false` after a failure.
+    fn make_resident(&self, st: &mut State<B>, b: usize) -> bool {
+        if st.buckets[b].resident.is_some() {
+            return true;
         }
         if st.failure.is_some() {
-            return None;
+            return false;
         }
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
@@ -197,7 +179,7 @@ impl<B: Backend> Runtime<B> {
             Ok(full) => full,
             Err(e) => {
                 st.failure = Some(e.to_string());
-                return None;
+                return false;
             }
         };
         if sharding == sshsdp_plan::Sharding::Ddp {
@@ -207,30 +189,47 @@ impl<B: Backend> Runtime<B> {
             st.counters.gathers += 1;
             st.counters.gathered_bytes += 4 * (full.len() - st.buckets[b].shard.len()) as u64;
         }
+        let members = &self.plan.params()[self.plan.buckets()[b].params.clone()];
         let resident = match self.copy_mode {
             CopyMode::ZeroCopy => {
+                // The gathered Vec becomes the tensor's storage (a move, not a copy); each
+                // parameter is a slice and reshape of it. On CubeCL backends both are metadata
+                // only; burn-ndarray 0.21 materialises every reshape (a copy inside the backend
+                // that these counters cannot see).
                 let n = full.len();
-                Resident::Bucket(B::float_from_data(TensorData::new(full, [n]), &self.device))
+                let bucket = B::float_from_data(TensorData::new(full, [n]), &self.device);
+                let params = members
+                    .iter()
+                    .map(|p| {
+                        let start = elems(p.offset) as isize;
+                        let end = start + p.spec.numel() as isize;
+                        let slice = Slice {
+                            start,
+                            end: Some(end),
+                            step: 1,
+                        };
+                        let flat = B::float_slice(bucket.clone(), &[slice]);
+                        B::float_reshape(flat, Shape::from(p.spec.shape.clone()))
+                    })
+                    .collect();
+                Resident { params }
             }
-            CopyMode::Fsdp2Style => {
+            CopyMode::Fsdp2Style => Resident {
                 // Copy-out: each parameter gets a tensor of its own.
-                let members = &self.plan.params()[self.plan.buckets()[b].params.clone()];
-                Resident::Params(
-                    members
-                        .iter()
-                        .map(|p| {
-                            let start = elems(p.offset);
-                            let values = full[start..start + p.spec.numel() as usize].to_vec();
-                            st.counters.param_bytes_copied += 4 * values.len() as u64;
-                            let data = TensorData::new(values, p.spec.shape.clone());
-                            B::float_from_data(data, &self.device)
-                        })
-                        .collect(),
-                )
-            }
+                params: members
+                    .iter()
+                    .map(|p| {
+                        let start = elems(p.offset);
+                        let values = full[start..start + p.spec.numel() as usize].to_vec();
+                        st.counters.param_bytes_copied += 4 * values.len() as u64;
+                        let data = TensorData::new(values, p.spec.shape.clone());
+                        B::float_from_data(data, &self.device)
+                    })
+                    .collect(),
+            },
         };
-        st.buckets[b].resident = Some(resident.clone());
-        Some(resident)
+        st.buckets[b].resident = Some(resident);
+        true
     }
 
     /// A backward pass starts; `indices` are the parameters that will receive a gradient.
