@@ -14,17 +14,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::Module;
-use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use sshsdp::backend::{named_params, shard, CopyMode, Hsdp, HsdpConfig, ShardedOptimizer};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
+use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::plan::{Mesh, Sharding};
 
 /// Counts live and peak heap bytes of the process.
@@ -65,63 +61,13 @@ const BATCH: usize = 16;
 const WARMUP: usize = 2;
 const STEPS: usize = 6;
 
-#[derive(Module, Debug)]
-struct Block<B: Backend> {
-    norm_attn: LayerNorm<B>,
-    attn: MultiHeadAttention<B>,
-    norm_mlp: LayerNorm<B>,
-    up: Linear<B>,
-    down: Linear<B>,
-}
-
-#[derive(Module, Debug)]
-struct Gpt<B: Backend> {
-    embed: Embedding<B>,
-    blocks: Vec<Block<B>>,
-    norm: LayerNorm<B>,
-    head: Linear<B>,
-}
-
-impl<B: Backend> Gpt<B> {
-    fn new(device: &B::Device) -> Self {
-        Self {
-            embed: EmbeddingConfig::new(VOCAB, D).init(device),
-            blocks: (0..LAYERS)
-                .map(|_| Block {
-                    norm_attn: LayerNormConfig::new(D).init(device),
-                    attn: MultiHeadAttentionConfig::new(D, 4)
-                        .with_dropout(0.0)
-                        .init(device),
-                    norm_mlp: LayerNormConfig::new(D).init(device),
-                    up: LinearConfig::new(D, 4 * D).init(device),
-                    down: LinearConfig::new(4 * D, D).init(device),
-                })
-                .collect(),
-            norm: LayerNormConfig::new(D).init(device),
-            head: LinearConfig::new(D, VOCAB).init(device),
-        }
-    }
-
-    fn loss(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let [batch, _] = tokens.dims();
-        let input = tokens.clone().slice([0..batch, 0..SEQ]);
-        let target = tokens.slice([0..batch, 1..SEQ + 1]).reshape([batch * SEQ]);
-        let mut x = self.embed.forward(input);
-        for b in &self.blocks {
-            let h = b.norm_attn.forward(x.clone());
-            x = x + b.attn.forward(MhaInput::self_attn(h)).context;
-            let h = b.norm_mlp.forward(x.clone());
-            x = x.clone() + b.down.forward(gelu(b.up.forward(h)));
-        }
-        let logits = self
-            .head
-            .forward(self.norm.forward(x))
-            .reshape([batch * SEQ, VOCAB]);
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, target)
-    }
-}
+const CONFIG: GptConfig = GptConfig {
+    vocab: VOCAB,
+    d_model: D,
+    layers: LAYERS,
+    heads: 4,
+    seq: SEQ,
+};
 
 fn tokens(rows: usize, offset: usize, device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
     let data: Vec<i64> = (0..rows * (SEQ + 1))
@@ -210,7 +156,7 @@ fn sharded(init: &Gpt<B>, world: usize, sharding: Sharding, mode: CopyMode) -> R
 fn main() {
     let device = Default::default();
     B::seed(&device, 1);
-    let init = Gpt::<B>::new(&device);
+    let init: Gpt<B> = CONFIG.init(&device);
     let params: usize = named_params(&init)
         .unwrap()
         .iter()

@@ -12,17 +12,13 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::Module;
-use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::AdamWConfig;
-use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig, ShardedOptimizer};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
+use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::plan::Mesh;
 
 type Inner = NdArray<f32>;
@@ -33,74 +29,13 @@ const LAYERS: usize = 2;
 const SEQ: usize = 64;
 const BATCH: usize = 16;
 
-#[derive(Module, Debug)]
-struct Block<B: Backend> {
-    norm_attn: LayerNorm<B>,
-    attn: MultiHeadAttention<B>,
-    norm_mlp: LayerNorm<B>,
-    up: Linear<B>,
-    down: Linear<B>,
-}
-
-/// Byte-level GPT: embedding, pre-norm blocks with causal attention, LM head.
-#[derive(Module, Debug)]
-struct Gpt<B: Backend> {
-    embed: Embedding<B>,
-    pos: Embedding<B>,
-    blocks: Vec<Block<B>>,
-    norm: LayerNorm<B>,
-    head: Linear<B>,
-}
-
-impl<B: Backend> Gpt<B> {
-    fn new(device: &B::Device) -> Self {
-        Self {
-            embed: EmbeddingConfig::new(256, D).init(device),
-            pos: EmbeddingConfig::new(SEQ, D).init(device),
-            blocks: (0..LAYERS)
-                .map(|_| Block {
-                    norm_attn: LayerNormConfig::new(D).init(device),
-                    attn: MultiHeadAttentionConfig::new(D, 4)
-                        .with_dropout(0.0)
-                        .init(device),
-                    norm_mlp: LayerNormConfig::new(D).init(device),
-                    up: LinearConfig::new(D, 4 * D).init(device),
-                    down: LinearConfig::new(4 * D, D).init(device),
-                })
-                .collect(),
-            norm: LayerNormConfig::new(D).init(device),
-            head: LinearConfig::new(D, 256).init(device),
-        }
-    }
-
-    fn loss(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let [batch, _] = tokens.dims();
-        let device = tokens.device();
-        let input = tokens.clone().slice([0..batch, 0..SEQ]);
-        let target = tokens.slice([0..batch, 1..SEQ + 1]).reshape([batch * SEQ]);
-        let positions = Tensor::<B, 1, Int>::arange(0..SEQ as i64, &device)
-            .reshape([1, SEQ])
-            .repeat_dim(0, batch);
-        let mut x = self.embed.forward(input) + self.pos.forward(positions);
-        let mask = burn::nn::attention::generate_autoregressive_mask::<B>(batch, SEQ, &device);
-        for b in &self.blocks {
-            let h = b.norm_attn.forward(x.clone());
-            x = x + b
-                .attn
-                .forward(MhaInput::self_attn(h).mask_attn(mask.clone()))
-                .context;
-            let h = b.norm_mlp.forward(x.clone());
-            x = x.clone() + b.down.forward(gelu(b.up.forward(h)));
-        }
-        let logits = self
-            .head
-            .forward(self.norm.forward(x))
-            .reshape([batch * SEQ, 256]);
-        CrossEntropyLossConfig::new()
-            .init(&device)
-            .forward(logits, target)
-    }
-}
+const CONFIG: GptConfig = GptConfig {
+    vocab: 256,
+    d_model: D,
+    layers: LAYERS,
+    heads: 4,
+    seq: SEQ,
+};
 
 struct Args {
     mesh: Mesh,
@@ -169,7 +104,7 @@ fn main() -> ExitCode {
     };
     let device = Default::default();
     B::seed(&device, 0);
-    let init = Gpt::<B>::new(&device);
+    let init: Gpt<B> = CONFIG.init(&device);
     let params: usize = named_params(&init)
         .unwrap()
         .iter()

@@ -7,8 +7,11 @@
 //!   memory accounting);
 //! - [`mx`]: the MXFP8 format reference (E4M3/E5M2 elements, E8M0 scales, row/column planes);
 //! - [`backend`]: `Hsdp<B>`, the Burn backend decorator, with `shard` and the sharded optimizer;
+//! - [`models`]: a GPT-style model for the examples and benchmarks;
 //! - [`comm`]: collectives (the `Collective` trait, threads/MPI/NCCL engines, hierarchical
 //!   gradient paths).
+
+pub mod models;
 
 pub use sshsdp_backend as backend;
 pub use sshsdp_comm as comm;
