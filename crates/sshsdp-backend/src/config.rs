@@ -35,7 +35,8 @@ pub struct HsdpConfig {
 }
 
 impl HsdpConfig {
-    /// Full sharding over `world` ranks with the planner's defaults and f32 runtime parameters.
+    /// Sharding over `mesh` with the planner's defaults (hierarchical: runtime shards over the
+    /// shard group, update pieces over the world) and f32 runtime parameters.
     pub fn new(mesh: Mesh) -> Self {
         Self {
             mesh,
