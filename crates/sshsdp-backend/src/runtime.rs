@@ -33,8 +33,10 @@ pub struct Counters {
     pub param_bytes_copied: u64,
     /// Gradient bytes copied from autodiff's tensors into bucket gradient buffers.
     pub grad_bytes_copied: u64,
-    /// Bucket gathers (a bucket gathered again in backward counts again).
+    /// Bucket gathers.
     pub gathers: u64,
+    /// Of those, gathers queued ahead of use (prefetched in the previous step's order).
+    pub prefetched: u64,
 }
 
 /// A gathered bucket: each parameter's tensor — a view into the gathered buffer (zero-copy
@@ -46,6 +48,7 @@ struct Resident<B: Backend> {
 struct BucketState<B: Backend> {
     shard: Arc<Vec<f32>>,
     resident: Option<Resident<B>>,
+    prefetch: Option<Reply>,
     grad_full: Vec<f32>,
     pending: usize,
     reductions: Vec<Reply>,
@@ -54,6 +57,10 @@ struct BucketState<B: Backend> {
 
 struct State<B: Backend> {
     buckets: Vec<BucketState<B>>,
+    /// Buckets in the order this step first used them.
+    order: Vec<usize>,
+    /// That order from the previous step: it drives prefetch.
+    recorded: Vec<usize>,
     failure: Option<String>,
     counters: Counters,
 }
@@ -88,6 +95,7 @@ impl<B: Backend> Runtime<B> {
             .map(|shard| BucketState {
                 shard: Arc::new(shard),
                 resident: None,
+                prefetch: None,
                 grad_full: Vec::new(),
                 pending: 0,
                 reductions: Vec::new(),
@@ -103,6 +111,8 @@ impl<B: Backend> Runtime<B> {
             worker,
             state: Mutex::new(State {
                 buckets,
+                order: Vec::new(),
+                recorded: Vec::new(),
                 failure: None,
                 counters: Counters::default(),
             }),
@@ -156,7 +166,8 @@ impl<B: Backend> Runtime<B> {
             .clone()
     }
 
-    /// Gathers bucket `b` if it is not resident; `false` after a failure.
+    /// Gathers bucket `b` if it is not resident (waiting for its prefetch if one is in flight),
+    /// then prefetches the bucket the previous step used next; `false` after a failure.
     fn make_resident(&self, st: &mut State<B>, b: usize) -> bool {
         if st.buckets[b].resident.is_some() {
             return true;
@@ -164,9 +175,46 @@ impl<B: Backend> Runtime<B> {
         if st.failure.is_some() {
             return false;
         }
+        let reply = match st.buckets[b].prefetch.take() {
+            Some(reply) => {
+                st.counters.prefetched += 1;
+                reply
+            }
+            None => self.start_gather(st, b),
+        };
+        let full = match reply.wait() {
+            Ok(full) => full,
+            Err(e) => {
+                st.failure = Some(e.to_string());
+                return false;
+            }
+        };
+        self.install(st, b, full);
+        st.order.push(b);
+        self.prefetch_after(st, b);
+        true
+    }
+
+    /// Queues the gather of the bucket that followed `b` in the previous step's order, so it
+    /// runs on the communication thread while `b` computes. Every rank recorded the same order,
+    /// so every rank queues the same gathers.
+    fn prefetch_after(&self, st: &mut State<B>, b: usize) {
+        let Some(pos) = st.recorded.iter().position(|&x| x == b) else {
+            return;
+        };
+        let Some(&next) = st.recorded.get(pos + 1) else {
+            return;
+        };
+        if st.buckets[next].resident.is_none() && st.buckets[next].prefetch.is_none() {
+            let reply = self.start_gather(st, next);
+            st.buckets[next].prefetch = Some(reply);
+        }
+    }
+
+    /// Queues the all-gather of bucket `b`'s runtime shards.
+    fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply {
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
-        let sharding = self.plan.config().sharding;
         let input = match self.copy_mode {
             CopyMode::ZeroCopy => st.buckets[b].shard.clone(),
             CopyMode::Fsdp2Style => {
@@ -175,14 +223,12 @@ impl<B: Backend> Runtime<B> {
                 Arc::new(st.buckets[b].shard.to_vec())
             }
         };
-        let full = match self.worker.gather(input, self.bucket_elems(b)).wait() {
-            Ok(full) => full,
-            Err(e) => {
-                st.failure = Some(e.to_string());
-                return false;
-            }
-        };
-        if sharding == sshsdp_plan::Sharding::Ddp {
+        self.worker.gather(input, self.bucket_elems(b))
+    }
+
+    /// Makes the gathered buffer `full` bucket `b`'s resident parameters.
+    fn install(&self, st: &mut State<B>, b: usize, full: Vec<f32>) {
+        if self.plan.config().sharding == sshsdp_plan::Sharding::Ddp {
             // Replicated parameters are copied into a fresh tensor after each update.
             st.counters.param_bytes_copied += 4 * full.len() as u64;
         } else {
@@ -229,7 +275,6 @@ impl<B: Backend> Runtime<B> {
             },
         };
         st.buckets[b].resident = Some(resident);
-        true
     }
 
     /// A backward pass starts; `indices` are the parameters that will receive a gradient.
@@ -355,9 +400,17 @@ impl<B: Backend> Runtime<B> {
                 }
             }
         }
-        for b in st.buckets.iter_mut() {
-            b.resident = None;
+        // A prefetch this step did not use still completed on every rank: drop its result.
+        for b in 0..st.buckets.len() {
+            if let Some(reply) = st.buckets[b].prefetch.take() {
+                if let Err(e) = reply.wait() {
+                    st.failure = Some(e.to_string());
+                    return Err(e.into());
+                }
+            }
+            st.buckets[b].resident = None;
         }
+        st.recorded = std::mem::take(&mut st.order);
         Ok(())
     }
 

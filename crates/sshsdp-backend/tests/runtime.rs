@@ -88,6 +88,9 @@ fn zero_copy_moves_parameters_only_in_collectives() {
                 c1.param_bytes_copied
             );
             assert_eq!(c0.gathered_bytes, c1.gathered_bytes);
+            // From the second step on, every bucket after the first is gathered ahead of use.
+            assert!(c0.gathers > 1, "several buckets: {c0:?}");
+            assert_eq!(c0.prefetched, c0.gathers - 1, "world {world}: {c0:?}");
             if world > 1 {
                 assert!(c0.gathered_bytes >= param_bytes * (world as u64 - 1) / world as u64);
             }
