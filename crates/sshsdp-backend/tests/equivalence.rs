@@ -110,8 +110,18 @@ fn sharded(opt: Opt, init: &TinyLm<B>, mesh: Mesh, sharding: Sharding) -> Vec<(V
 fn assert_equivalent(opt: Opt, mesh: Mesh, sharding: Sharding) {
     // One initial model for both runs (tests run in parallel and share Burn's global RNG).
     let init = initial_model();
-    let (ref_losses, ref_weights) = reference(opt, &init);
+    let reference = reference(opt, &init);
     let ranks = sharded(opt, &init, mesh, sharding);
+    assert_matches(opt, mesh, sharding, reference, &ranks);
+}
+
+fn assert_matches(
+    opt: Opt,
+    mesh: Mesh,
+    sharding: Sharding,
+    (ref_losses, ref_weights): (Vec<f32>, Weights),
+    ranks: &[(Vec<f32>, Weights)],
+) {
     let world = ranks.len() as f32;
     for step in 0..STEPS {
         // The global loss is the mean of the ranks' local-batch losses (equal batch sizes).
@@ -129,7 +139,7 @@ fn assert_equivalent(opt: Opt, mesh: Mesh, sharding: Sharding) {
             "the model learns: {ref_losses:?}"
         );
     }
-    for (_, weights) in &ranks {
+    for (_, weights) in ranks {
         assert_eq!(weights.len(), ref_weights.len());
         for ((path, got), (ref_path, want)) in weights.iter().zip(&ref_weights) {
             assert_eq!(path, ref_path);
@@ -167,5 +177,83 @@ fn hsdp_and_hierarchical_2x2_equal_single_device() {
         assert_equivalent(opt, Mesh::new(2, 2).unwrap(), Sharding::Hsdp);
         assert_equivalent(opt, Mesh::new(2, 2).unwrap(), Sharding::Hierarchical);
         assert_equivalent(opt, Mesh::new(2, 2).unwrap(), Sharding::Ddp);
+    }
+}
+
+/// Runs `reference/plain-burn` — the same model on `Autodiff<NdArray>`, built outside this
+/// workspace without burn's `distributed` feature — from `init`'s weights and the same data.
+fn plain_burn(opt: Opt, init: &TinyLm<B>) -> (Vec<f32>, Weights) {
+    use std::path::Path;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let target = root.join("target/reference");
+    std::fs::create_dir_all(&target).unwrap();
+    let name = format!("{opt:?}-{}", std::process::id());
+    let input = target.join(format!("in-{name}.json"));
+    let output = target.join(format!("out-{name}.json"));
+    let params: Vec<serde_json::Value> = named_params(init)
+        .unwrap()
+        .into_iter()
+        .map(|p| serde_json::json!({ "path": p.path, "values": p.values }))
+        .collect();
+    let request = serde_json::json!({
+        "vocab": common::VOCAB,
+        "d_model": common::D_MODEL,
+        "seq": common::SEQ,
+        "batch": GLOBAL_BATCH,
+        "lr": LR,
+        "optimizer": match opt { Opt::Sgd => "sgd", Opt::AdamW => "adamw" },
+        "batches": batches(STEPS, GLOBAL_BATCH),
+        "params": params,
+    });
+    std::fs::write(&input, request.to_string()).unwrap();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = std::process::Command::new(cargo)
+        .args(["run", "--quiet", "--manifest-path"])
+        .arg(root.join("reference/plain-burn/Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .arg("--")
+        .arg(&input)
+        .arg(&output)
+        .status()
+        .expect("run cargo for the plain-Burn reference");
+    assert!(
+        status.success(),
+        "the plain-Burn reference failed: {status}"
+    );
+    let result: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&input);
+    let _ = std::fs::remove_file(&output);
+    let floats = |v: &serde_json::Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let losses = floats(&result["losses"]);
+    let weights = result["params"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["path"].as_str().unwrap().to_string(),
+                floats(&p["values"]),
+            )
+        })
+        .collect();
+    (losses, weights)
+}
+
+#[test]
+fn world_2_equals_plain_burn_built_without_the_decorator() {
+    for opt in [Opt::Sgd, Opt::AdamW] {
+        let init = initial_model();
+        let reference = plain_burn(opt, &init);
+        let mesh = Mesh::flat(2).unwrap();
+        let ranks = sharded(opt, &init, mesh, Sharding::Hierarchical);
+        assert_matches(opt, mesh, Sharding::Hierarchical, reference, &ranks);
     }
 }
