@@ -248,12 +248,18 @@ fn plain_burn(opt: Opt, init: &TinyLm<B>) -> (Vec<f32>, Weights) {
 }
 
 #[test]
-fn world_2_equals_plain_burn_built_without_the_decorator() {
+fn sharded_runs_equal_plain_burn_built_without_the_decorator() {
     for opt in [Opt::Sgd, Opt::AdamW] {
         let init = initial_model();
         let reference = plain_burn(opt, &init);
-        let mesh = Mesh::flat(2).unwrap();
-        let ranks = sharded(opt, &init, mesh, Sharding::Hierarchical);
-        assert_matches(opt, mesh, Sharding::Hierarchical, reference, &ranks);
+        for (mesh, sharding) in [
+            (Mesh::flat(1).unwrap(), Sharding::Hierarchical),
+            (Mesh::flat(2).unwrap(), Sharding::Hierarchical),
+            (Mesh::flat(4).unwrap(), Sharding::Hierarchical),
+            (Mesh::new(2, 2).unwrap(), Sharding::Hsdp),
+        ] {
+            let ranks = sharded(opt, &init, mesh, sharding);
+            assert_matches(opt, mesh, sharding, reference.clone(), &ranks);
+        }
     }
 }
