@@ -110,6 +110,35 @@ impl<T> Pending<T> {
     }
 }
 
+/// Checks an equal-count collective's buffers: `whole` (the gathered output or the scattered
+/// input, named `what`) must hold `size` chunks of `part` elements.
+pub fn check_chunks(
+    op: &str,
+    what: &str,
+    whole: usize,
+    part: usize,
+    size: usize,
+) -> CommResult<()> {
+    if part.checked_mul(size) == Some(whole) {
+        Ok(())
+    } else {
+        Err(CommError::InvalidArgument(format!(
+            "{op}: {what} has {whole} elements, expected {size} ranks × {part}"
+        )))
+    }
+}
+
+/// Checks that `root` is a rank of a communicator of `size` ranks.
+pub fn check_root(op: &str, root: usize, size: usize) -> CommResult<()> {
+    if root < size {
+        Ok(())
+    } else {
+        Err(CommError::InvalidArgument(format!(
+            "{op}: root {root} outside a communicator of {size} ranks"
+        )))
+    }
+}
+
 /// Checks that `len` splits into `size` equal chunks; returns the chunk length.
 pub fn equal_chunks(op: &str, len: usize, size: usize) -> CommResult<usize> {
     if len % size != 0 {

@@ -129,7 +129,7 @@ use mpi::topology::{Color, Communicator, SimpleCommunicator};
 /// rsmpi's MPI environment handle, re-exported: one per process; dropping it finalises MPI.
 pub use mpi::environment::Universe;
 
-use crate::collective::equal_chunks;
+use crate::collective::{check_chunks, check_root, equal_chunks};
 use crate::{Collective, CommError, CommResult, Element, ReduceOp, Reducible};
 
 /// Default size of a reduce-scatter's `send` buffer, in bytes, from which
@@ -437,15 +437,7 @@ impl Collective for MpiComm {
     }
 
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
-        if recv.len() != send.len() * self.size {
-            return Err(CommError::InvalidArgument(format!(
-                "all_gather: recv has {} elements, expected {} ({} ranks × {})",
-                recv.len(),
-                send.len() * self.size,
-                self.size,
-                send.len()
-            )));
-        }
+        check_chunks("all_gather", "recv", recv.len(), send.len(), self.size)?;
         let dt = datatype::<T>("all_gather")?;
         let count = mpi_count("all_gather", send.len())?;
         if send.is_empty() {
@@ -471,15 +463,7 @@ impl Collective for MpiComm {
         recv: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
-        if send.len() != recv.len() * self.size {
-            return Err(CommError::InvalidArgument(format!(
-                "reduce_scatter: send has {} elements, expected {} ({} ranks × {})",
-                send.len(),
-                recv.len() * self.size,
-                self.size,
-                recv.len()
-            )));
-        }
+        check_chunks("reduce_scatter", "send", send.len(), recv.len(), self.size)?;
         mpi_count("reduce_scatter", send.len())?;
         if recv.is_empty() {
             return Ok(());
@@ -536,12 +520,7 @@ impl Collective for MpiComm {
     }
 
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
-        if root >= self.size {
-            return Err(CommError::InvalidArgument(format!(
-                "broadcast: root {root} outside a communicator of {} ranks",
-                self.size
-            )));
-        }
+        check_root("broadcast", root, self.size)?;
         let dt = datatype::<T>("broadcast")?;
         let count = mpi_count("broadcast", buf.len())?;
         if buf.is_empty() {

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSli
 use cudarc::nccl::{result, sys};
 
 use super::{cuda_error, nccl_dtype, nccl_error, probe, DeviceElement};
-use crate::collective::equal_chunks;
+use crate::collective::{check_chunks, check_root, equal_chunks};
 use crate::{Collective, CommError, CommResult, ElementKind, ReduceOp};
 
 /// Length in bytes of an NCCL unique id.
@@ -363,14 +363,7 @@ impl NcclComm {
         const OP: &str = "all_gather_dev";
         self.check_buffer(OP, send)?;
         self.check_buffer(OP, recv)?;
-        if recv.len() != send.len() * self.size {
-            return Err(CommError::InvalidArgument(format!(
-                "{OP}: recv has {} elements, expected {} · {}",
-                recv.len(),
-                self.size,
-                send.len()
-            )));
-        }
+        check_chunks(OP, "recv", recv.len(), send.len(), self.size)?;
         if send.is_empty() {
             return Ok(());
         }
@@ -405,14 +398,7 @@ impl NcclComm {
         self.check_buffer(OP, send)?;
         self.check_buffer(OP, recv)?;
         let redop = self.nccl_op(OP, D::KIND, op)?;
-        if send.len() != recv.len() * self.size {
-            return Err(CommError::InvalidArgument(format!(
-                "{OP}: send has {} elements, expected {} · {}",
-                send.len(),
-                self.size,
-                recv.len()
-            )));
-        }
+        check_chunks(OP, "send", send.len(), recv.len(), self.size)?;
         let count = recv.len();
         if count == 0 {
             return Ok(());
@@ -512,12 +498,7 @@ impl NcclComm {
     ) -> CommResult<()> {
         const OP: &str = "broadcast_dev";
         self.check_buffer(OP, buf)?;
-        if root >= self.size {
-            return Err(CommError::InvalidArgument(format!(
-                "{OP}: root {root} outside a communicator of {} ranks",
-                self.size
-            )));
-        }
+        check_root(OP, root, self.size)?;
         if buf.is_empty() {
             return Ok(());
         }

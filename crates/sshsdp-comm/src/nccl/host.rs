@@ -9,7 +9,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::{cuda_error, host_as_dev, host_as_dev_mut, Bf16Bits, DeviceElement, NcclComm};
-use crate::collective::equal_chunks;
+use crate::collective::{check_chunks, equal_chunks};
 use crate::{Collective, CommError, CommResult, Element, ElementKind, ReduceOp, Reducible};
 
 /// Calls `$f::<T, D>($args)` with `D` the device type of `T::KIND`.
@@ -65,14 +65,7 @@ fn gather<T: Element, D: DeviceElement>(
     send: &[T],
     recv: &mut [T],
 ) -> CommResult<()> {
-    if recv.len() != send.len() * c.size() {
-        return Err(CommError::InvalidArgument(format!(
-            "all_gather: recv has {} elements, expected {} · {}",
-            recv.len(),
-            c.size(),
-            send.len()
-        )));
-    }
+    check_chunks("all_gather", "recv", recv.len(), send.len(), c.size())?;
     let (send, recv) = (host_as_dev::<T, D>(send)?, host_as_dev_mut::<T, D>(recv)?);
     if send.is_empty() {
         return Ok(());

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use rendezvous::{Arrival, CallGuard, Group, OpDesc, RawBufs};
 
-use crate::collective::equal_chunks;
+use crate::collective::{check_chunks, check_root, equal_chunks};
 use crate::{Collective, CommError, CommResult, Element, Pending, ReduceOp, Reducible};
 
 /// Settings of a threads world.
@@ -262,14 +262,7 @@ impl Collective for ThreadComm {
     }
 
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
-        if recv.len() != send.len() * self.size() {
-            return Err(CommError::InvalidArgument(format!(
-                "all_gather: recv has {} elements, expected {} x {}",
-                recv.len(),
-                self.size(),
-                send.len()
-            )));
-        }
+        check_chunks("all_gather", "recv", recv.len(), send.len(), self.size())?;
         gather_out(&self.group, self.rank, self.next_seq(), send, recv)
     }
 
@@ -279,14 +272,13 @@ impl Collective for ThreadComm {
         recv: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
-        if send.len() != recv.len() * self.size() {
-            return Err(CommError::InvalidArgument(format!(
-                "reduce_scatter: send has {} elements, expected {} x {}",
-                send.len(),
-                self.size(),
-                recv.len()
-            )));
-        }
+        check_chunks(
+            "reduce_scatter",
+            "send",
+            send.len(),
+            recv.len(),
+            self.size(),
+        )?;
         reduce_scatter_impl(&self.group, self.rank, self.next_seq(), send, recv, op)
     }
 
@@ -333,12 +325,7 @@ impl Collective for ThreadComm {
     }
 
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
-        if root >= self.size() {
-            return Err(CommError::InvalidArgument(format!(
-                "broadcast: root {root} is not a rank of a communicator of size {}",
-                self.size()
-            )));
-        }
+        check_root("broadcast", root, self.size())?;
         let (g, rank, seq) = (&*self.group, self.rank, self.next_seq());
         let base = buf.as_mut_ptr();
         let d = OpDesc {
@@ -417,14 +404,13 @@ impl Collective for ThreadComm {
         mut recv: Vec<T>,
         op: ReduceOp,
     ) -> CommResult<Pending<(Vec<T>, Vec<T>)>> {
-        if send.len() != recv.len() * self.size() {
-            return Err(CommError::InvalidArgument(format!(
-                "reduce_scatter: send has {} elements, expected {} x {}",
-                send.len(),
-                self.size(),
-                recv.len()
-            )));
-        }
+        check_chunks(
+            "reduce_scatter",
+            "send",
+            send.len(),
+            recv.len(),
+            self.size(),
+        )?;
         let (group, rank, seq) = (self.group.clone(), self.rank, self.next_seq());
         Ok(spawn_pending(move || {
             reduce_scatter_impl(&group, rank, seq, &send, &mut recv, op).map(|()| (send, recv))
