@@ -117,7 +117,7 @@
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void};
-use std::rc::Rc;
+use std::sync::Arc;
 
 use half::bf16;
 use mpi::collective::SystemOperation;
@@ -155,7 +155,7 @@ pub struct MpiComm {
     /// Result buffer of the all-reduce reduce-scatter path, kept across calls (see
     /// [`MpiComm::release_scratch`]).
     scratch: RefCell<Vec<f32>>,
-    universe: Rc<Universe>,
+    universe: Arc<Universe>,
 }
 
 /// An MPI call a reduce-scatter can run as.
@@ -219,18 +219,25 @@ impl ReduceScatterPolicy {
     }
 }
 
+// SAFETY: MPI handles may be used from any thread once MPI runs at MPI_THREAD_MULTIPLE, which
+// `MpiComm::world` checks before any communicator exists; the universe is shared through an
+// `Arc`; and `MpiComm` is not `Sync` (its scratch buffer is a `RefCell`), so one thread at a time
+// uses a given communicator.
+unsafe impl Send for MpiComm {}
+
 impl MpiComm {
     /// Initialises MPI and returns the world communicator, which keeps MPI alive (see
     /// [`MpiComm::world`]). Fails with [`CommError::Unavailable`] if MPI was already
     /// initialised in this process (then pass that `Universe` to [`MpiComm::world`]).
     pub fn init() -> CommResult<Self> {
-        let universe = mpi::initialize().ok_or_else(|| {
-            CommError::Unavailable(
-                "MPI is already initialised in this process; pass its Universe to \
-                 MpiComm::world"
-                    .into(),
-            )
-        })?;
+        let (universe, _) =
+            mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or_else(|| {
+                CommError::Unavailable(
+                    "MPI is already initialised in this process; pass its Universe to \
+                     MpiComm::world"
+                        .into(),
+                )
+            })?;
         Self::world(universe)
     }
 
@@ -239,16 +246,25 @@ impl MpiComm {
     /// Takes the process's only `Universe`: it lives as long as this communicator or any
     /// communicator split from it, and MPI is finalised when the last of them is dropped.
     pub fn world(universe: Universe) -> CommResult<Self> {
+        // Communicators may move to another thread (the `Hsdp` runtime runs its collectives on
+        // a communication thread), which MPI allows only at MPI_THREAD_MULTIPLE.
+        let level = mpi::environment::threading_support();
+        if level != mpi::Threading::Multiple {
+            return Err(CommError::Unavailable(format!(
+                "MPI provides thread level {level:?}; MpiComm needs MPI_THREAD_MULTIPLE \
+                 (initialise with mpi::initialize_with_threading(Threading::Multiple))"
+            )));
+        }
         let comm = universe.world().duplicate();
         let in_place = in_place_sentinel(&mpi::environment::library_version().unwrap_or_default());
-        Self::wrap(comm, in_place, None, Rc::new(universe))
+        Self::wrap(comm, in_place, None, Arc::new(universe))
     }
 
     fn wrap(
         comm: SimpleCommunicator,
         in_place: Option<*mut c_void>,
         rs_override: Option<ReduceScatterPolicy>,
-        universe: Rc<Universe>,
+        universe: Arc<Universe>,
     ) -> CommResult<Self> {
         // SAFETY: `comm` is a live intra-communicator owned by us; the error handler is a
         // predefined handle, valid between MPI_Init and MPI_Finalize (the Universe is alive).
@@ -552,7 +568,7 @@ impl Collective for MpiComm {
             comm,
             self.in_place,
             self.rs_override,
-            Rc::clone(&self.universe),
+            Arc::clone(&self.universe),
         )
     }
 }
