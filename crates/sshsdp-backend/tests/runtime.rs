@@ -30,6 +30,15 @@ fn threads(timeout_ms: u64) -> ThreadsConfig {
     }
 }
 
+/// Bytes of all of `model`'s parameters (f32).
+fn param_bytes(model: &TinyLm<B>) -> u64 {
+    named_params(model)
+        .unwrap()
+        .iter()
+        .map(|p| 4 * p.values.len() as u64)
+        .sum()
+}
+
 /// Per-rank (losses, counters of the second step, shard bytes) of 2 steps in `mode`.
 fn run(
     world: usize,
@@ -66,11 +75,7 @@ fn run(
 #[test]
 fn zero_copy_moves_parameters_only_in_collectives() {
     let init = model();
-    let param_bytes: u64 = named_params(&init)
-        .unwrap()
-        .iter()
-        .map(|p| 4 * p.values.len() as u64)
-        .sum();
+    let param_bytes = param_bytes(&init);
     for world in [1, 2, 4] {
         let zero = run(world, CopyMode::ZeroCopy, &init);
         let fsdp2 = run(world, CopyMode::Fsdp2Style, &init);
@@ -102,11 +107,7 @@ fn zero_copy_moves_parameters_only_in_collectives() {
 #[test]
 fn per_rank_storage_is_total_over_n_plus_padding() {
     let init = model();
-    let param_bytes: u64 = named_params(&init)
-        .unwrap()
-        .iter()
-        .map(|p| 4 * p.values.len() as u64)
-        .sum();
+    let param_bytes = param_bytes(&init);
     for world in [1, 2, 4] {
         let ranks = run(world, CopyMode::ZeroCopy, &init);
         let plan = sshsdp_plan::Plan::build(

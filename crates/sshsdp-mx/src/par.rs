@@ -4,9 +4,7 @@
 use crate::block::with_spec;
 use crate::format::{ElemFormat, ScaleRule};
 use crate::input::MxInput;
-use crate::plane::{
-    check_col_plane, check_row_plane, decode_rows_impl, encode_cols_range, encode_rows_impl,
-};
+use crate::plane::{check_plane, decode_rows_impl, encode_cols_range, encode_rows_impl};
 use crate::shape::{check_len, MxShape};
 use crate::simd::dispatch;
 use crate::tiled::{decode_tiles_impl, encode_tiled_range, Plane};
@@ -28,7 +26,7 @@ pub fn encode_rows_par<T: MxInput>(
     scales: &mut [u8],
     threads: usize,
 ) -> Result<(), MxError> {
-    check_row_plane(shape, src.len(), data.len(), scales.len())?;
+    check_plane(shape, Plane::Row, src.len(), data.len(), scales.len())?;
     let (cols, cols_p, nb) = (shape.cols, shape.cols_p(), shape.cols_p() / BLOCK);
     std::thread::scope(|s| {
         let (mut data, mut scales) = (data, scales);
@@ -57,7 +55,7 @@ pub fn encode_cols_par<T: MxInput>(
     scales: &mut [u8],
     threads: usize,
 ) -> Result<(), MxError> {
-    check_col_plane(shape, src.len(), data.len(), scales.len())?;
+    check_plane(shape, Plane::Col, src.len(), data.len(), scales.len())?;
     let (rows_p, nbr) = (shape.rows_p(), shape.rows_p() / BLOCK);
     std::thread::scope(|s| {
         let (mut data, mut scales) = (data, scales);
@@ -112,7 +110,7 @@ pub fn decode_rows_par(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), MxError> {
-    check_row_plane(shape, out.len(), data.len(), scales.len())?;
+    check_plane(shape, Plane::Row, out.len(), data.len(), scales.len())?;
     let (cols, cols_p, nb) = (shape.cols, shape.cols_p(), shape.cols_p() / BLOCK);
     std::thread::scope(|s| {
         let mut out = out;

@@ -7,7 +7,7 @@ use crate::input::MxInput;
 use crate::shape::{check_len, MxShape};
 use crate::simd::dispatch;
 use crate::tile::{encode_tile_cols, load_tile, TileF32};
-use crate::{MxError, BLOCK, TILE};
+use crate::{MxError, Plane, BLOCK, TILE};
 
 /// Encodes the row-wise plane (blocks of 32 along each row, for the forward GEMM).
 ///
@@ -21,22 +21,28 @@ pub fn encode_rows<T: MxInput>(
     data: &mut [u8],
     scales: &mut [u8],
 ) -> Result<(), MxError> {
-    check_row_plane(shape, src.len(), data.len(), scales.len())?;
+    check_plane(shape, Plane::Row, src.len(), data.len(), scales.len())?;
     dispatch!(with_spec!(fmt, S => encode_rows_impl::<T, S>(src, shape.cols, rule, data, scales)));
     Ok(())
 }
 
-/// Validates the buffers of a row-plane operation.
-pub(crate) fn check_row_plane(
+/// Validates the buffers of a row- or column-plane operation: `src` elements of the tensor,
+/// `data` and `scales` bytes of the plane.
+pub(crate) fn check_plane(
     shape: MxShape,
+    plane: Plane,
     src: usize,
     data: usize,
     scales: usize,
 ) -> Result<(), MxError> {
     shape.validate()?;
     check_len("src", shape.len(), src)?;
-    check_len("data", shape.row_data_bytes(), data)?;
-    check_len("scales", shape.row_scale_bytes(), scales)
+    let (want_data, want_scales) = match plane {
+        Plane::Row => (shape.row_data_bytes(), shape.row_scale_bytes()),
+        Plane::Col => (shape.col_data_bytes(), shape.col_scale_bytes()),
+    };
+    check_len("data", want_data, data)?;
+    check_len("scales", want_scales, scales)
 }
 
 /// Row-plane kernel over whole rows (lengths already checked).
@@ -93,24 +99,11 @@ pub fn encode_cols<T: MxInput>(
     data: &mut [u8],
     scales: &mut [u8],
 ) -> Result<(), MxError> {
-    check_col_plane(shape, src.len(), data.len(), scales.len())?;
+    check_plane(shape, Plane::Col, src.len(), data.len(), scales.len())?;
     dispatch!(
         with_spec!(fmt, S => encode_cols_range::<T, S>(src, shape, rule, 0, shape.cols, data, scales))
     );
     Ok(())
-}
-
-/// Validates the buffers of a column-plane operation.
-pub(crate) fn check_col_plane(
-    shape: MxShape,
-    src: usize,
-    data: usize,
-    scales: usize,
-) -> Result<(), MxError> {
-    shape.validate()?;
-    check_len("src", shape.len(), src)?;
-    check_len("data", shape.col_data_bytes(), data)?;
-    check_len("scales", shape.col_scale_bytes(), scales)
 }
 
 /// Column-plane kernel for the columns `[c0, c1)`; `data`/`scales` hold only those columns.
@@ -155,7 +148,7 @@ pub fn decode_rows(
     fmt: ElemFormat,
     out: &mut [f32],
 ) -> Result<(), MxError> {
-    check_row_plane(shape, out.len(), data.len(), scales.len())?;
+    check_plane(shape, Plane::Row, out.len(), data.len(), scales.len())?;
     dispatch!(decode_rows_impl(data, scales, shape.cols, fmt, out));
     Ok(())
 }
@@ -194,7 +187,7 @@ pub fn decode_cols(
     fmt: ElemFormat,
     out: &mut [f32],
 ) -> Result<(), MxError> {
-    check_col_plane(shape, out.len(), data.len(), scales.len())?;
+    check_plane(shape, Plane::Col, out.len(), data.len(), scales.len())?;
     dispatch!(decode_cols_impl(data, scales, shape, fmt, out));
     Ok(())
 }
