@@ -2,10 +2,13 @@
 //! the runtime and its tensors need no engine type parameter.
 
 use sshsdp_comm::hierarchy::{self, MeshComms};
-use sshsdp_comm::{Collective, CommResult, ReduceOp};
+use sshsdp_comm::{Collective, CommError, CommResult, Element, ReduceOp};
 use sshsdp_plan::Sharding;
 
-/// Collectives of one rank over a `replicas × shards` mesh, on f32 buffers.
+use crate::storage::Elems;
+
+/// Collectives of one rank over a `replicas × shards` mesh: runtime elements in the plan's format,
+/// gradients in f32.
 pub(crate) trait MeshComm: Send {
     /// World rank.
     fn world_rank(&self) -> usize;
@@ -13,7 +16,7 @@ pub(crate) trait MeshComm: Send {
     fn world_size(&self) -> usize;
     /// All-gather of runtime shards over the shard group into the full bucket (under DDP the
     /// runtime shard is the whole bucket: a copy).
-    fn gather_bucket(&self, sharding: Sharding, shard: &[f32], full: &mut [f32]) -> CommResult<()>;
+    fn gather_bucket(&self, sharding: Sharding, shard: &Elems, full: &mut Elems) -> CommResult<()>;
     /// World-averaged gradient of this rank's piece from a full-bucket gradient.
     fn reduce_gradient(
         &self,
@@ -22,7 +25,7 @@ pub(crate) trait MeshComm: Send {
         piece: &mut [f32],
     ) -> CommResult<()>;
     /// After the update: rebuild the runtime shard from the replica group's pieces.
-    fn rebuild_shard(&self, sharding: Sharding, shard: &mut [f32]) -> CommResult<()>;
+    fn rebuild_shard(&self, sharding: Sharding, shard: &mut Elems) -> CommResult<()>;
     /// Broadcast from world rank 0.
     fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()>;
     /// All-gather of equal byte strings over the world.
@@ -38,13 +41,11 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
         self.world.size()
     }
 
-    fn gather_bucket(&self, sharding: Sharding, shard: &[f32], full: &mut [f32]) -> CommResult<()> {
-        match sharding {
-            Sharding::Ddp => {
-                full.copy_from_slice(shard);
-                Ok(())
-            }
-            Sharding::Hierarchical | Sharding::Hsdp => self.shard_group.all_gather(shard, full),
+    fn gather_bucket(&self, sharding: Sharding, shard: &Elems, full: &mut Elems) -> CommResult<()> {
+        match (shard, full) {
+            (Elems::F32(s), Elems::F32(f)) => gather_typed(self, sharding, s, f),
+            (Elems::Bf16(s), Elems::Bf16(f)) => gather_typed(self, sharding, s, f),
+            _ => Err(mixed_formats()),
         }
     }
 
@@ -67,9 +68,12 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
         }
     }
 
-    fn rebuild_shard(&self, sharding: Sharding, shard: &mut [f32]) -> CommResult<()> {
+    fn rebuild_shard(&self, sharding: Sharding, shard: &mut Elems) -> CommResult<()> {
         match sharding {
-            Sharding::Hierarchical => hierarchy::gather_runtime_shard(self, shard),
+            Sharding::Hierarchical => match shard {
+                Elems::F32(s) => hierarchy::gather_runtime_shard(self, s),
+                Elems::Bf16(s) => hierarchy::gather_runtime_shard(self, s),
+            },
             // Every replica stepped the same shard with the same gradient: nothing to move.
             Sharding::Hsdp | Sharding::Ddp => Ok(()),
         }
@@ -82,4 +86,24 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()> {
         self.world.all_gather(send, recv)
     }
+}
+
+/// The bucket all-gather for one element type.
+fn gather_typed<C: Collective, T: Element>(
+    comms: &MeshComms<C>,
+    sharding: Sharding,
+    shard: &[T],
+    full: &mut [T],
+) -> CommResult<()> {
+    match sharding {
+        Sharding::Ddp => {
+            full.copy_from_slice(shard);
+            Ok(())
+        }
+        Sharding::Hierarchical | Sharding::Hsdp => comms.shard_group.all_gather(shard, full),
+    }
+}
+
+fn mixed_formats() -> CommError {
+    CommError::Mismatch("a shard and its receive buffer hold different runtime formats".into())
 }

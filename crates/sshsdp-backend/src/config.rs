@@ -57,6 +57,14 @@ impl HsdpConfig {
         self
     }
 
+    /// The same config with another runtime format: `F32` (default) or `Bf16` (half the
+    /// runtime memory and all-gather bytes; fp32 master weights kept per piece). `Mxfp8` is
+    /// refused until the CubeCL kernels land.
+    pub fn with_format(mut self, format: RuntimeFormat) -> Self {
+        self.plan.runtime_format = format;
+        self
+    }
+
     /// The same config with another bucket target (elements).
     pub fn with_bucket_elements(mut self, elements: u64) -> Self {
         self.plan.bucket_elements = elements;
@@ -64,13 +72,6 @@ impl HsdpConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<(), HsdpError> {
-        if self.plan.runtime_format != RuntimeFormat::F32 {
-            return Err(HsdpError::Unsupported(format!(
-                "runtime format {:?}: the decorator holds f32 runtime parameters so far \
-                 (bf16 and MXFP8 storage come with the kernels issue)",
-                self.plan.runtime_format
-            )));
-        }
-        Ok(())
+        crate::storage::element_bytes(self.plan.runtime_format).map(|_| ())
     }
 }

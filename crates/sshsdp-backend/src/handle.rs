@@ -59,4 +59,10 @@ impl<B: Backend> HsdpRuntime<B> {
     pub fn shard_bytes(&self) -> u64 {
         self.runtime.shard_bytes()
     }
+
+    /// Bytes of this rank's fp32 master pieces kept apart from the runtime shards (bf16 runtime
+    /// format; 0 in f32, where the runtime shard is the master).
+    pub fn master_bytes(&self) -> u64 {
+        self.runtime.master_bytes()
+    }
 }

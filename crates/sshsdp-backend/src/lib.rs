@@ -31,6 +31,7 @@ mod optim;
 mod registry;
 mod runtime;
 mod shard;
+mod storage;
 mod tensor;
 mod worker;
 

@@ -1,10 +1,15 @@
 //! The per-rank runtime: bucket storage, residency, gradient reduction and the update hook.
 //!
-//! Storage per bucket: this rank's *runtime shard* (f32, persistent, `1/S` of the bucket), the
-//! gathered bucket while resident (a 1-D tensor of `B` that parameters are views of), a
-//! full-bucket gradient buffer while backward fills it, and the reduced gradient of this
-//! rank's *piece* (its update shard). In the f32 runtime format the fp32 master weights *are*
-//! the piece's runtime elements, updated in place.
+//! Storage per bucket: this rank's *runtime shard* (persistent, `1/S` of the bucket, in the
+//! plan's runtime format: see [`crate::storage`]), the gathered bucket while resident (a 1-D
+//! tensor of `B` that parameters are views of), a full-bucket f32 gradient buffer while backward
+//! fills it, and the reduced gradient of this rank's *piece* (its update shard). In the f32
+//! runtime format the fp32 master weights *are* the piece's runtime elements, updated in place;
+//! in bf16 the piece's fp32 master weights are kept apart and the bf16 piece is re-derived from
+//! them after each update.
+//!
+//! Offsets and sizes in the plan are bytes; the runtime works in *elements* of the runtime
+//! format (4 or 2 bytes), and gradients use the same element positions in f32.
 //!
 //! Errors inside ops (a failed gather during forward or backward) cannot be returned through
 //! Burn's op signatures: the runtime records the failure, hands out zeros from then on (no
@@ -20,6 +25,7 @@ use sshsdp_plan::Plan;
 use crate::comm::MeshComm;
 use crate::config::CopyMode;
 use crate::error::HsdpError;
+use crate::storage::{element_bytes, Elems};
 use crate::worker::{Reply, Worker};
 
 /// Bytes moved and copied since the last [`Runtime::take_counters`].
@@ -37,6 +43,9 @@ pub struct Counters {
     pub gathers: u64,
     /// Of those, gathers queued ahead of use (prefetched in the previous step's order).
     pub prefetched: u64,
+    /// Bytes of compute-dtype (f32) parameters produced by widening gathered buckets whose
+    /// runtime format is narrower (bf16); 0 for f32 runtime parameters.
+    pub decoded_bytes: u64,
 }
 
 /// A gathered bucket: each parameter's tensor — a view into the gathered buffer (zero-copy
@@ -46,9 +55,11 @@ struct Resident<B: Backend> {
 }
 
 struct BucketState<B: Backend> {
-    shard: Arc<Vec<f32>>,
+    shard: Arc<Elems>,
+    /// fp32 master weights of this rank's piece when the runtime format is not f32.
+    master: Option<Vec<f32>>,
     resident: Option<Resident<B>>,
-    prefetch: Option<Reply>,
+    prefetch: Option<Reply<Elems>>,
     grad_full: Vec<f32>,
     pending: usize,
     reductions: Vec<Reply>,
@@ -70,14 +81,11 @@ pub struct Runtime<B: Backend> {
     plan: Plan,
     device: B::Device,
     piece_in_shard: usize,
+    elem_bytes: u64,
     copy_mode: CopyMode,
     state: Mutex<State<B>>,
     worker: Worker,
     ids: OnceLock<Vec<DistributedParamId>>,
-}
-
-fn elems(bytes: u64) -> usize {
-    (bytes / 4) as usize
 }
 
 impl<B: Backend> Runtime<B> {
@@ -90,10 +98,20 @@ impl<B: Backend> Runtime<B> {
     ) -> Result<Self, HsdpError> {
         let rank = comm.world_rank();
         let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
+        let format = plan.config().runtime_format;
+        let elem_bytes = element_bytes(format)?;
         let buckets = shards
             .into_iter()
-            .map(|shard| BucketState {
+            .enumerate()
+            .map(|(b, shard)| {
+                let pe = (plan.buckets()[b].piece_bytes / elem_bytes) as usize;
+                let master = (format != sshsdp_plan::RuntimeFormat::F32)
+                    .then(|| shard[piece_in_shard * pe..(piece_in_shard + 1) * pe].to_vec());
+                (Elems::encode(format, shard), master)
+            })
+            .map(|(shard, master)| BucketState {
                 shard: Arc::new(shard),
+                master,
                 resident: None,
                 prefetch: None,
                 grad_full: Vec::new(),
@@ -107,6 +125,7 @@ impl<B: Backend> Runtime<B> {
             plan,
             device,
             piece_in_shard,
+            elem_bytes,
             copy_mode,
             worker,
             state: Mutex::new(State {
@@ -139,14 +158,19 @@ impl<B: Backend> Runtime<B> {
         &self.plan
     }
 
+    /// Runtime elements in `bytes` of runtime storage.
+    fn elems(&self, bytes: u64) -> usize {
+        (bytes / self.elem_bytes) as usize
+    }
+
     /// Elements of bucket `b`'s full buffer.
     fn bucket_elems(&self, b: usize) -> usize {
-        elems(self.plan.buffer_bytes(b))
+        self.elems(self.plan.buffer_bytes(b))
     }
 
     /// Elements of one piece of bucket `b`.
     fn piece_elems(&self, b: usize) -> usize {
-        elems(self.plan.buckets()[b].piece_bytes)
+        self.elems(self.plan.buckets()[b].piece_bytes)
     }
 
     /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.
@@ -212,29 +236,33 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Queues the all-gather of bucket `b`'s runtime shards.
-    fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply {
+    fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply<Elems> {
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
         let input = match self.copy_mode {
             CopyMode::ZeroCopy => st.buckets[b].shard.clone(),
             CopyMode::Fsdp2Style => {
                 // Copy-in: the local shard is staged into the all-gather input.
-                st.counters.param_bytes_copied += 4 * st.buckets[b].shard.len() as u64;
-                Arc::new(st.buckets[b].shard.to_vec())
+                st.counters.param_bytes_copied += st.buckets[b].shard.bytes();
+                Arc::new((*st.buckets[b].shard).clone())
             }
         };
         self.worker.gather(input, self.bucket_elems(b))
     }
 
     /// Makes the gathered buffer `full` bucket `b`'s resident parameters.
-    fn install(&self, st: &mut State<B>, b: usize, full: Vec<f32>) {
+    fn install(&self, st: &mut State<B>, b: usize, full: Elems) {
         if self.plan.config().sharding == sshsdp_plan::Sharding::Ddp {
             // Replicated parameters are copied into a fresh tensor after each update.
-            st.counters.param_bytes_copied += 4 * full.len() as u64;
+            st.counters.param_bytes_copied += full.bytes();
         } else {
             st.counters.gathers += 1;
-            st.counters.gathered_bytes += 4 * (full.len() - st.buckets[b].shard.len()) as u64;
+            st.counters.gathered_bytes += full.bytes() - st.buckets[b].shard.bytes();
         }
+        if full.needs_decode() {
+            st.counters.decoded_bytes += 4 * full.len() as u64;
+        }
+        let full = full.into_f32();
         let members = &self.plan.params()[self.plan.buckets()[b].params.clone()];
         let resident = match self.copy_mode {
             CopyMode::ZeroCopy => {
@@ -247,7 +275,7 @@ impl<B: Backend> Runtime<B> {
                 let params = members
                     .iter()
                     .map(|p| {
-                        let start = elems(p.offset) as isize;
+                        let start = self.elems(p.offset) as isize;
                         let end = start + p.spec.numel() as isize;
                         let slice = Slice {
                             start,
@@ -265,7 +293,7 @@ impl<B: Backend> Runtime<B> {
                 params: members
                     .iter()
                     .map(|p| {
-                        let start = elems(p.offset);
+                        let start = self.elems(p.offset);
                         let values = full[start..start + p.spec.numel() as usize].to_vec();
                         st.counters.param_bytes_copied += 4 * values.len() as u64;
                         let data = TensorData::new(values, p.spec.shape.clone());
@@ -313,7 +341,7 @@ impl<B: Backend> Runtime<B> {
         if bucket.grad_full.is_empty() {
             bucket.grad_full = vec![0f32; n_full];
         }
-        let start = elems(p.offset);
+        let start = self.elems(p.offset);
         for (dst, src) in bucket.grad_full[start..start + values.len()]
             .iter_mut()
             .zip(&values)
@@ -385,9 +413,18 @@ impl<B: Backend> Runtime<B> {
             }
             let pe = self.piece_elems(b);
             let range = self.piece_in_shard * pe..(self.piece_in_shard + 1) * pe;
-            let shard = Arc::make_mut(&mut st.buckets[b].shard);
-            step(b, &mut shard[range], &grad)?;
-            let shard = std::mem::take(&mut st.buckets[b].shard);
+            let bucket = &mut st.buckets[b];
+            let shard = Arc::make_mut(&mut bucket.shard);
+            match (&mut bucket.master, shard.as_f32_mut()) {
+                (None, Some(elements)) => step(b, &mut elements[range], &grad)?,
+                (Some(master), _) => {
+                    step(b, master, &grad)?;
+                    shard.rederive(range, master);
+                }
+                (None, None) => unreachable!("narrow runtime formats keep a master piece"),
+            }
+            let empty = Arc::new(shard.zeros_like(0));
+            let shard = std::mem::replace(&mut bucket.shard, empty);
             let shard = Arc::try_unwrap(shard).unwrap_or_else(|shared| (*shared).clone());
             rebuilds.push((b, self.worker.rebuild(shard)));
         }
@@ -434,10 +471,16 @@ impl<B: Backend> Runtime<B> {
 
     /// Bytes of this rank's persistent runtime shards.
     pub fn shard_bytes(&self) -> u64 {
+        self.lock().buckets.iter().map(|b| b.shard.bytes()).sum()
+    }
+
+    /// Bytes of this rank's separate fp32 master pieces (0 in the f32 runtime format, where the
+    /// runtime shard holds them).
+    pub fn master_bytes(&self) -> u64 {
         self.lock()
             .buckets
             .iter()
-            .map(|b| 4 * b.shard.len() as u64)
+            .map(|b| b.master.as_ref().map_or(0, |m| 4 * m.len() as u64))
             .sum()
     }
 }

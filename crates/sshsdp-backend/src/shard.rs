@@ -205,10 +205,13 @@ where
     let rank = comm.world_rank();
     let shard_index = plan.runtime_shard_of(rank)?;
     let mut shards = Vec::with_capacity(plan.buckets().len());
+    // Positions in runtime elements; the values stay f32 here (the runtime keeps them as fp32
+    // master weights and encodes its runtime shard).
+    let elem_bytes = crate::storage::element_bytes(plan.config().runtime_format)?;
     for (b, bucket) in plan.buckets().iter().enumerate() {
-        let mut full = vec![0f32; (plan.buffer_bytes(b) / 4) as usize];
+        let mut full = vec![0f32; (plan.buffer_bytes(b) / elem_bytes) as usize];
         for p in &plan.params()[bucket.params.clone()] {
-            let start = (p.offset / 4) as usize;
+            let start = (p.offset / elem_bytes) as usize;
             let v = values[p.spec.path.as_str()];
             full[start..start + v.len()].copy_from_slice(v);
         }

@@ -16,13 +16,14 @@ use sshsdp_comm::{CommError, CommResult};
 use sshsdp_plan::Sharding;
 
 use crate::comm::MeshComm;
+use crate::storage::Elems;
 
 /// One collective for the worker.
 enum Request {
     Gather {
-        shard: Arc<Vec<f32>>,
+        shard: Arc<Elems>,
         full_len: usize,
-        reply: Sender<CommResult<Vec<f32>>>,
+        reply: Sender<CommResult<Elems>>,
     },
     Reduce {
         full: Vec<f32>,
@@ -30,17 +31,17 @@ enum Request {
         reply: Sender<CommResult<Vec<f32>>>,
     },
     Rebuild {
-        shard: Vec<f32>,
-        reply: Sender<CommResult<Vec<f32>>>,
+        shard: Elems,
+        reply: Sender<CommResult<Elems>>,
     },
 }
 
-/// A reply on its way.
-pub(crate) struct Reply(Receiver<CommResult<Vec<f32>>>);
+/// A reply on its way: runtime elements (gathers, rebuilds) or a gradient piece (reductions).
+pub(crate) struct Reply<T = Vec<f32>>(Receiver<CommResult<T>>);
 
-impl Reply {
+impl<T> Reply<T> {
     /// Blocks until the collective is done.
-    pub fn wait(self) -> CommResult<Vec<f32>> {
+    pub fn wait(self) -> CommResult<T> {
         self.0.recv().unwrap_or_else(|_| {
             Err(CommError::PeerFailed(
                 "the communication thread stopped".into(),
@@ -69,7 +70,7 @@ impl Worker {
         }
     }
 
-    fn send(&self, make: impl FnOnce(Sender<CommResult<Vec<f32>>>) -> Request) -> Reply {
+    fn send<T>(&self, make: impl FnOnce(Sender<CommResult<T>>) -> Request) -> Reply<T> {
         let (reply, rx) = channel();
         if let Some(tx) = &self.tx {
             // If the thread is gone the reply sender is dropped and `wait` reports it.
@@ -79,7 +80,7 @@ impl Worker {
     }
 
     /// All-gather of a bucket's runtime shards into a new full buffer.
-    pub fn gather(&self, shard: Arc<Vec<f32>>, full_len: usize) -> Reply {
+    pub fn gather(&self, shard: Arc<Elems>, full_len: usize) -> Reply<Elems> {
         self.send(|reply| Request::Gather {
             shard,
             full_len,
@@ -97,7 +98,7 @@ impl Worker {
     }
 
     /// Rebuild of a runtime shard from the replica group's updated pieces.
-    pub fn rebuild(&self, shard: Vec<f32>) -> Reply {
+    pub fn rebuild(&self, shard: Elems) -> Reply<Elems> {
         self.send(|reply| Request::Rebuild { shard, reply })
     }
 }
@@ -114,32 +115,17 @@ impl Drop for Worker {
 fn serve(comm: Box<dyn MeshComm>, sharding: Sharding, rx: Receiver<Request>) {
     let mut failed: Option<CommError> = None;
     for request in rx {
-        // After a failure no further collective is attempted (peers would not match it): every
-        // later request gets the first error at once.
-        let run = |f: &mut dyn FnMut() -> CommResult<Vec<f32>>, failed: &mut Option<CommError>| {
-            if let Some(e) = failed {
-                return Err(e.clone());
-            }
-            let r = f();
-            if let Err(e) = &r {
-                *failed = Some(e.clone());
-            }
-            r
-        };
         match request {
             Request::Gather {
                 shard,
                 full_len,
                 reply,
             } => {
-                let r = run(
-                    &mut || {
-                        let mut full = vec![0f32; full_len];
-                        comm.gather_bucket(sharding, &shard, &mut full)?;
-                        Ok(full)
-                    },
-                    &mut failed,
-                );
+                let r = run(&mut failed, || {
+                    let mut full = shard.zeros_like(full_len);
+                    comm.gather_bucket(sharding, &shard, &mut full)?;
+                    Ok(full)
+                });
                 // Release our reference before replying, so the runtime owns the shard alone
                 // again (an update then modifies it in place instead of copying it).
                 drop(shard);
@@ -150,26 +136,33 @@ fn serve(comm: Box<dyn MeshComm>, sharding: Sharding, rx: Receiver<Request>) {
                 piece_len,
                 reply,
             } => {
-                let r = run(
-                    &mut || {
-                        let mut piece = vec![0f32; piece_len];
-                        comm.reduce_gradient(sharding, &full, &mut piece)?;
-                        Ok(piece)
-                    },
-                    &mut failed,
-                );
+                let r = run(&mut failed, || {
+                    let mut piece = vec![0f32; piece_len];
+                    comm.reduce_gradient(sharding, &full, &mut piece)?;
+                    Ok(piece)
+                });
                 let _ = reply.send(r);
             }
             Request::Rebuild { mut shard, reply } => {
-                let r = run(
-                    &mut || {
-                        comm.rebuild_shard(sharding, &mut shard)?;
-                        Ok(std::mem::take(&mut shard))
-                    },
-                    &mut failed,
-                );
+                let r = run(&mut failed, || {
+                    comm.rebuild_shard(sharding, &mut shard)?;
+                    Ok(shard)
+                });
                 let _ = reply.send(r);
             }
         }
     }
+}
+
+/// Runs one collective unless an earlier one failed: after a failure no further collective is
+/// attempted (peers would not match it) and every later request gets the first error at once.
+fn run<T>(failed: &mut Option<CommError>, f: impl FnOnce() -> CommResult<T>) -> CommResult<T> {
+    if let Some(e) = failed {
+        return Err(e.clone());
+    }
+    let r = f();
+    if let Err(e) = &r {
+        *failed = Some(e.clone());
+    }
+    r
 }

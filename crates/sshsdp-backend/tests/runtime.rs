@@ -13,7 +13,7 @@ use sshsdp_backend::{
 };
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
-use sshsdp_plan::{Mesh, Sharding};
+use sshsdp_plan::{Mesh, RuntimeFormat, Sharding};
 
 type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
@@ -45,11 +45,25 @@ fn run(
     mode: CopyMode,
     init: &TinyLm<B>,
 ) -> Vec<(Vec<f32>, sshsdp_backend::Counters, u64)> {
+    run_in(world, mode, RuntimeFormat::F32, init)
+        .into_iter()
+        .map(|(l, c, s, _)| (l, c, s))
+        .collect()
+}
+
+/// [`run`] in runtime `format`; also returns the master bytes.
+fn run_in(
+    world: usize,
+    mode: CopyMode,
+    format: RuntimeFormat,
+    init: &TinyLm<B>,
+) -> Vec<(Vec<f32>, sshsdp_backend::Counters, u64, u64)> {
     ThreadsWorld::run(world, threads(30_000), |comm| {
         let device = Default::default();
         let rank = comm.rank();
         let config = HsdpConfig::new(Mesh::flat(world).unwrap())
             .with_bucket_elements(1500)
+            .with_format(format)
             .with_copy_mode(mode);
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
@@ -64,7 +78,12 @@ fn run(
             model = sgd.step(0.05, model, &runtime).unwrap();
             counters = runtime.take_counters();
         }
-        (losses, counters, runtime.shard_bytes())
+        (
+            losses,
+            counters,
+            runtime.shard_bytes(),
+            runtime.master_bytes(),
+        )
     })
     .unwrap()
     .into_iter()
@@ -100,6 +119,42 @@ fn zero_copy_moves_parameters_only_in_collectives() {
                 assert!(c0.gathered_bytes >= param_bytes * (world as u64 - 1) / world as u64);
             }
             assert!(c0.reduced_bytes >= param_bytes);
+        }
+    }
+}
+
+#[test]
+fn bf16_runtime_halves_storage_and_gathers_and_keeps_fp32_masters() {
+    let init = model();
+    let param_bytes = param_bytes(&init);
+    for world in [2, 4] {
+        let f32_run = run_in(world, CopyMode::ZeroCopy, RuntimeFormat::F32, &init);
+        let bf16_run = run_in(world, CopyMode::ZeroCopy, RuntimeFormat::Bf16, &init);
+        for ((l32, c32, s32, m32), (l16, c16, s16, m16)) in f32_run.iter().zip(&bf16_run) {
+            assert_eq!(*m32, 0, "f32 runtime shards are the masters");
+            assert_eq!(c16.param_bytes_copied, 0, "world {world}: {c16:?}");
+            assert_eq!(c16.gathers, c32.gathers);
+            // Half the bytes per element; alignment padding is planned in bytes, so a bf16
+            // bucket holds a few more padding elements: within 10 % of half.
+            let half = |x: u64, y: u64| (0.45..=0.55).contains(&(x as f64 / y as f64));
+            assert!(
+                half(c16.gathered_bytes, c32.gathered_bytes),
+                "{c16:?} vs {c32:?}"
+            );
+            assert!(half(*s16, *s32), "world {world}: shards {s16} vs {s32}");
+            // Each gathered bucket is widened to f32 once for compute.
+            assert!(c16.decoded_bytes >= param_bytes, "{c16:?}");
+            assert_eq!(c32.decoded_bytes, 0);
+            // fp32 masters of this rank's piece: 1/world of the model plus padding.
+            assert!(
+                *m16 >= param_bytes / world as u64 && *m16 <= *s16 * 2 + 64,
+                "{m16}"
+            );
+            // First step identical (same initial values rounded to bf16 vs exact): close.
+            assert!(
+                (l16[0] - l32[0]).abs() < 0.02 * l32[0],
+                "{l16:?} vs {l32:?}"
+            );
         }
     }
 }
