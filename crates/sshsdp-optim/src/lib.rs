@@ -1,0 +1,29 @@
+//! Optimizers for SS-HSDP.
+//!
+//! Today: a single-device **Muon** ([`Muon`], [`MuonConfig`]) of our own — SGD momentum
+//! (Nesterov), quintic Newton–Schulz orthogonalisation of each whole 2-D matrix
+//! ([`newton_schulz`]), a shape-dependent update scale ([`UpdateScale`], mind the
+//! [`MatrixLayout`]: Burn's `Linear` weight is `[d_input, d_output]`) and decoupled weight
+//! decay. It steps one matrix at a time ([`Muon::step_matrix`]) or, through
+//! [`burn::optim::SimpleOptimizer`], any Burn module whose optimised parameters are all
+//! 2-D. [`ns_flops`] is the cost model used to balance matrix owners across ranks, and
+//! [`Muon::ns_stats`] counts the orthogonalisations actually run.
+//!
+//! Later (see the design guide): update views over sharded buckets, the sharded driver for
+//! element-wise Burn `SimpleOptimizer`s, and distributed owner-compute Muon that must equal
+//! this single-device Muon.
+//!
+//! # Reference numerics
+//! Momentum 0.95 with Nesterov, 5 Newton–Schulz steps with `(a, b, c) = (3.4445, −4.7750,
+//! 2.0315)`, `X = G / (‖G‖_F + 1e-7)`, transpose when `rows > cols`; scale
+//! `sqrt(max(1, fan_out/fan_in))` or `0.2·sqrt(max(A, B))`. The tests compare against
+//! float64 vectors from an independent numpy implementation
+//! (`tests/data/gen_muon_vectors.py`).
+
+#![warn(missing_docs)]
+
+mod muon;
+mod newton_schulz;
+
+pub use muon::{MatrixLayout, Muon, MuonConfig, MuonState, NsStats, UpdateScale};
+pub use newton_schulz::{newton_schulz, ns_flops, NsPrecision, NS_COEFFICIENTS, NS_EPS};
