@@ -33,6 +33,7 @@ mod runtime;
 mod shard;
 mod storage;
 mod tensor;
+mod views;
 mod worker;
 
 pub use backend::Hsdp;

@@ -19,13 +19,14 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use burn_backend::distributed::DistributedParamId;
 
-use burn_backend::{read_sync, Backend, Shape, Slice, TensorData};
+use burn_backend::{read_sync, Backend, Shape, TensorData};
 use sshsdp_plan::Plan;
 
 use crate::comm::MeshComm;
 use crate::config::CopyMode;
 use crate::error::HsdpError;
 use crate::storage::{element_bytes, Elems};
+use crate::views::{bucket_views, Member};
 use crate::worker::{Reply, Worker};
 
 /// Bytes moved and copied since the last [`Runtime::take_counters`].
@@ -266,27 +267,18 @@ impl<B: Backend> Runtime<B> {
         let members = &self.plan.params()[self.plan.buckets()[b].params.clone()];
         let resident = match self.copy_mode {
             CopyMode::ZeroCopy => {
-                // The gathered Vec becomes the tensor's storage (a move, not a copy); each
-                // parameter is a slice and reshape of it. On CubeCL backends both are metadata
-                // only; burn-ndarray 0.21 materialises every reshape (a copy inside the backend
-                // that these counters cannot see).
-                let n = full.len();
-                let bucket = B::float_from_data(TensorData::new(full, [n]), &self.device);
-                let params = members
+                // The gathered Vec becomes the bucket's storage (a move, not a copy); each
+                // parameter is a view into it.
+                let members: Vec<Member> = members
                     .iter()
-                    .map(|p| {
-                        let start = self.elems(p.offset) as isize;
-                        let end = start + p.spec.numel() as isize;
-                        let slice = Slice {
-                            start,
-                            end: Some(end),
-                            step: 1,
-                        };
-                        let flat = B::float_slice(bucket.clone(), &[slice]);
-                        B::float_reshape(flat, Shape::from(p.spec.shape.clone()))
+                    .map(|p| Member {
+                        start: self.elems(p.offset),
+                        shape: p.spec.shape.clone(),
                     })
                     .collect();
-                Resident { params }
+                Resident {
+                    params: bucket_views::<B>(full, &members, &self.device),
+                }
             }
             CopyMode::Fsdp2Style => Resident {
                 // Copy-out: each parameter gets a tensor of its own.

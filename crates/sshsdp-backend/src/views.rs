@@ -1,0 +1,86 @@
+//! Parameter views of a gathered bucket: each parameter's tensor shares the bucket's buffer.
+//!
+//! The generic path asks `B` for a slice and a reshape of the bucket tensor, which are metadata
+//! only on CubeCL backends. burn-ndarray 0.21 copies on both (its `slice` and `reshape` return
+//! owned arrays), so for `NdArray` the views are built directly as `ndarray` arrays sharing the
+//! bucket's allocation (with the `ndarray` feature, on by default). Both paths hand out tensors
+//! that are copy-on-write in their backend: an op never writes through a view into the bucket.
+
+use burn_backend::{Backend, Shape, Slice, TensorData};
+
+/// One parameter's place in a bucket: first element and shape.
+pub(crate) struct Member {
+    /// Element offset in the bucket.
+    pub start: usize,
+    /// Shape of the parameter.
+    pub shape: Vec<usize>,
+}
+
+impl Member {
+    fn end(&self) -> usize {
+        self.start + self.shape.iter().product::<usize>()
+    }
+}
+
+/// The bucket buffer `full` (moved, not copied) as one tensor per member, each a view into it.
+pub(crate) fn bucket_views<B: Backend>(
+    full: Vec<f32>,
+    members: &[Member],
+    device: &B::Device,
+) -> Vec<B::FloatTensorPrimitive> {
+    #[cfg(feature = "ndarray")]
+    let full = match ndarray_views::views_if_ndarray::<B>(full, members) {
+        Ok(views) => return views,
+        Err(full) => full,
+    };
+    let n = full.len();
+    let bucket = B::float_from_data(TensorData::new(full, [n]), device);
+    members
+        .iter()
+        .map(|m| {
+            let slice = Slice {
+                start: m.start as isize,
+                end: Some(m.end() as isize),
+                step: 1,
+            };
+            let flat = B::float_slice(bucket.clone(), &[slice]);
+            B::float_reshape(flat, Shape::from(m.shape.clone()))
+        })
+        .collect()
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray_views {
+    use std::any::{Any, TypeId};
+
+    use burn_backend::Backend;
+    use burn_ndarray::NdArrayTensor;
+    use ndarray::{s, ArcArray1, IxDyn};
+
+    use super::Member;
+
+    /// Views sharing `full`'s allocation (moved into an `ndarray` array) if `B`'s float tensors
+    /// are burn-ndarray's; otherwise `full` back.
+    pub(super) fn views_if_ndarray<B: Backend>(
+        full: Vec<f32>,
+        members: &[Member],
+    ) -> Result<Vec<B::FloatTensorPrimitive>, Vec<f32>> {
+        if TypeId::of::<B::FloatTensorPrimitive>() != TypeId::of::<NdArrayTensor>() {
+            return Err(full);
+        }
+        let bucket = ArcArray1::from_vec(full);
+        Ok(members
+            .iter()
+            .map(|m| {
+                let flat = bucket.clone().slice_move(s![m.start..m.end()]);
+                let view = flat
+                    .into_shape_with_order(IxDyn(&m.shape))
+                    .expect("a contiguous slice takes any shape of its length");
+                let tensor: Box<dyn Any> = Box::new(NdArrayTensor::from(view));
+                *tensor
+                    .downcast::<B::FloatTensorPrimitive>()
+                    .expect("the type was checked above")
+            })
+            .collect())
+    }
+}
