@@ -21,7 +21,7 @@ use sshsdp::backend::{named_params, shard, CopyMode, Hsdp, HsdpConfig, ShardedOp
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
-use sshsdp::plan::{Mesh, Sharding};
+use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 
 /// Counts live and peak heap bytes of the process.
 struct Counting;
@@ -114,7 +114,13 @@ fn plain(init: &Gpt<B>) -> Row {
     }
 }
 
-fn sharded(init: &Gpt<B>, world: usize, sharding: Sharding, mode: CopyMode) -> Row {
+fn sharded(
+    init: &Gpt<B>,
+    world: usize,
+    sharding: Sharding,
+    mode: CopyMode,
+    format: RuntimeFormat,
+) -> Row {
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
     let results = ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
@@ -123,6 +129,7 @@ fn sharded(init: &Gpt<B>, world: usize, sharding: Sharding, mode: CopyMode) -> R
         let config = HsdpConfig::new(Mesh::flat(world).unwrap())
             .with_sharding(sharding)
             .with_copy_mode(mode)
+            .with_format(format)
             .with_bucket_elements(300_000);
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);
@@ -198,11 +205,26 @@ fn main() {
     };
     print(1, "plain Burn", &plain, None);
     for world in [1, 2, 4] {
-        let ddp = sharded(&init, world, Sharding::Ddp, CopyMode::ZeroCopy);
-        let fsdp2 = sharded(&init, world, Sharding::Hierarchical, CopyMode::Fsdp2Style);
-        let ours = sharded(&init, world, Sharding::Hierarchical, CopyMode::ZeroCopy);
+        let run = |sharding, mode, format| sharded(&init, world, sharding, mode, format);
+        let ddp = run(Sharding::Ddp, CopyMode::ZeroCopy, RuntimeFormat::F32);
+        let fsdp2 = run(
+            Sharding::Hierarchical,
+            CopyMode::Fsdp2Style,
+            RuntimeFormat::F32,
+        );
+        let ours = run(
+            Sharding::Hierarchical,
+            CopyMode::ZeroCopy,
+            RuntimeFormat::F32,
+        );
+        let ours_bf16 = run(
+            Sharding::Hierarchical,
+            CopyMode::ZeroCopy,
+            RuntimeFormat::Bf16,
+        );
         print(world, "Ddp", &ddp, Some(&fsdp2));
         print(world, "Fsdp2Style", &fsdp2, Some(&fsdp2));
         print(world, "SS-HSDP zero-copy", &ours, Some(&fsdp2));
+        print(world, "SS-HSDP bf16", &ours_bf16, Some(&fsdp2));
     }
 }

@@ -7,6 +7,7 @@
 //!   memory accounting);
 //! - [`mx`]: the MXFP8 format reference (E4M3/E5M2 elements, E8M0 scales, row/column planes);
 //! - [`backend`]: `Hsdp<B>`, the Burn backend decorator, with `shard` and the sharded optimizer;
+//! - [`optim`]: Muon (single-device and distributed owner-compute) with element-wise groups;
 //! - [`models`]: a GPT-style model for the examples and benchmarks;
 //! - [`comm`]: collectives (the `Collective` trait, threads/MPI/NCCL engines, hierarchical
 //!   gradient paths).
@@ -16,4 +17,5 @@ pub mod models;
 pub use sshsdp_backend as backend;
 pub use sshsdp_comm as comm;
 pub use sshsdp_mx as mx;
+pub use sshsdp_optim as optim;
 pub use sshsdp_plan as plan;

@@ -26,6 +26,9 @@ pub(crate) trait MeshComm: Send {
     ) -> CommResult<()>;
     /// After the update: rebuild the runtime shard from the replica group's pieces.
     fn rebuild_shard(&self, sharding: Sharding, shard: &mut Elems) -> CommResult<()>;
+    /// Sum over the update group (the ranks whose pieces make up a bucket: the world when
+    /// hierarchical, the shard group under HSDP, this rank alone under DDP).
+    fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()>;
     /// Broadcast from world rank 0.
     fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()>;
     /// All-gather of equal byte strings over the world.
@@ -76,6 +79,14 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
             },
             // Every replica stepped the same shard with the same gradient: nothing to move.
             Sharding::Hsdp | Sharding::Ddp => Ok(()),
+        }
+    }
+
+    fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()> {
+        match sharding {
+            Sharding::Hierarchical => self.world.all_reduce(buf, ReduceOp::Sum),
+            Sharding::Hsdp => self.shard_group.all_reduce(buf, ReduceOp::Sum),
+            Sharding::Ddp => Ok(()),
         }
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use sshsdp_plan::Plan;
 
-use crate::runtime::{Counters, Runtime};
+use crate::runtime::{Counters, Piece, Runtime, UpdateGroup};
 use crate::HsdpError;
 
 /// One rank's handle on its sharded parameters: the plan, the update step and the counters.
@@ -31,13 +31,33 @@ impl<B: Backend> HsdpRuntime<B> {
         self.runtime.plan()
     }
 
-    /// Updates this rank's pieces with `step(bucket, master, grad)` (see
-    /// [`crate::ShardedOptimizer`] for Burn optimizers) and rebuilds the runtime shards.
+    /// Updates this rank's pieces with `step(bucket, master, grad)`, one piece at a time (see
+    /// [`crate::ShardedOptimizer`] for Burn optimizers), and rebuilds the runtime shards.
     pub fn update(
         &self,
-        step: impl FnMut(usize, &mut [f32], &[f32]) -> Result<(), HsdpError>,
+        mut step: impl FnMut(usize, &mut [f32], &[f32]) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
-        self.runtime.update(step)
+        self.runtime.update_pieces(|pieces, _| {
+            pieces
+                .iter_mut()
+                .try_for_each(|p| step(p.bucket, p.master, p.grad))
+        })
+    }
+
+    /// Updates all of this rank's pieces at once, with the update group's collectives at hand
+    /// (for optimizers that exchange data between pieces, such as distributed Muon), and
+    /// rebuilds the runtime shards.
+    pub fn update_pieces(
+        &self,
+        step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        self.runtime.update_pieces(step)
+    }
+
+    /// Element range of parameter `index` (an index into `plan().params()`) in its bucket, in
+    /// runtime elements; pieces' `start` and length use the same unit.
+    pub fn param_elements(&self, index: usize) -> std::ops::Range<usize> {
+        self.runtime.param_elements(index)
     }
 
     /// Bytes moved and copied since the last call.

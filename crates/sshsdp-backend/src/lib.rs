@@ -42,6 +42,6 @@ pub use config::{CopyMode, HsdpConfig};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use optim::ShardedOptimizer;
-pub use runtime::Counters;
+pub use runtime::{Counters, Piece, UpdateGroup};
 pub use shard::{named_params, refresh_leaves, shard, NamedParam};
 pub use tensor::{HsdpFloat, ParamHandle};

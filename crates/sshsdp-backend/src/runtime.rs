@@ -15,6 +15,7 @@
 //! Burn's op signatures: the runtime records the failure, hands out zeros from then on (no
 //! further collectives, so no hang), and the next [`Runtime::update`] returns the error.
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use burn_backend::distributed::DistributedParamId;
@@ -47,6 +48,38 @@ pub struct Counters {
     /// Bytes of compute-dtype (f32) parameters produced by widening gathered buckets whose
     /// runtime format is narrower (bf16); 0 for f32 runtime parameters.
     pub decoded_bytes: u64,
+}
+
+/// One bucket's piece on this rank during an update.
+pub struct Piece<'a> {
+    /// The bucket.
+    pub bucket: usize,
+    /// Element position of the piece's first element in the bucket.
+    pub start: usize,
+    /// fp32 master weights of the piece (padding elements included), updated in place.
+    pub master: &'a mut [f32],
+    /// World-averaged gradient of the piece.
+    pub grad: &'a [f32],
+}
+
+/// The collectives an optimizer may run during an update, over the *update group*: the ranks
+/// whose pieces make up a bucket (the world when hierarchical, the shard group under HSDP, this
+/// rank alone under DDP).
+pub struct UpdateGroup<'a> {
+    worker: &'a Worker,
+    piece: usize,
+}
+
+impl UpdateGroup<'_> {
+    /// Element-wise sum of `buf` over the update group (every rank calls it, in the same order).
+    pub fn all_reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, HsdpError> {
+        Ok(self.worker.all_reduce(buf).wait()?)
+    }
+
+    /// This rank's piece index (what the plan's `ns_owner` refers to).
+    pub fn piece(&self) -> usize {
+        self.piece
+    }
 }
 
 /// A gathered bucket: each parameter's tensor — a view into the gathered buffer (zero-copy
@@ -82,6 +115,7 @@ pub struct Runtime<B: Backend> {
     plan: Plan,
     device: B::Device,
     piece_in_shard: usize,
+    world_rank: usize,
     elem_bytes: u64,
     copy_mode: CopyMode,
     state: Mutex<State<B>>,
@@ -126,6 +160,7 @@ impl<B: Backend> Runtime<B> {
             plan,
             device,
             piece_in_shard,
+            world_rank: rank,
             elem_bytes,
             copy_mode,
             worker,
@@ -377,12 +412,15 @@ impl<B: Backend> Runtime<B> {
 
     /// Runs the optimizer on this rank's pieces and rebuilds the runtime shards.
     ///
-    /// `step(bucket, master, grad)` updates the piece's fp32 master elements in place from its
-    /// world-averaged gradient. Buckets that received no gradient are left as they are. Every
-    /// gathered bucket is released, so the next forward gathers the new values.
-    pub fn update(
+    /// `step(pieces, group)` updates each piece's fp32 master elements in place from its
+    /// world-averaged gradient; `group` runs the optimizer's own collectives (the same on every
+    /// rank, in the same order). Buckets that received no gradient are not among the pieces.
+    /// Afterwards each piece's runtime elements are re-derived from its master (bf16), the
+    /// runtime shards rebuilt, and every gathered bucket released, so the next forward gathers
+    /// the new values.
+    pub fn update_pieces(
         &self,
-        mut step: impl FnMut(usize, &mut [f32], &[f32]) -> Result<(), HsdpError>,
+        step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
         let mut st = self.lock();
         if let Some(b) = st.buckets.iter().position(|b| b.pending > 0) {
@@ -397,23 +435,54 @@ impl<B: Backend> Runtime<B> {
         if let Some(f) = &st.failure {
             return Err(HsdpError::Failed(f.clone()));
         }
-        let mut rebuilds = Vec::new();
-        for b in 0..st.buckets.len() {
-            let grad = std::mem::take(&mut st.buckets[b].grad_piece);
-            if grad.is_empty() {
-                continue;
+        let grads: Vec<(usize, Vec<f32>)> = (0..st.buckets.len())
+            .map(|b| (b, std::mem::take(&mut st.buckets[b].grad_piece)))
+            .filter(|(_, g)| !g.is_empty())
+            .collect();
+        let ranges: Vec<Range<usize>> = (0..st.buckets.len())
+            .map(|b| {
+                let pe = self.piece_elems(b);
+                self.piece_in_shard * pe..(self.piece_in_shard + 1) * pe
+            })
+            .collect();
+        // The piece's place in the bucket (`ranges` are places in this rank's runtime shard).
+        let piece = self.plan.piece_of(self.world_rank)?;
+        {
+            let mut grads_iter = grads.iter().peekable();
+            let mut pieces = Vec::with_capacity(grads.len());
+            for (b, bucket) in st.buckets.iter_mut().enumerate() {
+                let Some((_, grad)) = grads_iter.next_if(|(gb, _)| *gb == b) else {
+                    continue;
+                };
+                let master: &mut [f32] = match &mut bucket.master {
+                    Some(master) => master,
+                    None => {
+                        let shard = Arc::make_mut(&mut bucket.shard);
+                        let elements = shard
+                            .as_f32_mut()
+                            .ok_or_else(|| HsdpError::Failed("no fp32 master elements".into()))?;
+                        &mut elements[ranges[b].clone()]
+                    }
+                };
+                pieces.push(Piece {
+                    bucket: b,
+                    start: piece * self.piece_elems(b),
+                    master,
+                    grad,
+                });
             }
-            let pe = self.piece_elems(b);
-            let range = self.piece_in_shard * pe..(self.piece_in_shard + 1) * pe;
+            let group = UpdateGroup {
+                worker: &self.worker,
+                piece,
+            };
+            step(&mut pieces, &group)?;
+        }
+        let mut rebuilds = Vec::new();
+        for &(b, _) in &grads {
             let bucket = &mut st.buckets[b];
             let shard = Arc::make_mut(&mut bucket.shard);
-            match (&mut bucket.master, shard.as_f32_mut()) {
-                (None, Some(elements)) => step(b, &mut elements[range], &grad)?,
-                (Some(master), _) => {
-                    step(b, master, &grad)?;
-                    shard.rederive(range, master);
-                }
-                (None, None) => unreachable!("narrow runtime formats keep a master piece"),
+            if let Some(master) = &bucket.master {
+                shard.rederive(ranges[b].clone(), master);
             }
             let empty = Arc::new(shard.zeros_like(0));
             let shard = std::mem::replace(&mut bucket.shard, empty);
@@ -459,6 +528,13 @@ impl<B: Backend> Runtime<B> {
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| HsdpError::Failed(format!("{e:?}")))
+    }
+
+    /// Element range of parameter `index` in its bucket.
+    pub fn param_elements(&self, index: usize) -> Range<usize> {
+        let p = &self.plan.params()[index];
+        let start = self.elems(p.offset);
+        start..start + p.spec.numel() as usize
     }
 
     /// Bytes of this rank's persistent runtime shards.

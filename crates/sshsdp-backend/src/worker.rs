@@ -34,6 +34,10 @@ enum Request {
         shard: Elems,
         reply: Sender<CommResult<Elems>>,
     },
+    AllReduce {
+        buf: Vec<f32>,
+        reply: Sender<CommResult<Vec<f32>>>,
+    },
 }
 
 /// A reply on its way: runtime elements (gathers, rebuilds) or a gradient piece (reductions).
@@ -97,6 +101,12 @@ impl Worker {
         })
     }
 
+    /// Sum of `buf` over the update group (the optimizer's exchanges, e.g. Muon's split
+    /// matrices).
+    pub fn all_reduce(&self, buf: Vec<f32>) -> Reply {
+        self.send(|reply| Request::AllReduce { buf, reply })
+    }
+
     /// Rebuild of a runtime shard from the replica group's updated pieces.
     pub fn rebuild(&self, shard: Elems) -> Reply<Elems> {
         self.send(|reply| Request::Rebuild { shard, reply })
@@ -140,6 +150,13 @@ fn serve(comm: Box<dyn MeshComm>, sharding: Sharding, rx: Receiver<Request>) {
                     let mut piece = vec![0f32; piece_len];
                     comm.reduce_gradient(sharding, &full, &mut piece)?;
                     Ok(piece)
+                });
+                let _ = reply.send(r);
+            }
+            Request::AllReduce { mut buf, reply } => {
+                let r = run(&mut failed, || {
+                    comm.all_reduce_update_group(sharding, &mut buf)?;
+                    Ok(buf)
                 });
                 let _ = reply.send(r);
             }

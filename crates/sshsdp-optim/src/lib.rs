@@ -9,9 +9,12 @@
 //! 2-D. [`ns_flops`] is the cost model used to balance matrix owners across ranks, and
 //! [`Muon::ns_stats`] counts the orthogonalisations actually run.
 //!
-//! Later (see the design guide): update views over sharded buckets, the sharded driver for
-//! element-wise Burn `SimpleOptimizer`s, and distributed owner-compute Muon that must equal
-//! this single-device Muon.
+//! Parameter groups: [`MuonWithElementwise`] routes a module's matrices to Muon and its 1-D
+//! parameters, embeddings and LM head to an element-wise Burn optimizer (AdamW) on one device;
+//! [`ShardedMuon`] does the same on a sharded model's update pieces ([`units_of`]), with
+//! distributed owner-compute Muon: each matrix is orthogonalised exactly once per update group,
+//! on the owner the plan assigned, and matrices whole on their owner need no communication.
+//! Element-wise optimizers alone run through `sshsdp_backend::ShardedOptimizer`.
 //!
 //! # Reference numerics
 //! Momentum 0.95 with Nesterov, 5 Newton–Schulz steps with `(a, b, c) = (3.4445, −4.7750,
@@ -22,8 +25,14 @@
 
 #![warn(missing_docs)]
 
+mod hybrid;
 mod muon;
 mod newton_schulz;
+mod sharded;
+mod units;
 
+pub use hybrid::MuonWithElementwise;
 pub use muon::{MatrixLayout, Muon, MuonConfig, MuonState, NsStats, UpdateScale};
 pub use newton_schulz::{newton_schulz, ns_flops, NsPrecision, NS_COEFFICIENTS, NS_EPS};
+pub use sharded::{MuonStepStats, ShardedMuon};
+pub use units::{units_of, UpdateUnit};

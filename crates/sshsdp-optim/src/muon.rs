@@ -178,6 +178,20 @@ impl Muon {
         self.config.scale.factor(fan_in, fan_out)
     }
 
+    /// Newton–Schulz orthogonalisation of a momentum update with the configured steps and
+    /// precision, counted in [`Muon::ns_stats`]. Distributed drivers call it on the matrix's
+    /// owner only.
+    pub fn orthogonalize<B: Backend>(&self, update: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [rows, cols] = update.dims();
+        let cfg = &self.config;
+        let ortho = newton_schulz(update, cfg.ns_steps, cfg.ns_precision);
+        self.counters.calls.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .flops
+            .fetch_add(ns_flops(rows, cols, cfg.ns_steps), Ordering::Relaxed);
+        ortho
+    }
+
     /// One Muon step of the matrix `param` with gradient `grad`; `state` is `None` at the
     /// first step (zero momentum). Returns the new parameter and state.
     ///
@@ -208,11 +222,7 @@ impl Muon {
             momentum.clone()
         };
 
-        let ortho = newton_schulz(update, cfg.ns_steps, cfg.ns_precision);
-        self.counters.calls.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .flops
-            .fetch_add(ns_flops(rows, cols, cfg.ns_steps), Ordering::Relaxed);
+        let ortho = self.orthogonalize(update);
 
         let scale = self.update_scale([rows, cols]);
         let decayed = if cfg.weight_decay != 0.0 {

@@ -1,0 +1,117 @@
+//! [`MuonWithElementwise`]: single-device Muon for matrices and an element-wise Burn optimizer
+//! (AdamW by default) for the rest of an ordinary Burn module — the parameter groups Muon is
+//! used with, and the reference the sharded driver ([`crate::ShardedMuon`]) must equal.
+//!
+//! Parameters are routed by the planner's [`RoleRule`]: 2-D parameters are matrices unless
+//! their path names an embedding or an output head; 1-D parameters are element-wise.
+
+use std::collections::HashMap;
+
+use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
+use burn::optim::{GradientsParams, SimpleOptimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use sshsdp_plan::{Role, RoleRule};
+
+use crate::{Muon, MuonState};
+
+/// Muon on matrices, `O` on everything else, for a module on one device.
+pub struct MuonWithElementwise<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> {
+    muon: Muon,
+    elementwise: O,
+    rule: RoleRule,
+    muon_states: HashMap<ParamId, MuonState<B::InnerBackend, 2>>,
+    states: HashMap<ParamId, O::State<1>>,
+}
+
+impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> MuonWithElementwise<B, O> {
+    /// Routes parameters with [`RoleRule::default`].
+    pub fn new(muon: Muon, elementwise: O) -> Self {
+        Self::with_rule(muon, elementwise, RoleRule::default())
+    }
+
+    /// Routes parameters with `rule`.
+    pub fn with_rule(muon: Muon, elementwise: O, rule: RoleRule) -> Self {
+        Self {
+            muon,
+            elementwise,
+            rule,
+            muon_states: HashMap::new(),
+            states: HashMap::new(),
+        }
+    }
+
+    /// The Muon optimizer.
+    pub fn muon(&self) -> &Muon {
+        &self.muon
+    }
+
+    /// One step with learning rate `lr`; parameters without a gradient are left as they are.
+    pub fn step<M: AutodiffModule<B>>(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        let mut stepper = Stepper {
+            optim: self,
+            grads,
+            lr,
+            path: Vec::new(),
+        };
+        module.map(&mut stepper)
+    }
+}
+
+struct Stepper<'a, B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> {
+    optim: &'a mut MuonWithElementwise<B, O>,
+    grads: GradientsParams,
+    lr: f64,
+    path: Vec<String>,
+}
+
+impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> ModuleMapper<B>
+    for Stepper<'_, B, O>
+{
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(grad) = self.grads.remove::<B::InnerBackend, D>(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let shape = tensor.dims();
+        let inner = tensor.inner();
+        let role = self.optim.rule.role_of(&self.path.join("."), &shape);
+        let stepped: Tensor<B::InnerBackend, D> = match role {
+            Role::Matrix => {
+                let [rows, cols] = [shape[0], shape[1]];
+                let state = self.optim.muon_states.remove(&id);
+                let (value, state) = self.optim.muon.step_matrix(
+                    self.lr,
+                    inner.reshape([rows, cols]),
+                    grad.reshape([rows, cols]),
+                    state,
+                );
+                self.optim.muon_states.insert(id, state);
+                value.reshape(shape)
+            }
+            Role::Elementwise => {
+                let n = shape.iter().product::<usize>();
+                let state = self.optim.states.remove(&id);
+                let (value, state) = self.optim.elementwise.step(
+                    self.lr,
+                    inner.reshape([n]),
+                    grad.reshape([n]),
+                    state,
+                );
+                if let Some(state) = state {
+                    self.optim.states.insert(id, state);
+                }
+                value.reshape(shape)
+            }
+        };
+        Param::from_mapped_value(id, Tensor::from_inner(stepped).require_grad(), mapper)
+    }
+}

@@ -1,0 +1,243 @@
+//! [`ShardedMuon`]: distributed owner-compute Muon for matrices, with any element-wise Burn
+//! optimizer (AdamW by default) for everything else, on a sharded model's update pieces.
+//!
+//! Per step, on each rank:
+//! 1. Element-wise units (1-D parameters, embeddings, the LM head — the plan's roles) step
+//!    with the element-wise optimizer on their slice, state kept per parameter slice.
+//! 2. Matrix units update their momentum slice locally (`M ← μM + G`, `U = G + μM` with
+//!    Nesterov) — element-wise, so a slice needs nothing from other ranks.
+//! 3. A matrix whole in this rank's piece is orthogonalised right there: no communication.
+//! 4. Split matrices (cut by a piece boundary) are exchanged: each holder writes its `U` slice
+//!    into one buffer of all split matrices, one all-reduce over the update group assembles
+//!    them, the plan's Newton–Schulz owner orthogonalises each, and a second all-reduce hands
+//!    every holder its slice of the result. Each matrix is therefore orthogonalised exactly
+//!    once per update group (once in the world with the default hierarchical sharding; once
+//!    per replica under HSDP, whose replicas step identical copies).
+//!
+//! Both all-reduces move the split matrices' elements only (the plan keeps them few: at most
+//! one per piece boundary). A point-to-point gather to the owner would move less; the
+//! engines' collective set has no gather-v yet.
+
+use std::collections::HashMap;
+
+use burn::module::Module;
+use burn::optim::SimpleOptimizer;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use sshsdp_backend::{refresh_leaves, HsdpError, HsdpRuntime, ShardableBackend};
+use sshsdp_plan::Role;
+
+use crate::units::{units_of, UpdateUnit};
+use crate::Muon;
+
+/// Newton–Schulz and exchange counts of the last step on this rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MuonStepStats {
+    /// Matrices orthogonalised on this rank.
+    pub ns_local: u64,
+    /// Of those, split matrices assembled from other ranks' slices.
+    pub ns_split: u64,
+    /// Elements in each of the two exchange all-reduces (0 when no matrix is split).
+    pub exchanged_elements: u64,
+}
+
+/// Muon on matrices and an element-wise optimizer on the rest, over sharded pieces.
+pub struct ShardedMuon<B: Backend, O: SimpleOptimizer<B>> {
+    muon: Muon,
+    elementwise: O,
+    device: B::Device,
+    states: HashMap<usize, O::State<1>>,
+    momentum: HashMap<usize, Vec<f32>>,
+    last: MuonStepStats,
+}
+
+impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
+    /// `muon` for `Matrix` parameters, `elementwise` (e.g. AdamW) for the others; state and
+    /// Newton–Schulz run on `device`.
+    pub fn new(muon: Muon, elementwise: O, device: B::Device) -> Self {
+        Self {
+            muon,
+            elementwise,
+            device,
+            states: HashMap::new(),
+            momentum: HashMap::new(),
+            last: MuonStepStats::default(),
+        }
+    }
+
+    /// The Muon optimizer (its counters include every orthogonalisation run here).
+    pub fn muon(&self) -> &Muon {
+        &self.muon
+    }
+
+    /// Counts of the last step.
+    pub fn last_step(&self) -> MuonStepStats {
+        self.last
+    }
+
+    /// One step with learning rate `lr` (both optimizers); returns `module` with fresh leaves.
+    pub fn step<AB, M>(
+        &mut self,
+        lr: f64,
+        module: M,
+        runtime: &HsdpRuntime<B>,
+    ) -> Result<M, HsdpError>
+    where
+        AB: ShardableBackend<Inner = B>,
+        M: Module<AB>,
+    {
+        runtime.update_pieces(|pieces, group| {
+            let units = units_of(
+                runtime,
+                pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
+            );
+            let plan = runtime.plan();
+            let mut stats = MuonStepStats::default();
+            // Split matrices: their place in the exchange buffer, in plan order.
+            let mut split_offset = HashMap::new();
+            let mut split_len = 0usize;
+            for (i, p) in plan.params().iter().enumerate() {
+                if p.spec.role == Role::Matrix && p.split {
+                    split_offset.insert(i, split_len);
+                    split_len += p.spec.numel() as usize;
+                }
+            }
+            let mut exchange_u = vec![0f32; split_len];
+            let mut owned_updates = Vec::new();
+            for unit in &units {
+                let piece = &mut pieces[unit.piece];
+                let grad = &piece.grad[unit.in_piece.clone()];
+                match unit.role {
+                    Role::Elementwise => {
+                        let master = &mut piece.master[unit.in_piece.clone()];
+                        self.step_elementwise(lr, unit.param, master, grad)?;
+                    }
+                    Role::Matrix => {
+                        let u = self.momentum_update(unit, grad);
+                        match split_offset.get(&unit.param) {
+                            Some(&at) => {
+                                let at = at + unit.in_param.start;
+                                exchange_u[at..at + u.len()].copy_from_slice(&u);
+                            }
+                            None => owned_updates.push((unit.clone(), u)),
+                        }
+                    }
+                }
+            }
+            // Whole matrices: orthogonalise and apply here.
+            for (unit, u) in owned_updates {
+                let o = self.orthogonalize(runtime, unit.param, u)?;
+                let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
+                self.apply(lr, runtime, unit.param, master, &o);
+                stats.ns_local += 1;
+            }
+            if split_len > 0 {
+                stats.exchanged_elements = split_len as u64;
+                let u_all = group.all_reduce_sum(exchange_u)?;
+                let mut o_all = vec![0f32; split_len];
+                for (&param, &at) in &split_offset {
+                    if plan.params()[param].ns_owner != Some(group.piece()) {
+                        continue;
+                    }
+                    let n = plan.params()[param].spec.numel() as usize;
+                    let o = self.orthogonalize(runtime, param, u_all[at..at + n].to_vec())?;
+                    o_all[at..at + n].copy_from_slice(&o);
+                    stats.ns_local += 1;
+                    stats.ns_split += 1;
+                }
+                let o_all = group.all_reduce_sum(o_all)?;
+                for unit in units.iter().filter(|u| u.role == Role::Matrix) {
+                    if let Some(&at) = split_offset.get(&unit.param) {
+                        let o = &o_all[at + unit.in_param.start..at + unit.in_param.end];
+                        let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
+                        self.apply(lr, runtime, unit.param, master, o);
+                    }
+                }
+            }
+            self.last = stats;
+            Ok(())
+        })?;
+        Ok(refresh_leaves(module))
+    }
+
+    /// The element-wise optimizer on one slice.
+    fn step_elementwise(
+        &mut self,
+        lr: f64,
+        param: usize,
+        master: &mut [f32],
+        grad: &[f32],
+    ) -> Result<(), HsdpError> {
+        let n = master.len();
+        let tensor =
+            |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [n]), &self.device);
+        let (value, grad) = (tensor(master), tensor(grad));
+        let state = self.states.remove(&param);
+        let (value, state) = self.elementwise.step(lr, value, grad, state);
+        if let Some(state) = state {
+            self.states.insert(param, state);
+        }
+        let values = read(value)?;
+        master.copy_from_slice(&values);
+        Ok(())
+    }
+
+    /// Momentum of one matrix slice; returns its update `U` (Nesterov or plain momentum).
+    fn momentum_update(&mut self, unit: &UpdateUnit, grad: &[f32]) -> Vec<f32> {
+        let cfg = self.muon.config();
+        let mu = cfg.momentum as f32;
+        // Keyed by parameter: a rank holds at most one slice of each parameter.
+        let m = self
+            .momentum
+            .entry(unit.param)
+            .and_modify(|m| m.iter_mut().zip(grad).for_each(|(m, &g)| *m = *m * mu + g))
+            .or_insert_with(|| grad.to_vec());
+        if cfg.nesterov {
+            grad.iter()
+                .zip(m.iter())
+                .map(|(&g, &m)| g + m * mu)
+                .collect()
+        } else {
+            m.clone()
+        }
+    }
+
+    /// Newton–Schulz of a whole matrix's update.
+    fn orthogonalize(
+        &self,
+        runtime: &HsdpRuntime<B>,
+        param: usize,
+        u: Vec<f32>,
+    ) -> Result<Vec<f32>, HsdpError> {
+        let shape = &runtime.plan().params()[param].spec.shape;
+        let u = Tensor::<B, 2>::from_data(TensorData::new(u, [shape[0], shape[1]]), &self.device);
+        read(self.muon.orthogonalize(u))
+    }
+
+    /// `W ← W·(1 − lr·wd) − lr·scale·O` on one slice.
+    fn apply(
+        &self,
+        lr: f64,
+        runtime: &HsdpRuntime<B>,
+        param: usize,
+        master: &mut [f32],
+        o: &[f32],
+    ) {
+        let shape = &runtime.plan().params()[param].spec.shape;
+        let scale = self.muon.update_scale([shape[0], shape[1]]);
+        let decay = (1.0 - lr * self.muon.config().weight_decay) as f32;
+        let step = (lr * scale) as f32;
+        master
+            .iter_mut()
+            .zip(o)
+            .for_each(|(w, &o)| *w = *w * decay - o * step);
+    }
+}
+
+/// A tensor's values as f32.
+fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpError> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| HsdpError::Failed(format!("reading optimizer values: {e:?}")))
+}

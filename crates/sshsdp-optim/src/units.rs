@@ -1,0 +1,55 @@
+//! Update units: the part of one parameter that lies in one of this rank's pieces.
+//!
+//! A piece is a contiguous run of a bucket's elements; a parameter's elements are contiguous in
+//! its bucket too, so their intersection is one contiguous slice of the parameter. These slices
+//! are what optimizers step (element-wise rules) or exchange (Muon's split matrices).
+
+use std::ops::Range;
+
+use burn::tensor::backend::Backend;
+use sshsdp_backend::HsdpRuntime;
+use sshsdp_plan::Role;
+
+/// One parameter's slice in one piece.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpdateUnit {
+    /// Index of the parameter in the plan.
+    pub param: usize,
+    /// Index of the piece among the pieces handed to the update.
+    pub piece: usize,
+    /// Positions of the slice in the piece's master and gradient.
+    pub in_piece: Range<usize>,
+    /// Positions of the slice in the parameter (row-major).
+    pub in_param: Range<usize>,
+    /// The parameter's optimizer role.
+    pub role: Role,
+}
+
+/// The units of the pieces `(bucket, first element, length)`, piece by piece in parameter
+/// order.
+pub fn units_of<B: Backend>(
+    runtime: &HsdpRuntime<B>,
+    pieces: impl IntoIterator<Item = (usize, usize, usize)>,
+) -> Vec<UpdateUnit> {
+    let plan = runtime.plan();
+    let mut units = Vec::new();
+    for (piece, (bucket, start, len)) in pieces.into_iter().enumerate() {
+        let end = start + len;
+        for param in plan.buckets()[bucket].params.clone() {
+            let elements = runtime.param_elements(param);
+            let lo = elements.start.max(start);
+            let hi = elements.end.min(end);
+            if lo >= hi {
+                continue;
+            }
+            units.push(UpdateUnit {
+                param,
+                piece,
+                in_piece: lo - start..hi - start,
+                in_param: lo - elements.start..hi - elements.start,
+                role: plan.params()[param].spec.role,
+            });
+        }
+    }
+    units
+}
