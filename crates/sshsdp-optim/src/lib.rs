@@ -16,6 +16,9 @@
 //! on the owner the plan assigned, and matrices whole on their owner need no communication.
 //! Element-wise optimizers alone run through `sshsdp_backend::ShardedOptimizer`.
 //!
+//! [`checkpoint`]: sharded checkpoint files (one safetensors file per rank), re-sharding to
+//! any world size, and Burn optimizer states as re-shardable named arrays.
+//!
 //! # Reference numerics
 //! Momentum 0.95 with Nesterov, 5 Newton–Schulz steps with `(a, b, c) = (3.4445, −4.7750,
 //! 2.0315)`, `X = G / (‖G‖_F + 1e-7)`, transpose when `rows > cols`; scale
@@ -25,6 +28,7 @@
 
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 mod hybrid;
 mod muon;
 mod newton_schulz;

@@ -1,0 +1,572 @@
+//! The on-disk format of one rank's shard: a safetensors file.
+//!
+//! Every array of every slice is a 1-D `F32` tensor named `{path}|{start}|{end}|{array}`.
+//! The safetensors metadata holds two strings: `sshsdp.header`, a JSON document (format
+//! name and version, rank, world, plan JSON, scalars, and per slice its path, shape, range
+//! and the SHA-256 of each array's little-endian bytes), and `sshsdp.header_sha256`, the
+//! SHA-256 of that JSON text. Scalars are stored as Rust's shortest round-trip decimal
+//! strings, so every `f64` (infinities and NaN included) comes back bit-exact (NaN
+//! payloads aside).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::CheckpointError;
+
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+const FORMAT_NAME: &str = "sshsdp-shard";
+const HEADER_KEY: &str = "sshsdp.header";
+const HEADER_SHA_KEY: &str = "sshsdp.header_sha256";
+/// Separates the parts of a tensor name; forbidden in paths and array names.
+const SEP: char = '|';
+
+/// One rank's checkpoint shard.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardFile {
+    /// The rank that wrote the shard, `< world`.
+    pub rank: usize,
+    /// The world size of the run that wrote the checkpoint.
+    pub world: usize,
+    /// The sharding plan, as JSON (opaque here; all shards of a checkpoint agree on it).
+    pub plan_json: String,
+    /// The slices the rank owns.
+    pub slices: Vec<SliceEntry>,
+    /// Per-shard scalars (e.g. `"step"`, optimizer scalars such as Adam's `time`).
+    pub scalars: BTreeMap<String, f64>,
+}
+
+/// The arrays of one slice `[start, end)` of a parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SliceEntry {
+    /// The parameter's module path (must not contain `|`).
+    pub path: String,
+    /// The parameter's full shape.
+    pub shape: Vec<usize>,
+    /// First element of the slice in the row-major flattened parameter.
+    pub start: usize,
+    /// End (exclusive) of the slice, `start <= end <= numel(shape)`.
+    pub end: usize,
+    /// Named arrays of length `end - start` (e.g. `"master"`, `"state.momentum.moment_1"`).
+    pub arrays: BTreeMap<String, Vec<f32>>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Header {
+    format: String,
+    version: u32,
+    rank: usize,
+    world: usize,
+    plan_json: String,
+    scalars: BTreeMap<String, String>,
+    slices: Vec<SliceHeader>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SliceHeader {
+    path: String,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+    /// Array name -> hex SHA-256 of its little-endian bytes.
+    arrays: BTreeMap<String, String>,
+}
+
+/// The file name of `rank`'s shard in a checkpoint written by `world` ranks:
+/// `rank-{rank:05}-of-{world:05}.safetensors`.
+pub fn shard_file_name(rank: usize, world: usize) -> String {
+    format!("rank-{rank:05}-of-{world:05}.safetensors")
+}
+
+/// Parses a name made by [`shard_file_name`] (exactly: other names are not shard files).
+fn parse_shard_file_name(name: &str) -> Option<(usize, usize)> {
+    let rest = name.strip_prefix("rank-")?.strip_suffix(".safetensors")?;
+    let (rank, world) = rest.split_once("-of-")?;
+    let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !all_digits(rank) || !all_digits(world) {
+        return None;
+    }
+    let (rank, world) = (rank.parse().ok()?, world.parse().ok()?);
+    (shard_file_name(rank, world) == name).then_some((rank, world))
+}
+
+fn numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+fn tensor_name(path: &str, start: usize, end: usize, array: &str) -> String {
+    format!("{path}{SEP}{start}{SEP}{end}{SEP}{array}")
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn f32_to_le_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn io_err(file: &Path) -> impl FnOnce(io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        file: file.to_path_buf(),
+        source,
+    }
+}
+
+/// Checks the structure shared by writing and reading: names, ranges, shapes, lengths, and
+/// that no two slices of one parameter overlap. `Err` is the reason.
+fn check_slices(slices: &[SliceEntry]) -> Result<(), String> {
+    // Per path: its shape and the slices' ranges.
+    type Ranges<'s> = (&'s [usize], Vec<(usize, usize)>);
+    let mut by_path: HashMap<&str, Ranges<'_>> = HashMap::new();
+    for s in slices {
+        let what = format!("slice [{}, {}) of '{}'", s.start, s.end, s.path);
+        if s.path.is_empty() || s.path.contains(SEP) {
+            return Err(format!(
+                "{what}: a path must be non-empty and free of '{SEP}'"
+            ));
+        }
+        let n = numel(&s.shape).ok_or_else(|| format!("{what}: shape {:?} overflows", s.shape))?;
+        if s.start > s.end || s.end > n {
+            return Err(format!(
+                "{what}: range outside the parameter's {n} elements (shape {:?})",
+                s.shape
+            ));
+        }
+        for (name, values) in &s.arrays {
+            if name.is_empty() || name.contains(SEP) {
+                return Err(format!(
+                    "{what}: array name '{name}' must be non-empty and free of '{SEP}'"
+                ));
+            }
+            if values.len() != s.end - s.start {
+                return Err(format!(
+                    "{what}: array '{name}' has {} values, expected {}",
+                    values.len(),
+                    s.end - s.start
+                ));
+            }
+        }
+        let entry = by_path
+            .entry(&s.path)
+            .or_insert_with(|| (&s.shape, Vec::new()));
+        if entry.0 != s.shape.as_slice() {
+            return Err(format!(
+                "{what}: shape {:?} differs from {:?} given by another slice",
+                s.shape, entry.0
+            ));
+        }
+        entry.1.push((s.start, s.end));
+    }
+    for (path, (_, mut ranges)) in by_path {
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            let ((s0, e0), (s1, e1)) = (w[0], w[1]);
+            if w[0] == w[1] || s1 < e0 {
+                return Err(format!(
+                    "slices [{s0}, {e0}) and [{s1}, {e1}) of '{path}' overlap within one shard"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl ShardFile {
+    /// The file name of this shard ([`shard_file_name`]).
+    pub fn file_name(&self) -> String {
+        shard_file_name(self.rank, self.world)
+    }
+
+    /// Checks the shard is well-formed: `rank < world`, names free of `|`, every slice in
+    /// bounds with arrays of its length, and no two slices of a parameter overlapping or
+    /// disagreeing on its shape. Errors name the shard's [file name](Self::file_name).
+    pub fn validate(&self) -> Result<(), CheckpointError> {
+        let invalid = |reason: String| CheckpointError::Mismatch {
+            file: PathBuf::from(self.file_name()),
+            reason,
+        };
+        if self.world == 0 || self.rank >= self.world {
+            return Err(invalid(format!(
+                "rank {} is not below world size {}",
+                self.rank, self.world
+            )));
+        }
+        check_slices(&self.slices).map_err(invalid)
+    }
+
+    /// Writes the shard to `path` atomically: to a temporary file in the same directory,
+    /// synced, then renamed over `path`. Refuses invalid shards ([`Self::validate`]).
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<(), CheckpointError> {
+        let path = path.as_ref();
+        self.validate()
+            .map_err(|e| CheckpointError::Invalid(e.to_string()))?;
+
+        let mut tensors = Vec::new();
+        let mut slice_headers = Vec::with_capacity(self.slices.len());
+        for s in &self.slices {
+            let mut sums = BTreeMap::new();
+            for (name, values) in &s.arrays {
+                let bytes = f32_to_le_bytes(values);
+                sums.insert(name.clone(), sha256_hex(&bytes));
+                tensors.push((tensor_name(&s.path, s.start, s.end, name), bytes));
+            }
+            slice_headers.push(SliceHeader {
+                path: s.path.clone(),
+                shape: s.shape.clone(),
+                start: s.start,
+                end: s.end,
+                arrays: sums,
+            });
+        }
+        let header = Header {
+            format: FORMAT_NAME.to_owned(),
+            version: FORMAT_VERSION,
+            rank: self.rank,
+            world: self.world,
+            plan_json: self.plan_json.clone(),
+            scalars: self
+                .scalars
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_string()))
+                .collect(),
+            slices: slice_headers,
+        };
+        let header_json = serde_json::to_string(&header)
+            .map_err(|e| CheckpointError::Invalid(format!("header JSON: {e}")))?;
+        let metadata = HashMap::from([
+            (
+                HEADER_SHA_KEY.to_owned(),
+                sha256_hex(header_json.as_bytes()),
+            ),
+            (HEADER_KEY.to_owned(), header_json),
+        ]);
+        let views = tensors
+            .iter()
+            .map(|(name, bytes)| {
+                let view = TensorView::new(Dtype::F32, vec![bytes.len() / 4], bytes)
+                    .map_err(|e| CheckpointError::Invalid(format!("tensor '{name}': {e}")))?;
+                Ok((name.as_str(), view))
+            })
+            .collect::<Result<Vec<_>, CheckpointError>>()?;
+
+        let tmp = temp_path(path);
+        let result = safetensors::serialize_to_file(views, Some(metadata), &tmp)
+            .map_err(|e| CheckpointError::Io {
+                file: tmp.clone(),
+                source: io::Error::other(e),
+            })
+            .and_then(|()| {
+                fs::File::open(&tmp)
+                    .and_then(|f| f.sync_all())
+                    .map_err(io_err(&tmp))
+            })
+            .and_then(|()| fs::rename(&tmp, path).map_err(io_err(path)));
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+            return result;
+        }
+        // Make the rename durable; not every platform can sync a directory.
+        if let Some(dir) = path.parent() {
+            let dir = if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            };
+            let _ = fs::File::open(dir).and_then(|d| d.sync_all());
+        }
+        Ok(())
+    }
+
+    /// Writes the shard into `dir` under its [file name](Self::file_name), creating `dir` if
+    /// needed; returns the file's path.
+    pub fn write_to_dir(&self, dir: impl AsRef<Path>) -> Result<PathBuf, CheckpointError> {
+        let dir = dir.as_ref();
+        fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let path = dir.join(self.file_name());
+        self.write(&path)?;
+        Ok(path)
+    }
+
+    /// Reads and validates a shard file. Never panics, whatever the bytes: every problem is
+    /// an `Err` naming the file ([`CheckpointError::Corrupt`] for bad bytes, structure or
+    /// checksums, [`CheckpointError::Version`] for another format version).
+    pub fn read(path: impl AsRef<Path>) -> Result<ShardFile, CheckpointError> {
+        let path = path.as_ref();
+        let bytes = fs::read(path).map_err(io_err(path))?;
+        Self::from_bytes(&bytes, path)
+    }
+
+    /// [`Self::read`] from bytes already in memory; `file` only names them in errors.
+    pub fn from_bytes(bytes: &[u8], file: &Path) -> Result<ShardFile, CheckpointError> {
+        let corrupt = |reason: String| CheckpointError::Corrupt {
+            file: file.to_path_buf(),
+            reason,
+        };
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| corrupt(format!("not a valid safetensors file: {e}")))?;
+        let (_, metadata) = SafeTensors::read_metadata(bytes)
+            .map_err(|e| corrupt(format!("not a valid safetensors file: {e}")))?;
+        let meta = metadata
+            .metadata()
+            .as_ref()
+            .ok_or_else(|| corrupt("no metadata: not an SS-HSDP shard file".into()))?;
+        let header_json = meta
+            .get(HEADER_KEY)
+            .ok_or_else(|| corrupt(format!("metadata lacks '{HEADER_KEY}'")))?;
+        let header_sha = meta
+            .get(HEADER_SHA_KEY)
+            .ok_or_else(|| corrupt(format!("metadata lacks '{HEADER_SHA_KEY}'")))?;
+        if let Some(key) = meta
+            .keys()
+            .find(|k| k.as_str() != HEADER_KEY && k.as_str() != HEADER_SHA_KEY)
+        {
+            return Err(corrupt(format!("unknown metadata key '{key}'")));
+        }
+        if sha256_hex(header_json.as_bytes()) != *header_sha {
+            return Err(corrupt("header checksum mismatch".into()));
+        }
+
+        let value: serde_json::Value = serde_json::from_str(header_json)
+            .map_err(|e| corrupt(format!("header is not JSON: {e}")))?;
+        if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT_NAME) {
+            return Err(corrupt(format!("header format is not '{FORMAT_NAME}'")));
+        }
+        match value.get("version") {
+            Some(v) if v.as_u64() == Some(u64::from(FORMAT_VERSION)) => {}
+            found => {
+                return Err(CheckpointError::Version {
+                    file: file.to_path_buf(),
+                    found: found.map_or_else(|| "(none)".to_owned(), |v| v.to_string()),
+                    supported: FORMAT_VERSION,
+                })
+            }
+        }
+        let header: Header =
+            serde_json::from_value(value).map_err(|e| corrupt(format!("invalid header: {e}")))?;
+
+        let mut scalars = BTreeMap::new();
+        for (name, text) in header.scalars {
+            let v = text
+                .parse::<f64>()
+                .map_err(|e| corrupt(format!("scalar '{name}' = '{text}': {e}")))?;
+            scalars.insert(name, v);
+        }
+
+        let mut expected_names = BTreeSet::new();
+        let mut slices = Vec::with_capacity(header.slices.len());
+        for sh in header.slices {
+            let mut arrays = BTreeMap::new();
+            for (name, sum) in sh.arrays {
+                let tname = tensor_name(&sh.path, sh.start, sh.end, &name);
+                let view = st
+                    .tensor(&tname)
+                    .map_err(|_| corrupt(format!("tensor '{tname}' is missing")))?;
+                if view.dtype() != Dtype::F32 {
+                    return Err(corrupt(format!(
+                        "tensor '{tname}' has dtype {:?}, expected F32",
+                        view.dtype()
+                    )));
+                }
+                let len = sh.end.checked_sub(sh.start).ok_or_else(|| {
+                    corrupt(format!(
+                        "tensor '{tname}': start {} > end {}",
+                        sh.start, sh.end
+                    ))
+                })?;
+                if view.shape() != [len] {
+                    return Err(corrupt(format!(
+                        "tensor '{tname}' has shape {:?}, expected [{len}]",
+                        view.shape()
+                    )));
+                }
+                let data = view.data();
+                if sha256_hex(data) != sum {
+                    return Err(corrupt(format!("checksum mismatch in tensor '{tname}'")));
+                }
+                let values = data
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect::<Vec<f32>>();
+                expected_names.insert(tname);
+                arrays.insert(name, values);
+            }
+            slices.push(SliceEntry {
+                path: sh.path,
+                shape: sh.shape,
+                start: sh.start,
+                end: sh.end,
+                arrays,
+            });
+        }
+        if let Some(extra) = st
+            .names()
+            .into_iter()
+            .find(|n| !expected_names.contains(*n))
+        {
+            return Err(corrupt(format!(
+                "tensor '{extra}' is not described by the header"
+            )));
+        }
+
+        let shard = ShardFile {
+            rank: header.rank,
+            world: header.world,
+            plan_json: header.plan_json,
+            slices,
+            scalars,
+        };
+        shard.validate().map_err(|e| match e {
+            CheckpointError::Mismatch { reason, .. } => corrupt(reason),
+            other => other,
+        })?;
+        Ok(shard)
+    }
+}
+
+/// A fresh temporary path next to `path` (same directory, so the rename is atomic).
+fn temp_path(path: &Path) -> PathBuf {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let name = path
+        .file_name()
+        .map_or_else(|| "shard".into(), |n| n.to_string_lossy().into_owned());
+    path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
+}
+
+/// The shard files of the checkpoint in `dir`, in rank order, checking that exactly ranks
+/// `0..world` are present for a single world size. Only names made by [`shard_file_name`]
+/// count (temporary files and anything else are ignored).
+pub fn checkpoint_dir_files(dir: impl AsRef<Path>) -> Result<Vec<PathBuf>, CheckpointError> {
+    let dir = dir.as_ref();
+    let mut found: BTreeMap<usize, BTreeMap<usize, PathBuf>> = BTreeMap::new();
+    for entry in fs::read_dir(dir).map_err(io_err(dir))? {
+        let entry = entry.map_err(io_err(dir))?;
+        let name = entry.file_name();
+        if let Some((rank, world)) = name.to_str().and_then(parse_shard_file_name) {
+            found.entry(world).or_default().insert(rank, entry.path());
+        }
+    }
+    let mut worlds = found.into_iter();
+    let Some((world, mut ranks)) = worlds.next() else {
+        return Err(CheckpointError::Missing {
+            location: dir.to_path_buf(),
+            what: "shard files (rank-NNNNN-of-NNNNN.safetensors)".into(),
+        });
+    };
+    if let Some((other, files)) = worlds.next() {
+        let file = files.into_values().next().unwrap_or_default();
+        return Err(CheckpointError::Mismatch {
+            file,
+            reason: format!("shard files of world sizes {world} and {other} in one directory"),
+        });
+    }
+    if let Some((_, file)) = ranks.range(world..).next() {
+        return Err(CheckpointError::Mismatch {
+            file: file.clone(),
+            reason: format!("rank is not below the world size {world}"),
+        });
+    }
+    (0..world)
+        .map(|rank| {
+            ranks.remove(&rank).ok_or_else(|| CheckpointError::Missing {
+                location: dir.to_path_buf(),
+                what: format!("rank {rank}'s file {}", shard_file_name(rank, world)),
+            })
+        })
+        .collect()
+}
+
+/// Reads every shard of the checkpoint in `dir` ([`checkpoint_dir_files`]), in rank order,
+/// checking that each file's own rank and world match its name and that all agree on the
+/// plan JSON.
+pub fn read_all(dir: impl AsRef<Path>) -> Result<Vec<ShardFile>, CheckpointError> {
+    let paths = checkpoint_dir_files(dir)?;
+    let world = paths.len();
+    let mut shards: Vec<ShardFile> = Vec::with_capacity(world);
+    for (rank, path) in paths.into_iter().enumerate() {
+        let shard = ShardFile::read(&path)?;
+        if shard.rank != rank || shard.world != world {
+            return Err(CheckpointError::Mismatch {
+                file: path,
+                reason: format!(
+                    "the file says rank {} of {}, its name rank {rank} of {world}",
+                    shard.rank, shard.world
+                ),
+            });
+        }
+        if let Some(first) = shards.first() {
+            if first.plan_json != shard.plan_json {
+                return Err(CheckpointError::Mismatch {
+                    file: path,
+                    reason: format!(
+                        "its plan JSON differs from rank 0's ({} vs {} bytes)",
+                        shard.plan_json.len(),
+                        first.plan_json.len()
+                    ),
+                });
+            }
+        }
+        shards.push(shard);
+    }
+    Ok(shards)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_names_round_trip_and_are_strict() {
+        assert_eq!(shard_file_name(3, 16), "rank-00003-of-00016.safetensors");
+        assert_eq!(
+            parse_shard_file_name(&shard_file_name(3, 16)),
+            Some((3, 16))
+        );
+        assert_eq!(
+            parse_shard_file_name(&shard_file_name(123_456, 200_000)),
+            Some((123_456, 200_000))
+        );
+        for bad in [
+            "rank-3-of-16.safetensors",
+            "rank-00003-of-00016.safetensors.tmp",
+            ".rank-00003-of-00016.safetensors.tmp-1-0",
+            "rank-+0003-of-00016.safetensors",
+            "rank--of-00016.safetensors",
+        ] {
+            assert_eq!(parse_shard_file_name(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn check_slices_rejects_overlaps_and_bad_lengths() {
+        let s = |start, end, len| SliceEntry {
+            path: "w".into(),
+            shape: vec![4, 5],
+            start,
+            end,
+            arrays: BTreeMap::from([("master".into(), vec![0.0; len])]),
+        };
+        assert!(check_slices(&[s(0, 5, 5), s(5, 20, 15)]).is_ok());
+        assert!(check_slices(&[s(0, 5, 5), s(4, 20, 16)]).is_err());
+        assert!(check_slices(&[s(0, 5, 5), s(0, 5, 5)]).is_err());
+        assert!(check_slices(&[s(3, 3, 0), s(3, 3, 0)]).is_err());
+        assert!(check_slices(&[s(0, 5, 4)]).is_err());
+        assert!(check_slices(&[s(0, 21, 21)]).is_err());
+        assert!(check_slices(&[s(6, 5, 0)]).is_err());
+    }
+}
