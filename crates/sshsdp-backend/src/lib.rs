@@ -22,6 +22,7 @@
 
 mod backend;
 mod backend_ext;
+mod clip;
 mod comm;
 mod config;
 mod error;
@@ -38,6 +39,7 @@ mod worker;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
+pub use clip::{clip_factor, global_grad_norm};
 pub use config::{CopyMode, HsdpConfig};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;

@@ -12,6 +12,7 @@ use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use crate::clip::{clip_factor, global_grad_norm};
 use crate::shard::refresh_leaves;
 use crate::{HsdpError, HsdpRuntime, ShardableBackend};
 
@@ -20,6 +21,8 @@ pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
     optimizer: O,
     states: HashMap<usize, O::State<1>>,
     device: B::Device,
+    max_grad_norm: Option<f64>,
+    last_grad_norm: Option<f64>,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
@@ -29,7 +32,20 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             optimizer,
             states: HashMap::new(),
             device,
+            max_grad_norm: None,
+            last_grad_norm: None,
         }
+    }
+
+    /// Clips the global gradient norm (over all shards) to `max_norm` before each step.
+    pub fn with_grad_clipping(mut self, max_norm: f64) -> Self {
+        self.max_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// The global gradient norm before clipping at the last step (when clipping is on).
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_grad_norm
     }
 
     /// One optimizer step with learning rate `lr` on every piece of `runtime` that has a
@@ -50,25 +66,47 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     }
 
     fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {
-        runtime.update(|bucket, master, grad| {
-            let n = master.len();
-            let param =
-                Tensor::<B, 1>::from_data(TensorData::new(master.to_vec(), [n]), &self.device);
-            let grad = Tensor::<B, 1>::from_data(TensorData::new(grad.to_vec(), [n]), &self.device);
-            let state = self.states.remove(&bucket);
-            let (param, state) = self.optimizer.step(lr, param, grad, state);
-            if let Some(state) = state {
-                self.states.insert(bucket, state);
+        runtime.update_pieces(|pieces, group| {
+            let scale = match self.max_grad_norm {
+                Some(max_norm) => {
+                    let norm = global_grad_norm(pieces, group)?;
+                    self.last_grad_norm = Some(norm);
+                    clip_factor(norm, max_norm)
+                }
+                None => 1.0,
+            };
+            for piece in pieces.iter_mut() {
+                self.step_piece(lr, scale, piece.bucket, piece.master, piece.grad)?;
             }
-            let values = param
-                .into_data()
-                .convert::<f32>()
-                .into_vec::<f32>()
-                .map_err(|e| {
-                    HsdpError::Failed(format!("reading updated bucket {bucket}: {e:?}"))
-                })?;
-            master.copy_from_slice(&values);
             Ok(())
         })
+    }
+
+    fn step_piece(
+        &mut self,
+        lr: f64,
+        grad_scale: f64,
+        bucket: usize,
+        master: &mut [f32],
+        grad: &[f32],
+    ) -> Result<(), HsdpError> {
+        let n = master.len();
+        let param = Tensor::<B, 1>::from_data(TensorData::new(master.to_vec(), [n]), &self.device);
+        let mut grad = Tensor::<B, 1>::from_data(TensorData::new(grad.to_vec(), [n]), &self.device);
+        if grad_scale != 1.0 {
+            grad = grad.mul_scalar(grad_scale);
+        }
+        let state = self.states.remove(&bucket);
+        let (param, state) = self.optimizer.step(lr, param, grad, state);
+        if let Some(state) = state {
+            self.states.insert(bucket, state);
+        }
+        let values = param
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| HsdpError::Failed(format!("reading updated bucket {bucket}: {e:?}")))?;
+        master.copy_from_slice(&values);
+        Ok(())
     }
 }

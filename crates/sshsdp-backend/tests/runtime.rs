@@ -323,3 +323,69 @@ fn a_mesh_that_does_not_fit_the_world_is_an_error() {
         .unwrap_err();
     assert!(matches!(err, HsdpError::Unsupported(_)), "{err}");
 }
+
+/// Global-norm clipping sees the whole model's gradient whatever the sharding: the norm and the
+/// clipped training are the same at world 1, 2 and 4 (and HSDP 2×2), and clipping changes
+/// training when the norm exceeds the threshold.
+#[test]
+fn global_norm_clipping_is_the_same_at_every_world_size() {
+    let init = model();
+    let run = |mesh: Mesh, sharding: Sharding, max_norm: Option<f64>| {
+        let world = mesh.world_size();
+        ThreadsWorld::run(world, threads(30_000), |comm| {
+            let device = Default::default();
+            let rank = comm.rank();
+            let config = HsdpConfig::new(mesh)
+                .with_sharding(sharding)
+                .with_bucket_elements(1500);
+            let (mut model, runtime) =
+                shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+            let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
+            if let Some(m) = max_norm {
+                sgd = sgd.with_grad_clipping(m);
+            }
+            let (mut losses, mut norms) = (Vec::new(), Vec::new());
+            for batch in batches(3, 8) {
+                let local = 8 / world;
+                let loss = model.loss(rows::<B>(&batch, rank * local, local, &device));
+                losses.push(loss.clone().into_scalar());
+                let _ = loss.backward();
+                model = sgd.step(0.5, model, &runtime).unwrap();
+                norms.push(sgd.last_grad_norm().unwrap_or(0.0));
+            }
+            (losses, norms)
+        })
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect::<Vec<_>>()
+    };
+    let one = run(Mesh::flat(1).unwrap(), Sharding::Hierarchical, Some(0.1));
+    let (base_losses, base_norms) = &one[0];
+    assert!(base_norms[0] > 0.1, "the threshold clips: {base_norms:?}");
+    let unclipped = run(Mesh::flat(1).unwrap(), Sharding::Hierarchical, None);
+    assert!((unclipped[0].0[2] - base_losses[2]).abs() > 1e-3);
+    for (mesh, sharding) in [
+        (Mesh::flat(2).unwrap(), Sharding::Hierarchical),
+        (Mesh::flat(4).unwrap(), Sharding::Hierarchical),
+        (Mesh::new(2, 2).unwrap(), Sharding::Hsdp),
+    ] {
+        let ranks = run(mesh, sharding, Some(0.1));
+        let world = ranks.len() as f32;
+        for step in 0..3 {
+            let loss = ranks.iter().map(|r| r.0[step]).sum::<f32>() / world;
+            let want = base_losses[step];
+            assert!(
+                (loss - want).abs() <= 1e-4 * want,
+                "{mesh} step {step}: {loss} vs {want}"
+            );
+            for (_, norms) in &ranks {
+                let (got, want) = (norms[step], base_norms[step]);
+                assert!(
+                    (got - want).abs() <= 1e-4 * want,
+                    "{mesh} norm {got} vs {want}"
+                );
+            }
+        }
+    }
+}

@@ -7,10 +7,10 @@
 
 use std::collections::HashMap;
 
-use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::Tensor;
+use burn::tensor::{ElementConversion, Tensor};
 use sshsdp_plan::{Role, RoleRule};
 
 use crate::{Muon, MuonState};
@@ -22,6 +22,8 @@ pub struct MuonWithElementwise<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBa
     rule: RoleRule,
     muon_states: HashMap<ParamId, MuonState<B::InnerBackend, 2>>,
     states: HashMap<ParamId, O::State<1>>,
+    max_grad_norm: Option<f64>,
+    last_grad_norm: Option<f64>,
 }
 
 impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> MuonWithElementwise<B, O> {
@@ -38,7 +40,21 @@ impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> MuonWithElementwis
             rule,
             muon_states: HashMap::new(),
             states: HashMap::new(),
+            max_grad_norm: None,
+            last_grad_norm: None,
         }
+    }
+
+    /// Clips the global gradient norm (all parameters together) to `max_norm` before each
+    /// step. (Burn's own `GradientClipping::Norm` clips each parameter separately.)
+    pub fn with_grad_clipping(mut self, max_norm: f64) -> Self {
+        self.max_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// The global gradient norm before clipping at the last step (when clipping is on).
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_grad_norm
     }
 
     /// The Muon optimizer.
@@ -48,10 +64,24 @@ impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> MuonWithElementwis
 
     /// One step with learning rate `lr`; parameters without a gradient are left as they are.
     pub fn step<M: AutodiffModule<B>>(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        let grad_scale = match self.max_grad_norm {
+            Some(max_norm) => {
+                let mut norm = SquaredNorm {
+                    grads: &grads,
+                    sum: 0.0,
+                };
+                module.visit(&mut norm);
+                let norm = norm.sum.sqrt();
+                self.last_grad_norm = Some(norm);
+                sshsdp_backend::clip_factor(norm, max_norm)
+            }
+            None => 1.0,
+        };
         let mut stepper = Stepper {
             optim: self,
             grads,
             lr,
+            grad_scale,
             path: Vec::new(),
         };
         module.map(&mut stepper)
@@ -62,7 +92,23 @@ struct Stepper<'a, B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> {
     optim: &'a mut MuonWithElementwise<B, O>,
     grads: GradientsParams,
     lr: f64,
+    grad_scale: f64,
     path: Vec<String>,
+}
+
+/// Sums the squares of every parameter's gradient.
+struct SquaredNorm<'a> {
+    grads: &'a GradientsParams,
+    sum: f64,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            let squares: f64 = g.powi_scalar(2).sum().into_scalar().elem();
+            self.sum += squares;
+        }
+    }
 }
 
 impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> ModuleMapper<B>
@@ -80,6 +126,11 @@ impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> ModuleMapper<B>
         let (id, tensor, mapper) = param.consume();
         let Some(grad) = self.grads.remove::<B::InnerBackend, D>(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let grad = if self.grad_scale != 1.0 {
+            grad.mul_scalar(self.grad_scale)
+        } else {
+            grad
         };
         let shape = tensor.dims();
         let inner = tensor.inner();

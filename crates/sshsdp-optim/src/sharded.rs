@@ -24,7 +24,9 @@ use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{refresh_leaves, HsdpError, HsdpRuntime, ShardableBackend};
+use sshsdp_backend::{
+    clip_factor, global_grad_norm, refresh_leaves, HsdpError, HsdpRuntime, ShardableBackend,
+};
 use sshsdp_plan::Role;
 
 use crate::units::{units_of, UpdateUnit};
@@ -49,6 +51,8 @@ pub struct ShardedMuon<B: Backend, O: SimpleOptimizer<B>> {
     states: HashMap<usize, O::State<1>>,
     momentum: HashMap<usize, Vec<f32>>,
     last: MuonStepStats,
+    max_grad_norm: Option<f64>,
+    last_grad_norm: Option<f64>,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
@@ -62,7 +66,21 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             states: HashMap::new(),
             momentum: HashMap::new(),
             last: MuonStepStats::default(),
+            max_grad_norm: None,
+            last_grad_norm: None,
         }
+    }
+
+    /// Clips the global gradient norm (over all shards, one all-reduce) to `max_norm` before
+    /// each step.
+    pub fn with_grad_clipping(mut self, max_norm: f64) -> Self {
+        self.max_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// The global gradient norm before clipping at the last step (when clipping is on).
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_grad_norm
     }
 
     /// The Muon optimizer (its counters include every orthogonalisation run here).
@@ -93,6 +111,18 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             );
             let plan = runtime.plan();
             let mut stats = MuonStepStats::default();
+            let scale = match self.max_grad_norm {
+                Some(max_norm) => {
+                    let norm = global_grad_norm(pieces, group)?;
+                    self.last_grad_norm = Some(norm);
+                    clip_factor(norm, max_norm) as f32
+                }
+                None => 1.0,
+            };
+            let scaled: Vec<Option<Vec<f32>>> = pieces
+                .iter()
+                .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
+                .collect();
             // Split matrices: their place in the exchange buffer, in plan order.
             let mut split_offset = HashMap::new();
             let mut split_len = 0usize;
@@ -106,7 +136,10 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             let mut owned_updates = Vec::new();
             for unit in &units {
                 let piece = &mut pieces[unit.piece];
-                let grad = &piece.grad[unit.in_piece.clone()];
+                let grad = match &scaled[unit.piece] {
+                    Some(g) => &g[unit.in_piece.clone()],
+                    None => &piece.grad[unit.in_piece.clone()],
+                };
                 match unit.role {
                     Role::Elementwise => {
                         let master = &mut piece.master[unit.in_piece.clone()];
