@@ -26,6 +26,11 @@ impl<B: Backend> HsdpRuntime<B> {
         Self { runtime }
     }
 
+    /// This rank's index in the world.
+    pub fn rank(&self) -> usize {
+        self.runtime.world_rank()
+    }
+
     /// The plan every rank agreed on.
     pub fn plan(&self) -> &Plan {
         self.runtime.plan()
@@ -52,6 +57,16 @@ impl<B: Backend> HsdpRuntime<B> {
         step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
         self.runtime.update_pieces(step)
+    }
+
+    /// Every bucket's piece on this rank with its fp32 master (gradients empty), for reading or
+    /// overwriting the masters (checkpoints); the runtime shards are re-derived and rebuilt
+    /// afterwards. A collective call: every rank calls it.
+    pub fn master_pieces(
+        &self,
+        f: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        self.runtime.master_pieces(f)
     }
 
     /// Element range of parameter `index` (an index into `plan().params()`) in its bucket, in

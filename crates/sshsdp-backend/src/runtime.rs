@@ -422,6 +422,24 @@ impl<B: Backend> Runtime<B> {
         &self,
         step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
+        self.with_pieces(false, step)
+    }
+
+    /// Hands every bucket's piece to `f` (gradients empty, pending gradients left alone), then
+    /// re-derives and rebuilds the runtime shards as after an update: for checkpoints, which
+    /// read or overwrite the fp32 masters.
+    pub fn master_pieces(
+        &self,
+        f: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        self.with_pieces(true, f)
+    }
+
+    fn with_pieces(
+        &self,
+        all_buckets: bool,
+        step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
         let mut st = self.lock();
         if let Some(b) = st.buckets.iter().position(|b| b.pending > 0) {
             return Err(HsdpError::Failed(format!(
@@ -435,10 +453,14 @@ impl<B: Backend> Runtime<B> {
         if let Some(f) = &st.failure {
             return Err(HsdpError::Failed(f.clone()));
         }
-        let grads: Vec<(usize, Vec<f32>)> = (0..st.buckets.len())
-            .map(|b| (b, std::mem::take(&mut st.buckets[b].grad_piece)))
-            .filter(|(_, g)| !g.is_empty())
-            .collect();
+        let grads: Vec<(usize, Vec<f32>)> = if all_buckets {
+            (0..st.buckets.len()).map(|b| (b, Vec::new())).collect()
+        } else {
+            (0..st.buckets.len())
+                .map(|b| (b, std::mem::take(&mut st.buckets[b].grad_piece)))
+                .filter(|(_, g)| !g.is_empty())
+                .collect()
+        };
         let ranges: Vec<Range<usize>> = (0..st.buckets.len())
             .map(|b| {
                 let pe = self.piece_elems(b);
@@ -528,6 +550,11 @@ impl<B: Backend> Runtime<B> {
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| HsdpError::Failed(format!("{e:?}")))
+    }
+
+    /// This rank's index in the world.
+    pub fn world_rank(&self) -> usize {
+        self.world_rank
     }
 
     /// Element range of parameter `index` in its bucket.

@@ -18,7 +18,7 @@
 //! one per piece boundary). A point-to-point gather to the owner would move less; the
 //! engines' collective set has no gather-v yet.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use burn::module::Module;
 use burn::optim::SimpleOptimizer;
@@ -29,6 +29,7 @@ use sshsdp_backend::{
 };
 use sshsdp_plan::Role;
 
+use crate::checkpoint::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
 use crate::units::{units_of, UpdateUnit};
 use crate::Muon;
 
@@ -273,4 +274,40 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpErr
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| HsdpError::Failed(format!("reading optimizer values: {e:?}")))
+}
+
+/// Name of a Muon momentum slice in a checkpoint's state arrays.
+const MUON_MOMENTUM: &str = "muon.momentum";
+
+impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
+    fn export_unit(&self, param: usize) -> Result<Option<EncodedState>, CheckpointError> {
+        if let Some(m) = self.momentum.get(&param) {
+            let arrays = BTreeMap::from([(MUON_MOMENTUM.to_string(), m.clone())]);
+            return Ok(Some((arrays, BTreeMap::new())));
+        }
+        match self.states.get(&param) {
+            Some(state) => Ok(Some(encode_state::<B, _>(state.clone())?)),
+            None => Ok(None),
+        }
+    }
+
+    fn import_unit(
+        &mut self,
+        param: usize,
+        state: Option<EncodedState>,
+        len: usize,
+    ) -> Result<(), CheckpointError> {
+        self.momentum.remove(&param);
+        self.states.remove(&param);
+        let Some((mut arrays, scalars)) = state else {
+            return Ok(());
+        };
+        if let Some(m) = arrays.remove(MUON_MOMENTUM) {
+            self.momentum.insert(param, m);
+        } else {
+            let state = decode_state::<B, O::State<1>>(&arrays, &scalars, len, &self.device)?;
+            self.states.insert(param, state);
+        }
+        Ok(())
+    }
 }

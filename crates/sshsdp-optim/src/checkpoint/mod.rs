@@ -14,12 +14,15 @@
 //!   assembles any new range of any parameter ([`Coverage::assemble`]), whatever the old and
 //!   new world sizes; identical HSDP replicas are accepted, gaps and conflicting copies are
 //!   errors. [`export_full`] / [`shard_full`] convert to and from an unsharded model.
+//! * [`save`] / [`load`]: a sharded model's checkpoint — each rank's masters and optimizer
+//!   state ([`UnitState`]) per update unit; loading re-shards to the current world and mesh.
 //! * [`encode_state`] / [`decode_state`]: a Burn optimizer state record (any element-wise
 //!   `SimpleOptimizer::State<1>`, e.g. `SgdState`, `AdamState`, `AdamWState`) to named `f32`
 //!   arrays plus scalars and back, so that state can be sliced and re-sharded like weights.
 
 mod format;
 mod reshard;
+mod runtime_io;
 mod state_codec;
 
 use std::path::PathBuf;
@@ -28,11 +31,15 @@ pub use format::{
     checkpoint_dir_files, read_all, shard_file_name, ShardFile, SliceEntry, FORMAT_VERSION,
 };
 pub use reshard::{agreed_scalars, assemble, export_full, shard_full, Coverage, FullModel, MASTER};
+pub use runtime_io::{load, save, UnitState, WeightsOnly, STEP};
 pub use state_codec::{decode_state, encode_state, strip_prefix, with_prefix, EncodedState};
 
 /// Why a checkpoint could not be written, read or re-assembled.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
+    /// The training runtime failed while the checkpoint was read or written.
+    #[error("runtime error during checkpointing: {0}")]
+    Runtime(sshsdp_backend::HsdpError),
     /// An I/O error on a file or directory.
     #[error("I/O error on {}: {source}", file.display())]
     Io {

@@ -1,0 +1,225 @@
+//! Saving and loading a sharded model's checkpoint: each rank writes the fp32 masters and the
+//! optimizer state of its update units, and loading — at any world size or mesh — assembles
+//! each new unit from whichever old shards cover it.
+//!
+//! Scalars of the optimizer state (Adam's step count) belong to one parameter; they are kept
+//! under `{path}#{name}` in the shard's scalars, and ranks holding slices of the same
+//! parameter must agree on them.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use sshsdp_backend::{HsdpError, HsdpRuntime};
+
+use super::{
+    read_all, with_prefix, CheckpointError, Coverage, EncodedState, ShardFile, SliceEntry, MASTER,
+};
+use crate::units::units_of;
+
+/// Prefix of optimizer state arrays and scalars in a checkpoint.
+const STATE: &str = "state.";
+/// The training step counter in a shard's scalars.
+pub const STEP: &str = "step";
+
+/// Optimizer state kept per update unit (one slice of one parameter on this rank), so that it
+/// can be saved and re-sharded.
+pub trait UnitState {
+    /// The state of parameter `param`'s slice on this rank (`None` before its first step).
+    fn export_unit(&self, param: usize) -> Result<Option<EncodedState>, CheckpointError>;
+    /// Replaces the state of parameter `param`'s slice of `len` elements (`None`: no state
+    /// yet).
+    fn import_unit(
+        &mut self,
+        param: usize,
+        state: Option<EncodedState>,
+        len: usize,
+    ) -> Result<(), CheckpointError>;
+}
+
+/// No optimizer state: a checkpoint of the weights alone.
+pub struct WeightsOnly;
+
+impl UnitState for WeightsOnly {
+    fn export_unit(&self, _param: usize) -> Result<Option<EncodedState>, CheckpointError> {
+        Ok(None)
+    }
+
+    fn import_unit(
+        &mut self,
+        _param: usize,
+        _state: Option<EncodedState>,
+        _len: usize,
+    ) -> Result<(), CheckpointError> {
+        Ok(())
+    }
+}
+
+/// Runs `f` on every master piece and carries a checkpoint error out of the runtime's closure.
+fn on_masters<B: Backend>(
+    runtime: &HsdpRuntime<B>,
+    f: impl FnOnce(&mut [sshsdp_backend::Piece<'_>]) -> Result<(), CheckpointError>,
+) -> Result<(), CheckpointError> {
+    let mut inner = None;
+    let outer = runtime.master_pieces(|pieces, _| {
+        f(pieces).map_err(|e| {
+            let message = e.to_string();
+            inner = Some(e);
+            HsdpError::Failed(message)
+        })
+    });
+    match (inner, outer) {
+        (Some(e), _) => Err(e),
+        (None, Err(e)) => Err(CheckpointError::Runtime(e)),
+        (None, Ok(())) => Ok(()),
+    }
+}
+
+/// Writes this rank's shard of the checkpoint (fp32 masters, `optimizer`'s state and `step`)
+/// into `dir`. A collective call: every rank calls it (the runtime shards are rebuilt after
+/// reading the masters). Returns the file written.
+pub fn save<B: Backend>(
+    dir: impl AsRef<Path>,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &impl UnitState,
+    step: u64,
+) -> Result<std::path::PathBuf, CheckpointError> {
+    let plan = runtime.plan();
+    let mut slices = Vec::new();
+    let mut scalars = BTreeMap::from([(STEP.to_string(), step as f64)]);
+    on_masters(runtime, |pieces| {
+        let units = units_of(
+            runtime,
+            pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
+        );
+        for unit in units {
+            let spec = &plan.params()[unit.param].spec;
+            let mut arrays = BTreeMap::from([(
+                MASTER.to_string(),
+                pieces[unit.piece].master[unit.in_piece.clone()].to_vec(),
+            )]);
+            if let Some((state_arrays, state_scalars)) = optimizer.export_unit(unit.param)? {
+                arrays.extend(with_prefix(state_arrays, STATE));
+                for (name, value) in state_scalars {
+                    scalars.insert(format!("{}#{STATE}{name}", spec.path), value);
+                }
+            }
+            slices.push(SliceEntry {
+                path: spec.path.clone(),
+                shape: spec.shape.clone(),
+                start: unit.in_param.start,
+                end: unit.in_param.end,
+                arrays,
+            });
+        }
+        Ok(())
+    })?;
+    let file = ShardFile {
+        rank: runtime.rank(),
+        world: plan.mesh().world_size(),
+        plan_json: plan.to_json(),
+        slices,
+        scalars,
+    };
+    std::fs::create_dir_all(dir.as_ref()).map_err(|source| CheckpointError::Io {
+        file: dir.as_ref().to_path_buf(),
+        source,
+    })?;
+    file.write_to_dir(dir)
+}
+
+/// Loads the checkpoint in `dir` — written at any world size and mesh — into this rank's
+/// masters and `optimizer`'s state; returns the saved step. A collective call. The checkpoint
+/// must hold exactly this model's parameters with the same shapes.
+pub fn load<B: Backend>(
+    dir: impl AsRef<Path>,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &mut impl UnitState,
+) -> Result<u64, CheckpointError> {
+    let dir = dir.as_ref();
+    let files = read_all(dir)?;
+    let coverage = Coverage::new(&files)?;
+    let plan = runtime.plan();
+    let mismatch = |reason: String| CheckpointError::Mismatch {
+        file: dir.to_path_buf(),
+        reason,
+    };
+    for p in plan.params() {
+        match coverage.shape(&p.spec.path) {
+            Some(shape) if shape == p.spec.shape.as_slice() => {}
+            Some(shape) => {
+                return Err(mismatch(format!(
+                    "parameter '{}' has shape {shape:?} in the checkpoint and {:?} in the model",
+                    p.spec.path, p.spec.shape
+                )))
+            }
+            None => {
+                return Err(mismatch(format!(
+                    "the checkpoint has no parameter '{}'",
+                    p.spec.path
+                )))
+            }
+        }
+    }
+    if let Some((path, _)) = coverage
+        .params()
+        .find(|(path, _)| plan.param_index(path).is_none())
+    {
+        return Err(mismatch(format!(
+            "the checkpoint's parameter '{path}' is not in the model"
+        )));
+    }
+    let scalars = merged_scalars(&files, dir)?;
+    let step = scalars
+        .get(STEP)
+        .copied()
+        .ok_or_else(|| mismatch("no step counter".into()))?;
+    on_masters(runtime, |pieces| {
+        let units = units_of(
+            runtime,
+            pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
+        );
+        for unit in units {
+            let path = &plan.params()[unit.param].spec.path;
+            let len = unit.in_param.len();
+            let mut entry =
+                coverage.assemble_slice(path, unit.in_param.start, unit.in_param.end)?;
+            let master = entry
+                .arrays
+                .remove(MASTER)
+                .ok_or_else(|| mismatch(format!("no master weights for '{path}'")))?;
+            pieces[unit.piece].master[unit.in_piece.clone()].copy_from_slice(&master);
+            let arrays = super::strip_prefix(&entry.arrays, STATE);
+            let prefix = format!("{path}#{STATE}");
+            let state_scalars = super::strip_prefix(&scalars, &prefix);
+            let state = (!arrays.is_empty() || !state_scalars.is_empty())
+                .then_some((arrays, state_scalars));
+            optimizer.import_unit(unit.param, state, len)?;
+        }
+        Ok(())
+    })?;
+    Ok(step as u64)
+}
+
+/// Every shard's scalars in one map; a name held by several shards must have one value.
+fn merged_scalars(
+    files: &[ShardFile],
+    dir: &Path,
+) -> Result<BTreeMap<String, f64>, CheckpointError> {
+    let mut merged = BTreeMap::new();
+    for file in files {
+        for (name, &value) in &file.scalars {
+            if let Some(&seen) = merged.get(name) {
+                if f64::to_bits(seen) != f64::to_bits(value) {
+                    return Err(CheckpointError::Mismatch {
+                        file: dir.join(file.file_name()),
+                        reason: format!("scalar '{name}' is {value} here and {seen} elsewhere"),
+                    });
+                }
+            } else {
+                merged.insert(name.clone(), value);
+            }
+        }
+    }
+    Ok(merged)
+}
