@@ -1,5 +1,7 @@
-//! Distributed Muon equals single-device Muon: a small GPT trained with Muon on its matrices and
-//! AdamW on the rest, sharded at world 1, 2, 4 and over 2×2 meshes, follows the same losses and
+//! Sharded optimizers and their checkpoints.
+//!
+//! Distributed Muon equals single-device Muon: a small GPT trained with Muon on its matrices
+//! and AdamW on the rest, sharded at world 1, 2, 4 and over 2×2 meshes, follows the same losses and
 //! ends at the same weights as [`MuonWithElementwise`] on one device; each matrix is
 //! orthogonalised exactly once per update group and step.
 //!
@@ -341,5 +343,81 @@ fn checkpoint_of_another_model_is_refused() {
         let e = e.unwrap();
         assert!(e.contains("shape") && e.contains("embed.weight"), "{e}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The element-wise driver (`ShardedOptimizer`, one AdamW state per bucket piece) saves through
+/// `PieceStates`: save at world 4, resume at world 2 as the uninterrupted run; and the
+/// checkpoint exports to an ordinary unsharded Burn module holding the trained weights.
+#[test]
+fn elementwise_checkpoint_resumes_and_exports_unsharded() {
+    use sshsdp::backend::ShardedOptimizer;
+    let init = initial();
+    let dir = scratch_dir("adamw-4-to-2");
+    let run = |mesh: Mesh, steps: std::ops::Range<usize>, load: bool, save: bool| {
+        let world = mesh.world_size();
+        ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
+            let device = Default::default();
+            let rank = comm.rank();
+            let config = HsdpConfig::new(mesh).with_bucket_elements(1500);
+            let (mut model, runtime) =
+                shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+            let mut optim = ShardedOptimizer::<Inner, _>::new(AdamWConfig::new().build(), device);
+            if load {
+                let states = &mut checkpoint::PieceStates::new(&mut optim);
+                assert_eq!(
+                    checkpoint::load(&dir, &runtime, states).unwrap(),
+                    steps.start as u64
+                );
+            }
+            let local = BATCH / world;
+            let mut losses = Vec::new();
+            for step in steps.clone() {
+                let loss = model.loss(tokens(step, rank * local, local));
+                losses.push(loss.clone().into_scalar());
+                let _ = loss.backward();
+                model = optim.step(LR, model, &runtime).unwrap();
+            }
+            if save {
+                let states = checkpoint::PieceStates::new(&mut optim);
+                checkpoint::save(&dir, &runtime, &states, steps.end as u64).unwrap();
+            }
+            (losses, weights(&model))
+        })
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect::<Vec<_>>()
+    };
+    let half = STEPS / 2;
+    let whole = run(Mesh::flat(4).unwrap(), 0..STEPS, false, false);
+    let first = run(Mesh::flat(4).unwrap(), 0..half, false, true);
+    let resumed = run(Mesh::flat(2).unwrap(), half..STEPS, true, false);
+    let mean = |ranks: &[(Vec<f32>, Weights)], i: usize| {
+        ranks.iter().map(|r| r.0[i]).sum::<f32>() / ranks.len() as f32
+    };
+    for i in 0..STEPS - half {
+        let (got, want) = (mean(&resumed, i), mean(&whole, half + i));
+        assert!(
+            (got - want).abs() <= 1e-4 * want,
+            "step {}: {got} vs {want}",
+            half + i
+        );
+    }
+    // Export: the unsharded model carries exactly the weights the sharded run had at the save.
+    let files = checkpoint::read_all(&dir).unwrap();
+    let full = checkpoint::export_full(&files).unwrap();
+    let plain = checkpoint::apply_full(CONFIG.init::<B>(&Default::default()), &full).unwrap();
+    assert_eq!(weights(&plain), first[0].1);
+    // A module of another shape is refused.
+    let other = GptConfig {
+        layers: 1,
+        ..CONFIG
+    }
+    .init::<B>(&Default::default());
+    let err = checkpoint::apply_full(other, &full)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("parameters"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -43,6 +43,25 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         self
     }
 
+    /// The optimizer state of bucket `bucket`'s piece on this rank (`None` before its first
+    /// step), for checkpoints.
+    pub fn piece_state(&self, bucket: usize) -> Option<&O::State<1>> {
+        self.states.get(&bucket)
+    }
+
+    /// Replaces the state of bucket `bucket`'s piece (`None`: no state yet), for checkpoints.
+    pub fn set_piece_state(&mut self, bucket: usize, state: Option<O::State<1>>) {
+        match state {
+            Some(state) => self.states.insert(bucket, state),
+            None => self.states.remove(&bucket),
+        };
+    }
+
+    /// The device the optimizer state lives on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
     /// The global gradient norm before clipping at the last step (when clipping is on).
     pub fn last_grad_norm(&self) -> Option<f64> {
         self.last_grad_norm

@@ -280,7 +280,8 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpErr
 const MUON_MOMENTUM: &str = "muon.momentum";
 
 impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
-    fn export_unit(&self, param: usize) -> Result<Option<EncodedState>, CheckpointError> {
+    fn export_unit(&self, unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError> {
+        let param = unit.param;
         if let Some(m) = self.momentum.get(&param) {
             let arrays = BTreeMap::from([(MUON_MOMENTUM.to_string(), m.clone())]);
             return Ok(Some((arrays, BTreeMap::new())));
@@ -293,10 +294,10 @@ impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
 
     fn import_unit(
         &mut self,
-        param: usize,
+        unit: &UpdateUnit,
         state: Option<EncodedState>,
-        len: usize,
     ) -> Result<(), CheckpointError> {
+        let (param, len) = (unit.param, unit.in_param.len());
         self.momentum.remove(&param);
         self.states.remove(&param);
         let Some((mut arrays, scalars)) = state else {

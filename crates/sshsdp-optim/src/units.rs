@@ -17,6 +17,8 @@ pub struct UpdateUnit {
     pub param: usize,
     /// Index of the piece among the pieces handed to the update.
     pub piece: usize,
+    /// The bucket the piece belongs to.
+    pub bucket: usize,
     /// Positions of the slice in the piece's master and gradient.
     pub in_piece: Range<usize>,
     /// Positions of the slice in the parameter (row-major).
@@ -45,6 +47,7 @@ pub fn units_of<B: Backend>(
             units.push(UpdateUnit {
                 param,
                 piece,
+                bucket,
                 in_piece: lo - start..hi - start,
                 in_param: lo - elements.start..hi - elements.start,
                 role: plan.params()[param].spec.role,

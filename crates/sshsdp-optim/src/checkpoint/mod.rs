@@ -20,16 +20,20 @@
 //!   `SimpleOptimizer::State<1>`, e.g. `SgdState`, `AdamState`, `AdamWState`) to named `f32`
 //!   arrays plus scalars and back, so that state can be sliced and re-sharded like weights.
 
+mod export;
 mod format;
+mod piece_state;
 mod reshard;
 mod runtime_io;
 mod state_codec;
 
 use std::path::PathBuf;
 
+pub use export::apply_full;
 pub use format::{
     checkpoint_dir_files, read_all, shard_file_name, ShardFile, SliceEntry, FORMAT_VERSION,
 };
+pub use piece_state::PieceStates;
 pub use reshard::{agreed_scalars, assemble, export_full, shard_full, Coverage, FullModel, MASTER};
 pub use runtime_io::{load, save, UnitState, WeightsOnly, STEP};
 pub use state_codec::{decode_state, encode_state, strip_prefix, with_prefix, EncodedState};

@@ -15,41 +15,44 @@ use sshsdp_backend::{HsdpError, HsdpRuntime};
 use super::{
     read_all, with_prefix, CheckpointError, Coverage, EncodedState, ShardFile, SliceEntry, MASTER,
 };
-use crate::units::units_of;
+use crate::units::{units_of, UpdateUnit};
 
 /// Prefix of optimizer state arrays and scalars in a checkpoint.
 const STATE: &str = "state.";
 /// The training step counter in a shard's scalars.
 pub const STEP: &str = "step";
 
-/// Optimizer state kept per update unit (one slice of one parameter on this rank), so that it
-/// can be saved and re-sharded.
+/// Optimizer state that can be saved and re-sharded per update unit (one slice of one
+/// parameter on this rank).
 pub trait UnitState {
-    /// The state of parameter `param`'s slice on this rank (`None` before its first step).
-    fn export_unit(&self, param: usize) -> Result<Option<EncodedState>, CheckpointError>;
-    /// Replaces the state of parameter `param`'s slice of `len` elements (`None`: no state
-    /// yet).
+    /// The state of `unit` (`None` before its first step); arrays have the unit's length.
+    fn export_unit(&self, unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError>;
+    /// Sets the state of `unit` (`None`: no state yet). Called for every unit of this rank,
+    /// then [`UnitState::finish_import`].
     fn import_unit(
         &mut self,
-        param: usize,
+        unit: &UpdateUnit,
         state: Option<EncodedState>,
-        len: usize,
     ) -> Result<(), CheckpointError>;
+    /// After every unit was imported; `pieces` are this rank's `(bucket, piece length)`.
+    fn finish_import(&mut self, pieces: &[(usize, usize)]) -> Result<(), CheckpointError> {
+        let _ = pieces;
+        Ok(())
+    }
 }
 
 /// No optimizer state: a checkpoint of the weights alone.
 pub struct WeightsOnly;
 
 impl UnitState for WeightsOnly {
-    fn export_unit(&self, _param: usize) -> Result<Option<EncodedState>, CheckpointError> {
+    fn export_unit(&self, _unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError> {
         Ok(None)
     }
 
     fn import_unit(
         &mut self,
-        _param: usize,
+        _unit: &UpdateUnit,
         _state: Option<EncodedState>,
-        _len: usize,
     ) -> Result<(), CheckpointError> {
         Ok(())
     }
@@ -98,7 +101,7 @@ pub fn save<B: Backend>(
                 MASTER.to_string(),
                 pieces[unit.piece].master[unit.in_piece.clone()].to_vec(),
             )]);
-            if let Some((state_arrays, state_scalars)) = optimizer.export_unit(unit.param)? {
+            if let Some((state_arrays, state_scalars)) = optimizer.export_unit(&unit)? {
                 arrays.extend(with_prefix(state_arrays, STATE));
                 for (name, value) in state_scalars {
                     scalars.insert(format!("{}#{STATE}{name}", spec.path), value);
@@ -179,9 +182,8 @@ pub fn load<B: Backend>(
             runtime,
             pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
         );
-        for unit in units {
+        for unit in &units {
             let path = &plan.params()[unit.param].spec.path;
-            let len = unit.in_param.len();
             let mut entry =
                 coverage.assemble_slice(path, unit.in_param.start, unit.in_param.end)?;
             let master = entry
@@ -194,9 +196,11 @@ pub fn load<B: Backend>(
             let state_scalars = super::strip_prefix(&scalars, &prefix);
             let state = (!arrays.is_empty() || !state_scalars.is_empty())
                 .then_some((arrays, state_scalars));
-            optimizer.import_unit(unit.param, state, len)?;
+            optimizer.import_unit(unit, state)?;
         }
-        Ok(())
+        let lengths: Vec<(usize, usize)> =
+            pieces.iter().map(|p| (p.bucket, p.master.len())).collect();
+        optimizer.finish_import(&lengths)
     })?;
     Ok(step as u64)
 }
