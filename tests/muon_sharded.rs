@@ -409,6 +409,26 @@ fn elementwise_checkpoint_resumes_and_exports_unsharded() {
     let full = checkpoint::export_full(&files).unwrap();
     let plain = checkpoint::apply_full(CONFIG.init::<B>(&Default::default()), &full).unwrap();
     assert_eq!(weights(&plain), first[0].1);
+    // A checkpoint of another optimizer is refused (weights alone load).
+    let errors = ThreadsWorld::run(2, ThreadsConfig::default(), |comm| {
+        let config = HsdpConfig::new(Mesh::flat(2).unwrap()).with_bucket_elements(1500);
+        let device = Default::default();
+        let (_, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let mut muon =
+            ShardedMuon::<Inner, _>::new(muon().init(), AdamWConfig::new().build(), device);
+        checkpoint::load(&dir, &runtime, &mut checkpoint::WeightsOnly).unwrap();
+        checkpoint::load(&dir, &runtime, &mut muon)
+            .unwrap_err()
+            .to_string()
+    })
+    .unwrap();
+    for e in errors {
+        let e = e.unwrap();
+        assert!(
+            e.contains("ShardedOptimizer") && e.contains("WeightsOnly"),
+            "{e}"
+        );
+    }
     // A module of another shape is refused.
     let other = GptConfig {
         layers: 1,

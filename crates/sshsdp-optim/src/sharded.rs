@@ -280,6 +280,10 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpErr
 const MUON_MOMENTUM: &str = "muon.momentum";
 
 impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
+    fn optimizer_name(&self) -> Option<String> {
+        Some(format!("ShardedMuon<{}>", std::any::type_name::<O>()))
+    }
+
     fn export_unit(&self, unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError> {
         let param = unit.param;
         if let Some(m) = self.momentum.get(&param) {

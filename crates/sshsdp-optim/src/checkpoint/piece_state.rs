@@ -38,6 +38,10 @@ impl<'a, B: Backend, O: SimpleOptimizer<B>> PieceStates<'a, B, O> {
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> UnitState for PieceStates<'_, B, O> {
+    fn optimizer_name(&self) -> Option<String> {
+        Some(format!("ShardedOptimizer<{}>", std::any::type_name::<O>()))
+    }
+
     fn export_unit(&self, unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError> {
         let Some(state) = self.optimizer.piece_state(unit.bucket) else {
             return Ok(None);

@@ -19,6 +19,8 @@ use crate::units::{units_of, UpdateUnit};
 
 /// Prefix of optimizer state arrays and scalars in a checkpoint.
 const STATE: &str = "state.";
+/// Prefix of the scalar naming the optimizer a checkpoint was saved with.
+const OPTIMIZER: &str = "optimizer=";
 /// The training step counter in a shard's scalars.
 pub const STEP: &str = "step";
 
@@ -34,6 +36,12 @@ pub trait UnitState {
         unit: &UpdateUnit,
         state: Option<EncodedState>,
     ) -> Result<(), CheckpointError>;
+    /// What this state belongs to (e.g. the optimizer's type), recorded by [`save`]; [`load`]
+    /// refuses a checkpoint saved with another. `None` accepts any (weights only).
+    fn optimizer_name(&self) -> Option<String> {
+        None
+    }
+
     /// After every unit was imported; `pieces` are this rank's `(bucket, piece length)`.
     fn finish_import(&mut self, pieces: &[(usize, usize)]) -> Result<(), CheckpointError> {
         let _ = pieces;
@@ -90,6 +98,9 @@ pub fn save<B: Backend>(
     let plan = runtime.plan();
     let mut slices = Vec::new();
     let mut scalars = BTreeMap::from([(STEP.to_string(), step as f64)]);
+    if let Some(name) = optimizer.optimizer_name() {
+        scalars.insert(format!("{OPTIMIZER}{name}"), 1.0);
+    }
     on_masters(runtime, |pieces| {
         let units = units_of(
             runtime,
@@ -173,6 +184,18 @@ pub fn load<B: Backend>(
         )));
     }
     let scalars = merged_scalars(&files, dir)?;
+    if let Some(ours) = optimizer.optimizer_name() {
+        let saved: Vec<&str> = scalars
+            .keys()
+            .filter_map(|k| k.strip_prefix(OPTIMIZER))
+            .collect();
+        if saved.iter().any(|s| *s != ours) {
+            return Err(mismatch(format!(
+                "the checkpoint holds the state of {saved:?}, not of {ours}; load the weights \
+                 alone with `WeightsOnly` to change optimizers"
+            )));
+        }
+    }
     let step = scalars
         .get(STEP)
         .copied()
