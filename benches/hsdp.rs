@@ -1,5 +1,6 @@
 //! Training-step comparison on the threads engine: plain Burn, `Ddp`, `Fsdp2Style` and SS-HSDP
-//! (zero-copy, hierarchical) at world 1, 2 and 4 — step time, its ratio to plain Burn and to
+//! (zero-copy, hierarchical; f32, bf16, and both data paths with resharding after forward, whose
+//! `/FSDP2` ratio is against `Fsdp2Style reshard`) at world 1, 2 and 4 — step time, its ratio to plain Burn and to
 //! `Fsdp2Style`, the process's peak heap per rank, and bytes gathered, reduced and copied per
 //! step. Run: `cargo bench --bench hsdp`.
 //!
@@ -119,18 +120,19 @@ fn sharded(
     world: usize,
     sharding: Sharding,
     mode: CopyMode,
-    format: RuntimeFormat,
+    configure: &(dyn Fn(HsdpConfig) -> HsdpConfig + Sync),
 ) -> Row {
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
     let results = ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
         let device = Default::default();
         let rank = comm.rank();
-        let config = HsdpConfig::new(Mesh::flat(world).unwrap())
-            .with_sharding(sharding)
-            .with_copy_mode(mode)
-            .with_format(format)
-            .with_bucket_elements(300_000);
+        let config = configure(
+            HsdpConfig::new(Mesh::flat(world).unwrap())
+                .with_sharding(sharding)
+                .with_copy_mode(mode)
+                .with_bucket_elements(300_000),
+        );
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);
         let local = BATCH / world;
@@ -205,26 +207,31 @@ fn main() {
     };
     print(1, "plain Burn", &plain, None);
     for world in [1, 2, 4] {
-        let run = |sharding, mode, format| sharded(&init, world, sharding, mode, format);
-        let ddp = run(Sharding::Ddp, CopyMode::ZeroCopy, RuntimeFormat::F32);
-        let fsdp2 = run(
-            Sharding::Hierarchical,
-            CopyMode::Fsdp2Style,
-            RuntimeFormat::F32,
-        );
-        let ours = run(
-            Sharding::Hierarchical,
-            CopyMode::ZeroCopy,
-            RuntimeFormat::F32,
-        );
-        let ours_bf16 = run(
-            Sharding::Hierarchical,
-            CopyMode::ZeroCopy,
-            RuntimeFormat::Bf16,
-        );
+        let same = |c: HsdpConfig| c;
+        let ddp = sharded(&init, world, Sharding::Ddp, CopyMode::ZeroCopy, &same);
+        let hier = Sharding::Hierarchical;
+        let fsdp2 = sharded(&init, world, hier, CopyMode::Fsdp2Style, &same);
+        let ours = sharded(&init, world, hier, CopyMode::ZeroCopy, &same);
+        let bf16 = |c: HsdpConfig| c.with_format(RuntimeFormat::Bf16);
+        let ours_bf16 = sharded(&init, world, hier, CopyMode::ZeroCopy, &bf16);
+        let reshard = |c: HsdpConfig| c.with_reshard_after_forward(true);
+        let ours_reshard = sharded(&init, world, hier, CopyMode::ZeroCopy, &reshard);
+        let fsdp2_reshard = sharded(&init, world, hier, CopyMode::Fsdp2Style, &reshard);
         print(world, "Ddp", &ddp, Some(&fsdp2));
         print(world, "Fsdp2Style", &fsdp2, Some(&fsdp2));
         print(world, "SS-HSDP zero-copy", &ours, Some(&fsdp2));
         print(world, "SS-HSDP bf16", &ours_bf16, Some(&fsdp2));
+        print(
+            world,
+            "Fsdp2Style reshard",
+            &fsdp2_reshard,
+            Some(&fsdp2_reshard),
+        );
+        print(
+            world,
+            "SS-HSDP reshard",
+            &ours_reshard,
+            Some(&fsdp2_reshard),
+        );
     }
 }

@@ -18,12 +18,19 @@ pub enum CopyMode {
 
 /// How to shard a model.
 ///
-/// A bucket gathered in forward stays resident through backward and is released by the update
-/// (FSDP2's `reshard_after_forward=False`). Releasing it after forward needs backward to gather
-/// it again *inside* Burn's autodiff, which holds its graph lock while a backward runs and, after
-/// each backward, locks every graph of the process: a rank blocked there on a peer that waits
-/// for that lock deadlocks. Resharding after forward therefore waits for a backward schedule
-/// that gathers ahead of autodiff (recorded order, prefetch on the communication thread).
+/// By default a bucket gathered in forward stays resident through backward and is released by
+/// the update (FSDP2's `reshard_after_forward=False`: fastest, most memory).
+/// [`HsdpConfig::with_reshard_after_forward`] releases each bucket when forward moves on to
+/// the next one and gathers it again in backward (prefetched in reverse forward order on the
+/// communication thread), releasing it again once its gradients are in: gathered memory stays
+/// at about two buckets, for one more all-gather per bucket. Burn's autodiff saves the
+/// parameter *handles* its backward needs (`linear`, `layer_norm`, …), so releasing really
+/// frees the gathered buffers.
+///
+/// Backward gathers run inside Burn's autodiff, which holds its graph lock during backward and
+/// locks every graph of the process after it; collectives are requested from every rank's
+/// model thread in the same order and run on the communication thread, so a rank waiting for a
+/// gather never waits for a peer's model thread to move past that lock.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HsdpConfig {
     /// The rank mesh; must cover the communicator's world.
@@ -32,6 +39,8 @@ pub struct HsdpConfig {
     pub plan: PlanConfig,
     /// Zero-copy (default) or the FSDP2-style copy-in/copy-out baseline.
     pub copy_mode: CopyMode,
+    /// Release gathered buckets after their forward use and gather them again in backward.
+    pub reshard_after_forward: bool,
 }
 
 impl HsdpConfig {
@@ -42,7 +51,14 @@ impl HsdpConfig {
             mesh,
             plan: PlanConfig::default().with_format(RuntimeFormat::F32),
             copy_mode: CopyMode::ZeroCopy,
+            reshard_after_forward: false,
         }
+    }
+
+    /// The same config with resharding after forward on or off (see the type's docs).
+    pub fn with_reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.reshard_after_forward = reshard;
+        self
     }
 
     /// The same config with another sharding mode.

@@ -45,6 +45,10 @@ pub struct Counters {
     pub gathers: u64,
     /// Of those, gathers queued ahead of use (prefetched in the previous step's order).
     pub prefetched: u64,
+    /// Gathers during backward (buckets released after forward and needed again).
+    pub backward_gathers: u64,
+    /// Most bytes of gathered (compute-dtype) buckets held at once.
+    pub peak_resident_bytes: u64,
     /// Bytes of compute-dtype (f32) parameters produced by widening gathered buckets whose
     /// runtime format is narrower (bf16); 0 for f32 runtime parameters.
     pub decoded_bytes: u64,
@@ -86,6 +90,8 @@ impl UpdateGroup<'_> {
 /// mode) or a copy of its part of it (FSDP2-style). The views keep the buffer alive.
 struct Resident<B: Backend> {
     params: Vec<B::FloatTensorPrimitive>,
+    /// Bytes of the gathered buffer.
+    bytes: u64,
 }
 
 struct BucketState<B: Backend> {
@@ -102,12 +108,26 @@ struct BucketState<B: Backend> {
 
 struct State<B: Backend> {
     buckets: Vec<BucketState<B>>,
-    /// Buckets in the order this step first used them.
+    /// Buckets in the order this step's forward first used them.
     order: Vec<usize>,
-    /// That order from the previous step: it drives prefetch.
+    /// That order from the previous step: it drives prefetch in forward.
     recorded: Vec<usize>,
+    /// Whether a backward pass is running (between its start and its last gradient).
+    in_backward: bool,
+    /// Bytes of the gathered buckets held now.
+    resident_bytes: u64,
     failure: Option<String>,
     counters: Counters,
+}
+
+impl<B: Backend> State<B> {
+    /// Drops bucket `b`'s gathered parameters (if held): its views go, and the buffer with
+    /// them once no op holds one.
+    fn release(&mut self, b: usize) {
+        if let Some(r) = self.buckets[b].resident.take() {
+            self.resident_bytes -= r.bytes;
+        }
+    }
 }
 
 /// One rank's sharded parameters.
@@ -118,6 +138,7 @@ pub struct Runtime<B: Backend> {
     world_rank: usize,
     elem_bytes: u64,
     copy_mode: CopyMode,
+    reshard_after_forward: bool,
     state: Mutex<State<B>>,
     worker: Worker,
     ids: OnceLock<Vec<DistributedParamId>>,
@@ -130,6 +151,7 @@ impl<B: Backend> Runtime<B> {
         comm: Box<dyn MeshComm>,
         shards: Vec<Vec<f32>>,
         copy_mode: CopyMode,
+        reshard_after_forward: bool,
     ) -> Result<Self, HsdpError> {
         let rank = comm.world_rank();
         let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
@@ -163,11 +185,14 @@ impl<B: Backend> Runtime<B> {
             world_rank: rank,
             elem_bytes,
             copy_mode,
+            reshard_after_forward,
             worker,
             state: Mutex::new(State {
                 buckets,
                 order: Vec::new(),
                 recorded: Vec::new(),
+                in_backward: false,
+                resident_bytes: 0,
                 failure: None,
                 counters: Counters::default(),
             }),
@@ -250,20 +275,53 @@ impl<B: Backend> Runtime<B> {
             }
         };
         self.install(st, b, full);
-        st.order.push(b);
+        if st.in_backward {
+            st.counters.backward_gathers += 1;
+            if self.reshard_after_forward {
+                // Backward runs forward's order in reverse: buckets after `b` in it are done
+                // (a late use gathers again).
+                if let Some(pos) = st.order.iter().position(|&x| x == b) {
+                    let later: Vec<usize> = st.order.drain(pos + 1..).collect();
+                    later.iter().for_each(|&x| st.release(x));
+                    st.order.extend(later);
+                }
+            }
+        } else {
+            if !st.order.contains(&b) {
+                st.order.push(b);
+            }
+            if self.reshard_after_forward {
+                // Forward moved on to `b`: every other gathered bucket is released (FSDP2's
+                // reshard after forward); a later use gathers it again.
+                for other in 0..st.buckets.len() {
+                    if other != b {
+                        st.release(other);
+                    }
+                }
+            }
+        }
         self.prefetch_after(st, b);
         true
     }
 
-    /// Queues the gather of the bucket that followed `b` in the previous step's order, so it
-    /// runs on the communication thread while `b` computes. Every rank recorded the same order,
-    /// so every rank queues the same gathers.
+    /// Queues the gather of the bucket expected after `b` — in forward the one that followed it
+    /// in the previous step's order, in backward the one before it in this step's forward
+    /// order — so it runs on the communication thread while `b` computes. Every rank follows
+    /// the same order, so every rank queues the same gathers.
     fn prefetch_after(&self, st: &mut State<B>, b: usize) {
-        let Some(pos) = st.recorded.iter().position(|&x| x == b) else {
-            return;
-        };
-        let Some(&next) = st.recorded.get(pos + 1) else {
-            return;
+        let next = if st.in_backward {
+            match st.order.iter().position(|&x| x == b) {
+                Some(pos) if pos > 0 => st.order[pos - 1],
+                _ => return,
+            }
+        } else {
+            let Some(pos) = st.recorded.iter().position(|&x| x == b) else {
+                return;
+            };
+            let Some(&next) = st.recorded.get(pos + 1) else {
+                return;
+            };
+            next
         };
         if st.buckets[next].resident.is_none() && st.buckets[next].prefetch.is_none() {
             let reply = self.start_gather(st, next);
@@ -299,6 +357,7 @@ impl<B: Backend> Runtime<B> {
             st.counters.decoded_bytes += 4 * full.len() as u64;
         }
         let full = full.into_f32();
+        let bytes = 4 * full.len() as u64;
         let members = &self.plan.params()[self.plan.buckets()[b].params.clone()];
         let resident = match self.copy_mode {
             CopyMode::ZeroCopy => {
@@ -313,6 +372,7 @@ impl<B: Backend> Runtime<B> {
                     .collect();
                 Resident {
                     params: bucket_views::<B>(full, &members, &self.device),
+                    bytes,
                 }
             }
             CopyMode::Fsdp2Style => Resident {
@@ -327,9 +387,13 @@ impl<B: Backend> Runtime<B> {
                         B::float_from_data(data, &self.device)
                     })
                     .collect(),
+                bytes,
             },
         };
+        st.release(b);
         st.buckets[b].resident = Some(resident);
+        st.resident_bytes += bytes;
+        st.counters.peak_resident_bytes = st.counters.peak_resident_bytes.max(st.resident_bytes);
     }
 
     /// A backward pass starts; `indices` are the parameters that will receive a gradient.
@@ -341,6 +405,16 @@ impl<B: Backend> Runtime<B> {
         for &i in indices {
             let b = self.plan.params()[i].bucket;
             st.buckets[b].pending += 1;
+        }
+        st.in_backward = !indices.is_empty();
+        if self.reshard_after_forward && st.failure.is_none() {
+            // The last bucket of forward is the first of backward: it stays; prefetch the one
+            // before it.
+            if let Some(&last) = st.order.last() {
+                if st.buckets[last].resident.is_some() {
+                    self.prefetch_after(&mut st, last);
+                }
+            }
         }
     }
 
@@ -380,6 +454,13 @@ impl<B: Backend> Runtime<B> {
         st.counters.grad_bytes_copied += 4 * values.len() as u64;
         if complete {
             self.reduce_bucket(&mut st, b);
+            if self.reshard_after_forward {
+                // Every gradient of the bucket is in: backward needs its parameters no more.
+                st.release(b);
+            }
+            if st.buckets.iter().all(|b| b.pending == 0) {
+                st.in_backward = false;
+            }
         }
     }
 
@@ -528,9 +609,10 @@ impl<B: Backend> Runtime<B> {
                     return Err(e.into());
                 }
             }
-            st.buckets[b].resident = None;
+            st.release(b);
         }
         st.recorded = std::mem::take(&mut st.order);
+        st.in_backward = false;
         Ok(())
     }
 

@@ -231,6 +231,7 @@ where
         Box::new(comm),
         shards,
         config.copy_mode,
+        config.reshard_after_forward,
     )?);
     runtime.set_ids(registry::register(&runtime));
     let mut swapper = Swapper::<B> {

@@ -79,6 +79,16 @@ fn sharded_in(
     sharding: Sharding,
     format: RuntimeFormat,
 ) -> Vec<(Vec<f32>, Weights)> {
+    sharded_with(opt, init, mesh, sharding, &|c| c.with_format(format))
+}
+
+fn sharded_with(
+    opt: Opt,
+    init: &TinyLm<B>,
+    mesh: Mesh,
+    sharding: Sharding,
+    configure: &(dyn Fn(HsdpConfig) -> HsdpConfig + Sync),
+) -> Vec<(Vec<f32>, Weights)> {
     let world = mesh.world_size();
     let config = ThreadsConfig {
         timeout: Duration::from_secs(120),
@@ -87,10 +97,11 @@ fn sharded_in(
         let device = Default::default();
         let rank = comm.rank();
         // Small buckets so that several collectives and piece boundaries are exercised.
-        let config = HsdpConfig::new(mesh)
-            .with_sharding(sharding)
-            .with_format(format)
-            .with_bucket_elements(1500);
+        let config = configure(
+            HsdpConfig::new(mesh)
+                .with_sharding(sharding)
+                .with_bucket_elements(1500),
+        );
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let local = GLOBAL_BATCH / world;
         let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
@@ -331,6 +342,27 @@ fn bf16_runtime_trains_the_same_at_every_world_size() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Resharding after forward (buckets released after their forward use, gathered again in
+/// backward) trains exactly as keeping them resident.
+#[test]
+fn reshard_after_forward_equals_single_device() {
+    for opt in [Opt::Sgd, Opt::AdamW] {
+        let init = initial_model();
+        let reference = reference(opt, &init);
+        for (mesh, sharding) in [
+            (Mesh::flat(1).unwrap(), Sharding::Hierarchical),
+            (Mesh::flat(2).unwrap(), Sharding::Hierarchical),
+            (Mesh::flat(4).unwrap(), Sharding::Hierarchical),
+            (Mesh::new(2, 2).unwrap(), Sharding::Hsdp),
+        ] {
+            let ranks = sharded_with(opt, &init, mesh, sharding, &|c| {
+                c.with_reshard_after_forward(true)
+            });
+            assert_matches(opt, mesh, sharding, reference.clone(), &ranks);
         }
     }
 }

@@ -389,3 +389,58 @@ fn global_norm_clipping_is_the_same_at_every_world_size() {
         }
     }
 }
+
+/// Resharding after forward holds about two gathered buckets at a time instead of all of them,
+/// and pays for it with backward gathers; the losses do not change.
+#[test]
+fn reshard_after_forward_bounds_gathered_memory() {
+    let init = model();
+    let run = |reshard: bool| {
+        ThreadsWorld::run(2, threads(30_000), |comm| {
+            let device = Default::default();
+            let rank = comm.rank();
+            let config = HsdpConfig::new(Mesh::flat(2).unwrap())
+                .with_bucket_elements(1500)
+                .with_reshard_after_forward(reshard);
+            let (mut model, runtime) =
+                shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+            let buckets = runtime.plan().buckets().len();
+            let largest = (0..buckets)
+                .map(|b| runtime.plan().buffer_bytes(b))
+                .max()
+                .unwrap();
+            let total: u64 = (0..buckets).map(|b| runtime.plan().buffer_bytes(b)).sum();
+            let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
+            let (mut losses, mut counters) = (Vec::new(), Default::default());
+            for batch in batches(3, 8) {
+                runtime.take_counters();
+                let loss = model.loss(rows::<B>(&batch, rank * 4, 4, &device));
+                losses.push(loss.clone().into_scalar());
+                let _ = loss.backward();
+                model = sgd.step(0.05, model, &runtime).unwrap();
+                counters = runtime.take_counters();
+            }
+            (losses, counters, buckets as u64, largest, total)
+        })
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect::<Vec<_>>()
+    };
+    let kept = run(false);
+    let released = run(true);
+    for ((l0, c0, buckets, largest, total), (l1, c1, ..)) in kept.iter().zip(&released) {
+        assert_eq!(l0, l1, "the same training");
+        assert!(*buckets > 3, "several buckets");
+        assert_eq!(c0.peak_resident_bytes, *total, "{c0:?}");
+        assert_eq!(c0.backward_gathers, 0);
+        assert!(c1.peak_resident_bytes <= 2 * largest, "{c1:?}");
+        // Every bucket but the last of forward is gathered again in backward.
+        assert_eq!(c1.backward_gathers, buckets - 1, "{c1:?}");
+        assert!(
+            c1.gathered_bytes > c0.gathered_bytes * 3 / 2,
+            "{c1:?} vs {c0:?}"
+        );
+        assert_eq!(c1.param_bytes_copied, 0);
+    }
+}
