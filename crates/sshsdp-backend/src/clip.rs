@@ -17,6 +17,50 @@ pub fn global_grad_norm(pieces: &[Piece<'_>], group: &UpdateGroup<'_>) -> Result
     Ok(f64::from(total[0]).sqrt())
 }
 
+/// Optional global-norm clipping, remembering the last norm it measured: what the sharded and
+/// single-device optimizers hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GradClip {
+    /// Clip the global gradient norm to this value (`None`: no clipping).
+    pub max_norm: Option<f64>,
+    /// The global norm before clipping at the last step (when clipping is on).
+    pub last_norm: Option<f64>,
+}
+
+impl GradClip {
+    /// Clipping to `max_norm`, or none.
+    pub fn new(max_norm: Option<f64>) -> Self {
+        Self {
+            max_norm,
+            last_norm: None,
+        }
+    }
+
+    /// The factor for this step's gradients (1 without clipping), measuring the global norm
+    /// over the update group when clipping is on.
+    pub fn factor(
+        &mut self,
+        pieces: &[Piece<'_>],
+        group: &UpdateGroup<'_>,
+    ) -> Result<f64, HsdpError> {
+        match self.max_norm {
+            Some(_) => Ok(self.factor_for(global_grad_norm(pieces, group)?)),
+            None => Ok(1.0),
+        }
+    }
+
+    /// The factor for a gradient of global norm `norm` (computed by the caller).
+    pub fn factor_for(&mut self, norm: f64) -> f64 {
+        match self.max_norm {
+            Some(max_norm) => {
+                self.last_norm = Some(norm);
+                clip_factor(norm, max_norm)
+            }
+            None => 1.0,
+        }
+    }
+}
+
 /// The factor that scales a gradient of norm `norm` down to at most `max_norm` (1 when it is
 /// already within it), as `torch.nn.utils.clip_grad_norm_` computes it.
 pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {

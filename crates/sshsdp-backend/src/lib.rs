@@ -39,7 +39,7 @@ mod worker;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
-pub use clip::{clip_factor, global_grad_norm};
+pub use clip::{clip_factor, global_grad_norm, GradClip};
 pub use config::{CopyMode, HsdpConfig};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;

@@ -12,7 +12,7 @@ use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use crate::clip::{clip_factor, global_grad_norm};
+use crate::clip::GradClip;
 use crate::shard::refresh_leaves;
 use crate::{HsdpError, HsdpRuntime, ShardableBackend};
 
@@ -21,8 +21,7 @@ pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
     optimizer: O,
     states: HashMap<usize, O::State<1>>,
     device: B::Device,
-    max_grad_norm: Option<f64>,
-    last_grad_norm: Option<f64>,
+    clip: GradClip,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
@@ -32,14 +31,13 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             optimizer,
             states: HashMap::new(),
             device,
-            max_grad_norm: None,
-            last_grad_norm: None,
+            clip: GradClip::default(),
         }
     }
 
     /// Clips the global gradient norm (over all shards) to `max_norm` before each step.
     pub fn with_grad_clipping(mut self, max_norm: f64) -> Self {
-        self.max_grad_norm = Some(max_norm);
+        self.clip = GradClip::new(Some(max_norm));
         self
     }
 
@@ -64,7 +62,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
 
     /// The global gradient norm before clipping at the last step (when clipping is on).
     pub fn last_grad_norm(&self) -> Option<f64> {
-        self.last_grad_norm
+        self.clip.last_norm
     }
 
     /// One optimizer step with learning rate `lr` on every piece of `runtime` that has a
@@ -86,14 +84,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
 
     fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {
         runtime.update_pieces(|pieces, group| {
-            let scale = match self.max_grad_norm {
-                Some(max_norm) => {
-                    let norm = global_grad_norm(pieces, group)?;
-                    self.last_grad_norm = Some(norm);
-                    clip_factor(norm, max_norm)
-                }
-                None => 1.0,
-            };
+            let scale = self.clip.factor(pieces, group)?;
             for piece in pieces.iter_mut() {
                 self.step_piece(lr, scale, piece.bucket, piece.master, piece.grad)?;
             }

@@ -11,6 +11,7 @@ use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
+use sshsdp_backend::GradClip;
 use sshsdp_plan::{Role, RoleRule};
 
 use crate::{Muon, MuonState};
@@ -22,8 +23,7 @@ pub struct MuonWithElementwise<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBa
     rule: RoleRule,
     muon_states: HashMap<ParamId, MuonState<B::InnerBackend, 2>>,
     states: HashMap<ParamId, O::State<1>>,
-    max_grad_norm: Option<f64>,
-    last_grad_norm: Option<f64>,
+    clip: GradClip,
 }
 
 impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> MuonWithElementwise<B, O> {
@@ -40,21 +40,20 @@ impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> MuonWithElementwis
             rule,
             muon_states: HashMap::new(),
             states: HashMap::new(),
-            max_grad_norm: None,
-            last_grad_norm: None,
+            clip: GradClip::default(),
         }
     }
 
     /// Clips the global gradient norm (all parameters together) to `max_norm` before each
     /// step. (Burn's own `GradientClipping::Norm` clips each parameter separately.)
     pub fn with_grad_clipping(mut self, max_norm: f64) -> Self {
-        self.max_grad_norm = Some(max_norm);
+        self.clip = GradClip::new(Some(max_norm));
         self
     }
 
     /// The global gradient norm before clipping at the last step (when clipping is on).
     pub fn last_grad_norm(&self) -> Option<f64> {
-        self.last_grad_norm
+        self.clip.last_norm
     }
 
     /// The Muon optimizer.
@@ -64,16 +63,14 @@ impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> MuonWithElementwis
 
     /// One step with learning rate `lr`; parameters without a gradient are left as they are.
     pub fn step<M: AutodiffModule<B>>(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
-        let grad_scale = match self.max_grad_norm {
-            Some(max_norm) => {
+        let grad_scale = match self.clip.max_norm {
+            Some(_) => {
                 let mut norm = SquaredNorm {
                     grads: &grads,
                     sum: 0.0,
                 };
                 module.visit(&mut norm);
-                let norm = norm.sum.sqrt();
-                self.last_grad_norm = Some(norm);
-                sshsdp_backend::clip_factor(norm, max_norm)
+                self.clip.factor_for(norm.sum.sqrt())
             }
             None => 1.0,
         };

@@ -24,9 +24,7 @@ use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{
-    clip_factor, global_grad_norm, refresh_leaves, HsdpError, HsdpRuntime, ShardableBackend,
-};
+use sshsdp_backend::{refresh_leaves, GradClip, HsdpError, HsdpRuntime, ShardableBackend};
 use sshsdp_plan::Role;
 
 use crate::checkpoint::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
@@ -52,8 +50,7 @@ pub struct ShardedMuon<B: Backend, O: SimpleOptimizer<B>> {
     states: HashMap<usize, O::State<1>>,
     momentum: HashMap<usize, Vec<f32>>,
     last: MuonStepStats,
-    max_grad_norm: Option<f64>,
-    last_grad_norm: Option<f64>,
+    clip: GradClip,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
@@ -67,21 +64,20 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             states: HashMap::new(),
             momentum: HashMap::new(),
             last: MuonStepStats::default(),
-            max_grad_norm: None,
-            last_grad_norm: None,
+            clip: GradClip::default(),
         }
     }
 
     /// Clips the global gradient norm (over all shards, one all-reduce) to `max_norm` before
     /// each step.
     pub fn with_grad_clipping(mut self, max_norm: f64) -> Self {
-        self.max_grad_norm = Some(max_norm);
+        self.clip = GradClip::new(Some(max_norm));
         self
     }
 
     /// The global gradient norm before clipping at the last step (when clipping is on).
     pub fn last_grad_norm(&self) -> Option<f64> {
-        self.last_grad_norm
+        self.clip.last_norm
     }
 
     /// The Muon optimizer (its counters include every orthogonalisation run here).
@@ -112,14 +108,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             );
             let plan = runtime.plan();
             let mut stats = MuonStepStats::default();
-            let scale = match self.max_grad_norm {
-                Some(max_norm) => {
-                    let norm = global_grad_norm(pieces, group)?;
-                    self.last_grad_norm = Some(norm);
-                    clip_factor(norm, max_norm) as f32
-                }
-                None => 1.0,
-            };
+            let scale = self.clip.factor(pieces, group)? as f32;
             let scaled: Vec<Option<Vec<f32>>> = pieces
                 .iter()
                 .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
