@@ -27,7 +27,7 @@ use crate::comm::MeshComm;
 use crate::config::CopyMode;
 use crate::error::HsdpError;
 use crate::storage::{element_bytes, Elems};
-use crate::views::{bucket_views, Member};
+use crate::views::{bucket_views, with_f32_values, Member};
 use crate::worker::{Reply, Worker};
 
 /// Bytes moved and copied since the last [`Runtime::take_counters`].
@@ -422,36 +422,34 @@ impl<B: Backend> Runtime<B> {
     /// every expected gradient has arrived.
     pub(crate) fn submit_gradient(&self, index: usize, grad: B::FloatTensorPrimitive) {
         let p = &self.plan.params()[index];
-        let values: Vec<f32> = match read_sync(B::float_into_data(grad))
-            .map_err(|e| format!("{e:?}"))
-            .and_then(|d| {
-                d.convert::<f32>()
-                    .into_vec::<f32>()
-                    .map_err(|e| format!("{e:?}"))
-            }) {
-            Ok(v) => v,
+        let b = p.bucket;
+        let start = self.elems(p.offset);
+        let n_full = self.bucket_elems(b);
+        let accumulated = with_f32_values::<B, _>(grad, |values| {
+            let mut st = self.lock();
+            let bucket = &mut st.buckets[b];
+            if bucket.grad_full.is_empty() {
+                bucket.grad_full = vec![0f32; n_full];
+            }
+            for (dst, src) in bucket.grad_full[start..start + values.len()]
+                .iter_mut()
+                .zip(values)
+            {
+                *dst += src;
+            }
+            st.counters.grad_bytes_copied += 4 * values.len() as u64;
+            st
+        });
+        let mut st = match accumulated {
+            Ok(st) => st,
             Err(e) => {
                 self.lock().failure = Some(format!("reading the gradient of {}: {e}", p.spec.path));
                 return;
             }
         };
-        let b = p.bucket;
-        let mut st = self.lock();
-        let n_full = self.bucket_elems(b);
         let bucket = &mut st.buckets[b];
-        if bucket.grad_full.is_empty() {
-            bucket.grad_full = vec![0f32; n_full];
-        }
-        let start = self.elems(p.offset);
-        for (dst, src) in bucket.grad_full[start..start + values.len()]
-            .iter_mut()
-            .zip(&values)
-        {
-            *dst += src;
-        }
         bucket.pending = bucket.pending.saturating_sub(1);
         let complete = bucket.pending == 0;
-        st.counters.grad_bytes_copied += 4 * values.len() as u64;
         if complete {
             self.reduce_bucket(&mut st, b);
             if self.reshard_after_forward {

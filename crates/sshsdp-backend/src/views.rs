@@ -49,6 +49,25 @@ pub(crate) fn bucket_views<B: Backend>(
         .collect()
 }
 
+/// Runs `f` on `tensor`'s values as f32: in place when `B` is burn-ndarray and the tensor is a
+/// contiguous f32 array (reading a gradient that Burn still holds would otherwise copy it one
+/// element at a time, since the data is shared), else through `into_data`.
+pub(crate) fn with_f32_values<B: Backend, R>(
+    tensor: B::FloatTensorPrimitive,
+    f: impl FnOnce(&[f32]) -> R,
+) -> Result<R, String> {
+    #[cfg(feature = "ndarray")]
+    if let Some(values) = ndarray_views::f32_slice::<B>(&tensor) {
+        return Ok(f(values));
+    }
+    let values = burn_backend::read_sync(B::float_into_data(tensor))
+        .map_err(|e| format!("{e:?}"))?
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))?;
+    Ok(f(&values))
+}
+
 #[cfg(feature = "ndarray")]
 mod ndarray_views {
     use std::any::{Any, TypeId};
@@ -58,6 +77,15 @@ mod ndarray_views {
     use ndarray::{s, ArcArray1, IxDyn};
 
     use super::Member;
+
+    /// The values of a contiguous f32 burn-ndarray tensor, borrowed.
+    pub(super) fn f32_slice<B: Backend>(tensor: &B::FloatTensorPrimitive) -> Option<&[f32]> {
+        let any: &dyn Any = tensor;
+        match any.downcast_ref::<NdArrayTensor>()? {
+            NdArrayTensor::F32(storage) => storage.view().to_slice(),
+            _ => None,
+        }
+    }
 
     /// Views sharing `full`'s allocation (moved into an `ndarray` array) if `B`'s float tensors
     /// are burn-ndarray's; otherwise `full` back.
