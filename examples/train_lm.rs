@@ -48,7 +48,7 @@ const CONFIG: GptConfig = GptConfig {
     seq: SEQ,
 };
 
-const LR: f64 = 3e-3;
+const LR: f64 = 6e-3;
 
 struct Args {
     mesh: Mesh,
