@@ -129,10 +129,9 @@ fn round_bf16<B: Backend>(t: Tensor<B, 2>) -> Tensor<B, 2> {
 /// `2·m·n·k` per `m x k` by `k x n` matmul and ignoring element-wise work.
 ///
 /// With `m = min(rows, cols)` and `n = max(rows, cols)` each step costs `X Xᵀ = 2·m·m·n`,
-/// `A·A = 2·m·m·m` and `Bm·X = 2·m·m·n`, i.e. `steps · (4·m²·n + 2·m³)`. This is the cost
-/// used to balance Muon's matrix owners across ranks.
+/// `A·A = 2·m·m·m` and `Bm·X = 2·m·m·n`, i.e. `steps · (4·m²·n + 2·m³)`: `steps` times the
+/// planner's [`sshsdp_plan::newton_schulz_cost`], which balances Muon's matrix owners.
 pub fn ns_flops(rows: usize, cols: usize, steps: usize) -> u64 {
-    let m = rows.min(cols) as u64;
-    let n = rows.max(cols) as u64;
-    steps as u64 * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)
+    let per_step = sshsdp_plan::newton_schulz_cost(rows as u64, cols as u64);
+    (steps as u128 * per_step) as u64
 }

@@ -12,8 +12,8 @@
 //! * the **update layout** — each piece owns the fp32 master elements whose runtime bytes lie in
 //!   it ([`UpdateView`]), so the owner re-derives its runtime bytes in place;
 //! * **Newton–Schulz owners** — each `Matrix` is orthogonalised on exactly one piece: the one
-//!   holding it whole when there is one, otherwise the least-loaded piece (LPT by
-//!   `rows·cols·min(rows, cols)`);
+//!   holding it whole when there is one, otherwise the least-loaded piece (LPT by the
+//!   iteration's FLOPs, [`newton_schulz_cost`]);
 //! * **memory accounting** per rank ([`MemoryReport`]) and a [`Fingerprint`] ranks compare at
 //!   startup.
 //!

@@ -10,10 +10,12 @@ use std::collections::BinaryHeap;
 
 use crate::{Bucket, PlannedParam, Role};
 
-/// Cost of one Newton–Schulz iteration on a `rows × cols` matrix, up to a constant factor:
-/// `rows · cols · min(rows, cols)` multiply-adds.
+/// Floating-point operations of one Newton–Schulz iteration on a `rows × cols` matrix: with
+/// `m = min(rows, cols)`, `n = max(rows, cols)`, the three matmuls `X Xᵀ` (`2·m²·n`), `A·A`
+/// (`2·m³`) and `B·X` (`2·m²·n`) make `4·m²·n + 2·m³`.
 pub fn newton_schulz_cost(rows: u64, cols: u64) -> u128 {
-    rows as u128 * cols as u128 * rows.min(cols) as u128
+    let (m, n) = (rows.min(cols) as u128, rows.max(cols) as u128);
+    4 * m * m * n + 2 * m * m * m
 }
 
 /// Cost of a matrix parameter, or 0 for element-wise ones.
