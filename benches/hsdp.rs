@@ -10,8 +10,7 @@
 //! `Autodiff<NdArray>` itself cannot sit in this workspace: burn's `distributed` feature, which
 //! `Hsdp` needs, makes `Autodiff<B>` require `B: DistributedBackend`.)
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use burn::backend::{Autodiff, NdArray};
@@ -24,32 +23,8 @@ use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 
-/// Counts live and peak heap bytes of the process.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded to the system allocator with the caller's layout.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(live, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `alloc` with this layout.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
+mod common;
+use common::{LIVE, PEAK};
 
 type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;

@@ -31,8 +31,7 @@
 //! the forward and backward before each step, whose gradient hand-off of the vocabulary-sized
 //! embedding and head takes seconds on NdArray.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, NdArray};
@@ -48,32 +47,8 @@ use sshsdp::comm::Collective;
 use sshsdp::optim::{newton_schulz, ns_flops, MuonConfig, NsPrecision, ShardedMuon};
 use sshsdp::plan::{Mesh, Role, RoleRule, RuntimeFormat, Sharding};
 
-/// Counts live and peak heap bytes of the process.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded to the system allocator with the caller's layout.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(live, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `alloc` with this layout.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
+mod common;
+use common::{LIVE, PEAK};
 
 type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
