@@ -43,7 +43,7 @@ pub use clip::{clip_factor, global_grad_norm, GradClip};
 pub use config::{CopyMode, HsdpConfig};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
-pub use optim::ShardedOptimizer;
+pub use optim::{step_slice, ShardedOptimizer, Slice};
 pub use runtime::{Counters, Piece, UpdateGroup};
 pub use shard::{named_params, refresh_leaves, shard, NamedParam};
 pub use tensor::{HsdpFloat, ParamHandle};

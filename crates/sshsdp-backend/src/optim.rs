@@ -6,6 +6,7 @@
 //! they come with the optimizer crate.)
 
 use std::collections::HashMap;
+use std::hash::Hash;
 
 use burn::module::Module;
 use burn::optim::SimpleOptimizer;
@@ -100,23 +101,60 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         master: &mut [f32],
         grad: &[f32],
     ) -> Result<(), HsdpError> {
-        let n = master.len();
-        let param = Tensor::<B, 1>::from_data(TensorData::new(master.to_vec(), [n]), &self.device);
-        let mut grad = Tensor::<B, 1>::from_data(TensorData::new(grad.to_vec(), [n]), &self.device);
-        if grad_scale != 1.0 {
-            grad = grad.mul_scalar(grad_scale);
-        }
-        let state = self.states.remove(&bucket);
-        let (param, state) = self.optimizer.step(lr, param, grad, state);
-        if let Some(state) = state {
-            self.states.insert(bucket, state);
-        }
-        let values = param
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map_err(|e| HsdpError::Failed(format!("reading updated bucket {bucket}: {e:?}")))?;
-        master.copy_from_slice(&values);
-        Ok(())
+        let slice = Slice {
+            master,
+            grad,
+            grad_scale: grad_scale as f32,
+        };
+        step_slice(
+            &self.optimizer,
+            &mut self.states,
+            bucket,
+            lr,
+            slice,
+            &self.device,
+        )
     }
+}
+
+/// A flat run of fp32 master elements with its gradient, for [`step_slice`].
+pub struct Slice<'a> {
+    /// Master elements, updated in place.
+    pub master: &'a mut [f32],
+    /// Their gradient.
+    pub grad: &'a [f32],
+    /// Factor applied to the gradient first (clipping); 1 for none.
+    pub grad_scale: f32,
+}
+
+/// The adapter every sharded driver uses: one step of a Burn element-wise optimizer on a flat
+/// slice of fp32 master elements, with its state kept in `states` under `key`.
+pub fn step_slice<B: Backend, O: SimpleOptimizer<B>, K: Eq + Hash>(
+    optimizer: &O,
+    states: &mut HashMap<K, O::State<1>>,
+    key: K,
+    lr: f64,
+    slice: Slice<'_>,
+    device: &B::Device,
+) -> Result<(), HsdpError> {
+    let n = slice.master.len();
+    let grad: Vec<f32> = if slice.grad_scale == 1.0 {
+        slice.grad.to_vec()
+    } else {
+        slice.grad.iter().map(|g| g * slice.grad_scale).collect()
+    };
+    let param = Tensor::<B, 1>::from_data(TensorData::new(slice.master.to_vec(), [n]), device);
+    let grad = Tensor::<B, 1>::from_data(TensorData::new(grad, [n]), device);
+    let state = states.remove(&key);
+    let (param, state) = optimizer.step(lr, param, grad, state);
+    if let Some(state) = state {
+        states.insert(key, state);
+    }
+    let values = param
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| HsdpError::Failed(format!("reading updated optimizer values: {e:?}")))?;
+    slice.master.copy_from_slice(&values);
+    Ok(())
 }

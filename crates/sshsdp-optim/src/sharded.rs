@@ -24,7 +24,9 @@ use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{refresh_leaves, GradClip, HsdpError, HsdpRuntime, ShardableBackend};
+use sshsdp_backend::{
+    refresh_leaves, step_slice, GradClip, HsdpError, HsdpRuntime, ShardableBackend, Slice,
+};
 use sshsdp_plan::Role;
 
 use crate::checkpoint::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
@@ -183,7 +185,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         Ok(refresh_leaves(module))
     }
 
-    /// The element-wise optimizer on one slice.
+    /// The element-wise optimizer on one slice (gradient already clipped).
     fn step_elementwise(
         &mut self,
         lr: f64,
@@ -191,18 +193,19 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         master: &mut [f32],
         grad: &[f32],
     ) -> Result<(), HsdpError> {
-        let n = master.len();
-        let tensor =
-            |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [n]), &self.device);
-        let (value, grad) = (tensor(master), tensor(grad));
-        let state = self.states.remove(&param);
-        let (value, state) = self.elementwise.step(lr, value, grad, state);
-        if let Some(state) = state {
-            self.states.insert(param, state);
-        }
-        let values = read(value)?;
-        master.copy_from_slice(&values);
-        Ok(())
+        let slice = Slice {
+            master,
+            grad,
+            grad_scale: 1.0,
+        };
+        step_slice(
+            &self.elementwise,
+            &mut self.states,
+            param,
+            lr,
+            slice,
+            &self.device,
+        )
     }
 
     /// Momentum of one matrix slice; returns its update `U` (Nesterov or plain momentum).
