@@ -15,7 +15,9 @@
 //!   holding it whole when there is one, otherwise the least-loaded piece (LPT by the
 //!   iteration's FLOPs, [`newton_schulz_cost`]);
 //! * **memory accounting** per rank ([`MemoryReport`]) and a [`Fingerprint`] ranks compare at
-//!   startup.
+//!   startup;
+//! * a **projection** of each step's collectives, bytes and time on given links
+//!   ([`projection`]), to size a cluster before having one.
 //!
 //! Hierarchical sharding (the default) uses one piece per rank of the world; HSDP one per rank
 //! of the shard group (replicas hold the same piece); DDP a single piece. The three modes share
@@ -30,6 +32,7 @@ mod mesh;
 mod owners;
 mod plan;
 pub mod presets;
+pub mod projection;
 mod spec;
 mod views;
 
