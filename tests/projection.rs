@@ -1,0 +1,152 @@
+//! The projection (`sshsdp::plan::projection`) against real runs: a small GPT trained on the
+//! threads engine at world 2 and 4, flat and on 2×2 meshes (hierarchical, HSDP, DDP), f32 and
+//! bf16, with and without resharding after forward, and with distributed Muon. The bytes the
+//! projection predicts from the plan must equal the runtime's counters of every step exactly.
+
+use burn::backend::{Autodiff, NdArray};
+use burn::optim::AdamWConfig;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use sshsdp::backend::{shard, Hsdp, HsdpConfig, ShardedOptimizer};
+use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
+use sshsdp::comm::Collective;
+use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::{MuonConfig, ShardedMuon};
+use sshsdp::plan::projection::{Purpose, StepTraffic, TrafficOptions};
+use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
+
+type B = Autodiff<Hsdp<NdArray<f32>>>;
+
+const STEPS: usize = 3;
+const CONFIG: GptConfig = GptConfig {
+    vocab: 64,
+    d_model: 32,
+    layers: 2,
+    heads: 2,
+    seq: 8,
+};
+
+fn tokens(rows: usize, offset: usize, device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
+    let data: Vec<i64> = (0..rows * (CONFIG.seq + 1))
+        .map(|i| ((i + offset * 31) * 7 % CONFIG.vocab) as i64)
+        .collect();
+    Tensor::from_data(TensorData::new(data, [rows, CONFIG.seq + 1]), device)
+}
+
+/// Trains `STEPS` steps over `mesh` and checks every step's counters (and, with Muon, the
+/// exchanged elements) against the projection of the rank's plan.
+fn check(mesh: Mesh, sharding: Sharding, format: RuntimeFormat, reshard: bool, muon: bool) {
+    let device = Default::default();
+    B::seed(&device, 7);
+    let init: Gpt<B> = CONFIG.init(&device);
+    let world = mesh.world_size();
+    let label = format!("{mesh} {sharding:?} {format:?} reshard={reshard} muon={muon}");
+    ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let config = HsdpConfig::new(mesh)
+            .with_sharding(sharding)
+            .with_format(format)
+            .with_reshard_after_forward(reshard)
+            .with_bucket_elements(6_000);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let options = TrafficOptions {
+            reshard_after_forward: reshard,
+            muon_exchange: muon,
+        };
+        let projected = StepTraffic::of(runtime.plan(), options);
+        assert!(runtime.plan().buckets().len() >= 3, "{label}: too few buckets");
+        let mut adamw = ShardedOptimizer::new(AdamWConfig::new().build(), device);
+        let mut muon_optim =
+            ShardedMuon::new(MuonConfig::new().init(), AdamWConfig::new().build(), device);
+        for step in 0..STEPS {
+            runtime.take_counters();
+            let loss = model.loss(tokens(2, step * world + rank, &device));
+            let _ = loss.backward();
+            model = if muon {
+                muon_optim.step(1e-3, model, &runtime).unwrap()
+            } else {
+                adamw.step(1e-3, model, &runtime).unwrap()
+            };
+            let c = runtime.take_counters();
+            assert_eq!(
+                c.gathered_bytes,
+                projected.gathered_bytes(),
+                "{label} rank {rank} step {step}: gathered bytes"
+            );
+            assert_eq!(
+                c.reduced_bytes,
+                projected.reduced_bytes(),
+                "{label} rank {rank} step {step}: reduced bytes"
+            );
+            if muon {
+                let exchange: Vec<u64> = projected
+                    .collectives
+                    .iter()
+                    .filter(|c| c.purpose == Purpose::MuonExchange)
+                    .map(|c| c.bytes)
+                    .collect();
+                let exchanged = muon_optim.last_step().exchanged_elements;
+                assert_eq!(
+                    exchange,
+                    if exchanged > 0 {
+                        vec![4 * exchanged; 2]
+                    } else {
+                        vec![]
+                    },
+                    "{label} rank {rank} step {step}: Muon exchange"
+                );
+            }
+        }
+    })
+    .unwrap();
+}
+
+#[test]
+fn flat_world_2_and_4() {
+    let f32 = RuntimeFormat::F32;
+    let hier = Sharding::Hierarchical;
+    check(Mesh::flat(2).unwrap(), hier, f32, false, false);
+    check(Mesh::flat(4).unwrap(), hier, RuntimeFormat::Bf16, false, false);
+    check(Mesh::flat(2).unwrap(), Sharding::Ddp, f32, false, false);
+}
+
+#[test]
+fn meshes_2x2_hierarchical_and_hsdp() {
+    check(
+        Mesh::new(2, 2).unwrap(),
+        Sharding::Hierarchical,
+        RuntimeFormat::Bf16,
+        false,
+        false,
+    );
+    check(
+        Mesh::new(2, 2).unwrap(),
+        Sharding::Hsdp,
+        RuntimeFormat::F32,
+        false,
+        false,
+    );
+}
+
+#[test]
+fn resharding_after_forward() {
+    check(
+        Mesh::flat(4).unwrap(),
+        Sharding::Hierarchical,
+        RuntimeFormat::F32,
+        true,
+        false,
+    );
+}
+
+#[test]
+fn muon_exchange() {
+    check(
+        Mesh::flat(4).unwrap(),
+        Sharding::Hierarchical,
+        RuntimeFormat::F32,
+        false,
+        true,
+    );
+}
