@@ -48,6 +48,7 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
         match (shard, full) {
             (Elems::F32(s), Elems::F32(f)) => gather_typed(self, sharding, s, f),
             (Elems::Bf16(s), Elems::Bf16(f)) => gather_typed(self, sharding, s, f),
+            (Elems::U8(s), Elems::U8(f)) => gather_typed(self, sharding, s, f),
             _ => Err(mixed_formats()),
         }
     }
@@ -76,6 +77,7 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
             Sharding::Hierarchical => match shard {
                 Elems::F32(s) => hierarchy::gather_runtime_shard(self, s),
                 Elems::Bf16(s) => hierarchy::gather_runtime_shard(self, s),
+                Elems::U8(s) => hierarchy::gather_runtime_shard(self, s),
             },
             // Every replica stepped the same shard with the same gradient: nothing to move.
             Sharding::Hsdp | Sharding::Ddp => Ok(()),

@@ -73,9 +73,11 @@ impl HsdpConfig {
         self
     }
 
-    /// The same config with another runtime format: `F32` (default) or `Bf16` (half the
-    /// runtime memory and all-gather bytes; fp32 master weights kept per piece). `Mxfp8` is
-    /// refused until the CubeCL kernels land.
+    /// The same config with another runtime format: `F32` (default), `Bf16` (half the
+    /// runtime memory and all-gather bytes; fp32 master weights kept per piece) or `Mxfp8`
+    /// (matrices as E4M3 + E8M0 tiles holding both planes, forward decoding one and backward the
+    /// other; parameters the format cannot hold fall back to bf16 and are listed in
+    /// `plan().fallbacks()`; fp32 masters kept per piece). See `layout.rs` for the banded layout.
     pub fn with_format(mut self, format: RuntimeFormat) -> Self {
         self.plan.runtime_format = format;
         self
@@ -88,6 +90,6 @@ impl HsdpConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<(), HsdpError> {
-        crate::storage::element_bytes(self.plan.runtime_format).map(|_| ())
+        self.plan.validate().map_err(HsdpError::from)
     }
 }

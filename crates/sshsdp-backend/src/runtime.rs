@@ -8,8 +8,10 @@
 //! in bf16 the piece's fp32 master weights are kept apart and the bf16 piece is re-derived from
 //! them after each update.
 //!
-//! Offsets and sizes in the plan are bytes; the runtime works in *elements* of the runtime
-//! format (4 or 2 bytes), and gradients use the same element positions in f32.
+//! Where parameters sit in a bucket's fp32 element space (masters, gradients) and in its runtime
+//! units, and how those are encoded and decoded, is the bucket's [`BucketLayout`]: linear for
+//! f32/bf16, banded for MXFP8 (whose gathered bytes are kept while resident, since forward and
+//! backward decode different planes).
 //!
 //! Errors inside ops (a failed gather during forward or backward) cannot be returned through
 //! Burn's op signatures: the runtime records the failure, hands out zeros from then on (no
@@ -26,7 +28,8 @@ use sshsdp_plan::Plan;
 use crate::comm::MeshComm;
 use crate::config::CopyMode;
 use crate::error::HsdpError;
-use crate::storage::{element_bytes, Elems};
+use crate::layout::{BucketLayout, Phase, Segment};
+use crate::storage::Elems;
 use crate::views::{bucket_views, with_f32_values, Member};
 use crate::worker::{Reply, Worker};
 
@@ -49,8 +52,8 @@ pub struct Counters {
     pub backward_gathers: u64,
     /// Most bytes of gathered (compute-dtype) buckets held at once.
     pub peak_resident_bytes: u64,
-    /// Bytes of compute-dtype (f32) parameters produced by widening gathered buckets whose
-    /// runtime format is narrower (bf16); 0 for f32 runtime parameters.
+    /// Bytes of compute-dtype (f32) parameters produced by widening (bf16) or decoding (MXFP8)
+    /// gathered buckets; 0 for f32 runtime parameters.
     pub decoded_bytes: u64,
 }
 
@@ -58,7 +61,8 @@ pub struct Counters {
 pub struct Piece<'a> {
     /// The bucket.
     pub bucket: usize,
-    /// Element position of the piece's first element in the bucket.
+    /// Position of the piece's first element in the bucket's element space (see
+    /// [`crate::HsdpRuntime::param_segments`] for where parameters sit in it).
     pub start: usize,
     /// fp32 master weights of the piece (padding elements included), updated in place.
     pub master: &'a mut [f32],
@@ -90,8 +94,12 @@ impl UpdateGroup<'_> {
 /// mode) or a copy of its part of it (FSDP2-style). The views keep the buffer alive.
 struct Resident<B: Backend> {
     params: Vec<B::FloatTensorPrimitive>,
-    /// Bytes of the gathered buffer.
+    /// Bytes of the compute buffer and of the kept runtime units.
     bytes: u64,
+    /// The pass the parameters were decoded for.
+    phase: Phase,
+    /// The gathered runtime units, kept when the other pass decodes other values (MXFP8).
+    gathered: Option<Elems>,
 }
 
 struct BucketState<B: Backend> {
@@ -136,7 +144,7 @@ pub struct Runtime<B: Backend> {
     device: B::Device,
     piece_in_shard: usize,
     world_rank: usize,
-    elem_bytes: u64,
+    layouts: Vec<BucketLayout>,
     copy_mode: CopyMode,
     reshard_after_forward: bool,
     state: Mutex<State<B>>,
@@ -149,23 +157,26 @@ impl<B: Backend> Runtime<B> {
         plan: Plan,
         device: B::Device,
         comm: Box<dyn MeshComm>,
+        layouts: Vec<BucketLayout>,
         shards: Vec<Vec<f32>>,
         copy_mode: CopyMode,
         reshard_after_forward: bool,
     ) -> Result<Self, HsdpError> {
         let rank = comm.world_rank();
         let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
+        let first_piece = plan.runtime_shard_of(rank)? * plan.pieces_per_shard();
         let format = plan.config().runtime_format;
-        let elem_bytes = element_bytes(format)?;
         let buckets = shards
             .into_iter()
-            .enumerate()
-            .map(|(b, shard)| {
-                let pe = (plan.buckets()[b].piece_bytes / elem_bytes) as usize;
+            .zip(&layouts)
+            .map(|(shard, layout)| {
+                let pe = layout.piece_elems();
                 let master = (format != sshsdp_plan::RuntimeFormat::F32)
                     .then(|| shard[piece_in_shard * pe..(piece_in_shard + 1) * pe].to_vec());
-                (Elems::encode(format, shard), master)
+                Ok((layout.encode(first_piece, shard)?, master))
             })
+            .collect::<Result<Vec<_>, HsdpError>>()?
+            .into_iter()
             .map(|(shard, master)| BucketState {
                 shard: Arc::new(shard),
                 master,
@@ -183,7 +194,7 @@ impl<B: Backend> Runtime<B> {
             device,
             piece_in_shard,
             world_rank: rank,
-            elem_bytes,
+            layouts,
             copy_mode,
             reshard_after_forward,
             worker,
@@ -219,19 +230,23 @@ impl<B: Backend> Runtime<B> {
         &self.plan
     }
 
-    /// Runtime elements in `bytes` of runtime storage.
-    fn elems(&self, bytes: u64) -> usize {
-        (bytes / self.elem_bytes) as usize
-    }
-
-    /// Elements of bucket `b`'s full buffer.
-    fn bucket_elems(&self, b: usize) -> usize {
-        self.elems(self.plan.buffer_bytes(b))
-    }
-
-    /// Elements of one piece of bucket `b`.
+    /// fp32 elements of one piece of bucket `b`.
     fn piece_elems(&self, b: usize) -> usize {
-        self.elems(self.plan.buckets()[b].piece_bytes)
+        self.layouts[b].piece_elems()
+    }
+
+    /// fp32 elements of one piece of bucket `b` (the unit of pieces' `start`).
+    pub fn piece_elems_of(&self, b: usize) -> usize {
+        self.piece_elems(b)
+    }
+
+    /// The pass parameters are materialised for now.
+    fn phase(st: &State<B>) -> Phase {
+        if st.in_backward {
+            Phase::Backward
+        } else {
+            Phase::Forward
+        }
     }
 
     /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.
@@ -242,8 +257,24 @@ impl<B: Backend> Runtime<B> {
         if !self.make_resident(&mut st, p.bucket) {
             return B::float_zeros(shape, &self.device, burn_backend::FloatDType::F32);
         }
-        let k = index - self.plan.buckets()[p.bucket].params.start;
-        st.buckets[p.bucket]
+        let b = p.bucket;
+        let phase = Self::phase(&st);
+        let stale = st.buckets[b]
+            .resident
+            .as_ref()
+            .is_some_and(|r| r.gathered.is_some() && r.phase != phase);
+        if stale {
+            // MXFP8: the other pass's plane, decoded from the kept runtime bytes.
+            let r = st.buckets[b].resident.take().expect("resident");
+            st.resident_bytes -= r.bytes;
+            let gathered = r.gathered.expect("kept");
+            if let Err(e) = self.install(&mut st, b, gathered) {
+                st.failure = Some(e.to_string());
+                return B::float_zeros(shape, &self.device, burn_backend::FloatDType::F32);
+            }
+        }
+        let k = index - self.plan.buckets()[b].params.start;
+        st.buckets[b]
             .resident
             .as_ref()
             .expect("made resident")
@@ -274,7 +305,11 @@ impl<B: Backend> Runtime<B> {
                 return false;
             }
         };
-        self.install(st, b, full);
+        self.count_gather(st, b, &full);
+        if let Err(e) = self.install(st, b, full) {
+            st.failure = Some(e.to_string());
+            return false;
+        }
         if st.in_backward {
             st.counters.backward_gathers += 1;
             if self.reshard_after_forward {
@@ -341,11 +376,11 @@ impl<B: Backend> Runtime<B> {
                 Arc::new((*st.buckets[b].shard).clone())
             }
         };
-        self.worker.gather(input, self.bucket_elems(b))
+        self.worker.gather(input, self.layouts[b].bucket_units())
     }
 
-    /// Makes the gathered buffer `full` bucket `b`'s resident parameters.
-    fn install(&self, st: &mut State<B>, b: usize, full: Elems) {
+    /// Counts the bytes of a completed gather of bucket `b`.
+    fn count_gather(&self, st: &mut State<B>, b: usize, full: &Elems) {
         if self.plan.config().sharding == sshsdp_plan::Sharding::Ddp {
             // Replicated parameters are copied into a fresh tensor after each update.
             st.counters.param_bytes_copied += full.bytes();
@@ -353,47 +388,53 @@ impl<B: Backend> Runtime<B> {
             st.counters.gathers += 1;
             st.counters.gathered_bytes += full.bytes() - st.buckets[b].shard.bytes();
         }
-        if full.needs_decode() {
-            st.counters.decoded_bytes += 4 * full.len() as u64;
+    }
+
+    /// Makes the gathered runtime units `full` bucket `b`'s resident parameters, decoded for
+    /// the current pass.
+    fn install(&self, st: &mut State<B>, b: usize, full: Elems) -> Result<(), HsdpError> {
+        let layout = &self.layouts[b];
+        let decodes = !matches!(full, Elems::F32(_));
+        let phase = Self::phase(st);
+        let (compute, gathered) = layout.to_compute(full, phase)?;
+        if decodes {
+            st.counters.decoded_bytes += 4 * compute.len() as u64;
         }
-        let full = full.into_f32();
-        let bytes = 4 * full.len() as u64;
-        let members = &self.plan.params()[self.plan.buckets()[b].params.clone()];
-        let resident = match self.copy_mode {
+        let bytes = 4 * compute.len() as u64 + gathered.as_ref().map_or(0, Elems::bytes);
+        let params = match self.copy_mode {
             CopyMode::ZeroCopy => {
-                // The gathered Vec becomes the bucket's storage (a move, not a copy); each
+                // The compute buffer becomes the bucket's storage (a move, not a copy); each
                 // parameter is a view into it.
-                let members: Vec<Member> = members
-                    .iter()
-                    .map(|p| Member {
-                        start: self.elems(p.offset),
-                        shape: p.spec.shape.clone(),
+                let members: Vec<Member> = (0..layout.len())
+                    .map(|k| Member {
+                        start: layout.compute_start(k),
+                        shape: layout.shape(k).to_vec(),
                     })
                     .collect();
-                Resident {
-                    params: bucket_views::<B>(full, &members, &self.device),
-                    bytes,
-                }
+                bucket_views::<B>(compute, &members, &self.device)
             }
-            CopyMode::Fsdp2Style => Resident {
+            CopyMode::Fsdp2Style => (0..layout.len())
                 // Copy-out: each parameter gets a tensor of its own.
-                params: members
-                    .iter()
-                    .map(|p| {
-                        let start = self.elems(p.offset);
-                        let values = full[start..start + p.spec.numel() as usize].to_vec();
-                        st.counters.param_bytes_copied += 4 * values.len() as u64;
-                        let data = TensorData::new(values, p.spec.shape.clone());
-                        B::float_from_data(data, &self.device)
-                    })
-                    .collect(),
-                bytes,
-            },
+                .map(|k| {
+                    let start = layout.compute_start(k);
+                    let numel = layout.shape(k).iter().product::<usize>();
+                    let values = compute[start..start + numel].to_vec();
+                    st.counters.param_bytes_copied += 4 * values.len() as u64;
+                    let data = TensorData::new(values, layout.shape(k).to_vec());
+                    B::float_from_data(data, &self.device)
+                })
+                .collect(),
         };
         st.release(b);
-        st.buckets[b].resident = Some(resident);
+        st.buckets[b].resident = Some(Resident {
+            params,
+            bytes,
+            phase,
+            gathered,
+        });
         st.resident_bytes += bytes;
         st.counters.peak_resident_bytes = st.counters.peak_resident_bytes.max(st.resident_bytes);
+        Ok(())
     }
 
     /// A backward pass starts; `indices` are the parameters that will receive a gradient.
@@ -423,20 +464,15 @@ impl<B: Backend> Runtime<B> {
     pub(crate) fn submit_gradient(&self, index: usize, grad: B::FloatTensorPrimitive) {
         let p = &self.plan.params()[index];
         let b = p.bucket;
-        let start = self.elems(p.offset);
-        let n_full = self.bucket_elems(b);
+        let layout = &self.layouts[b];
+        let k = index - self.plan.buckets()[b].params.start;
         let accumulated = with_f32_values::<B, _>(grad, |values| {
             let mut st = self.lock();
             let bucket = &mut st.buckets[b];
             if bucket.grad_full.is_empty() {
-                bucket.grad_full = vec![0f32; n_full];
+                bucket.grad_full = vec![0f32; layout.bucket_elems()];
             }
-            for (dst, src) in bucket.grad_full[start..start + values.len()]
-                .iter_mut()
-                .zip(values)
-            {
-                *dst += src;
-            }
+            layout.accumulate(k, values, &mut bucket.grad_full);
             st.counters.grad_bytes_copied += 4 * values.len() as u64;
             st
         });
@@ -583,7 +619,7 @@ impl<B: Backend> Runtime<B> {
             let bucket = &mut st.buckets[b];
             let shard = Arc::make_mut(&mut bucket.shard);
             if let Some(master) = &bucket.master {
-                shard.rederive(ranges[b].clone(), master);
+                self.layouts[b].rederive(shard, self.piece_in_shard, piece, master)?;
             }
             let empty = Arc::new(shard.zeros_like(0));
             let shard = std::mem::replace(&mut bucket.shard, empty);
@@ -637,11 +673,11 @@ impl<B: Backend> Runtime<B> {
         self.world_rank
     }
 
-    /// Element range of parameter `index` in its bucket.
-    pub fn param_elements(&self, index: usize) -> Range<usize> {
-        let p = &self.plan.params()[index];
-        let start = self.elems(p.offset);
-        start..start + p.spec.numel() as usize
+    /// Where parameter `index`'s elements sit in its bucket's element space: one segment in the
+    /// f32/bf16 runtime formats, one per piece holding a part of it in MXFP8.
+    pub fn param_segments(&self, index: usize) -> &[Segment] {
+        let b = self.plan.params()[index].bucket;
+        self.layouts[b].segments(index - self.plan.buckets()[b].params.start)
     }
 
     /// Bytes of this rank's persistent runtime shards.

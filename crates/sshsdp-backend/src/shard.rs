@@ -17,6 +17,7 @@ use sshsdp_plan::{DType, ParamSpec, Plan};
 
 use crate::backend_ext::ShardableBackend;
 use crate::comm::MeshComm;
+use crate::layout::BucketLayout;
 use crate::runtime::Runtime;
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::{registry, HsdpConfig, HsdpError, HsdpRuntime};
@@ -205,15 +206,15 @@ where
     let rank = comm.world_rank();
     let shard_index = plan.runtime_shard_of(rank)?;
     let mut shards = Vec::with_capacity(plan.buckets().len());
-    // Positions in runtime elements; the values stay f32 here (the runtime keeps them as fp32
-    // master weights and encodes its runtime shard).
-    let elem_bytes = crate::storage::element_bytes(plan.config().runtime_format)?;
-    for (b, bucket) in plan.buckets().iter().enumerate() {
-        let mut full = vec![0f32; (plan.buffer_bytes(b) / elem_bytes) as usize];
-        for p in &plan.params()[bucket.params.clone()] {
-            let start = (p.offset / elem_bytes) as usize;
-            let v = values[p.spec.path.as_str()];
-            full[start..start + v.len()].copy_from_slice(v);
+    let layouts = (0..plan.buckets().len())
+        .map(|b| BucketLayout::build(&plan, b))
+        .collect::<Result<Vec<_>, _>>()?;
+    // The bucket's fp32 element space; the runtime keeps this rank's piece as its fp32 master
+    // weights and encodes its runtime shard from it.
+    for (bucket, layout) in plan.buckets().iter().zip(&layouts) {
+        let mut full = vec![0f32; layout.bucket_elems()];
+        for (k, p) in plan.params()[bucket.params.clone()].iter().enumerate() {
+            layout.place(k, values[p.spec.path.as_str()], &mut full);
         }
         comm.broadcast_world(&mut full)?;
         let shard_len = full.len() / plan.runtime_shards();
@@ -229,6 +230,7 @@ where
         plan,
         device.clone(),
         Box::new(comm),
+        layouts,
         shards,
         config.copy_mode,
         config.reshard_after_forward,

@@ -1,8 +1,10 @@
 //! Update units: the part of one parameter that lies in one of this rank's pieces.
 //!
-//! A piece is a contiguous run of a bucket's elements; a parameter's elements are contiguous in
-//! its bucket too, so their intersection is one contiguous slice of the parameter. These slices
-//! are what optimizers step (element-wise rules) or exchange (Muon's split matrices).
+//! A piece is a contiguous run of a bucket's element space; a parameter sits in it as one or more
+//! segments (one in the f32/bf16 runtime formats, one band or chunk per piece in MXFP8), each a
+//! contiguous run of the parameter, so a piece holds at most one contiguous slice of each
+//! parameter per segment. These slices are what optimizers step (element-wise rules) or exchange
+//! (Muon's split matrices).
 
 use std::ops::Range;
 
@@ -38,20 +40,22 @@ pub fn units_of<B: Backend>(
     for (piece, (bucket, start, len)) in pieces.into_iter().enumerate() {
         let end = start + len;
         for param in plan.buckets()[bucket].params.clone() {
-            let elements = runtime.param_elements(param);
-            let lo = elements.start.max(start);
-            let hi = elements.end.min(end);
-            if lo >= hi {
-                continue;
+            for segment in runtime.param_segments(param) {
+                let lo = segment.bucket.max(start);
+                let hi = (segment.bucket + segment.len).min(end);
+                if lo >= hi {
+                    continue;
+                }
+                let in_param = segment.param + lo - segment.bucket;
+                units.push(UpdateUnit {
+                    param,
+                    piece,
+                    bucket,
+                    in_piece: lo - start..hi - start,
+                    in_param: in_param..in_param + (hi - lo),
+                    role: plan.params()[param].spec.role,
+                });
             }
-            units.push(UpdateUnit {
-                param,
-                piece,
-                bucket,
-                in_piece: lo - start..hi - start,
-                in_param: lo - elements.start..hi - elements.start,
-                role: plan.params()[param].spec.role,
-            });
         }
     }
     units

@@ -1,0 +1,539 @@
+//! Bucket layouts: where a bucket's parameters sit in its fp32 *element space* (master weights
+//! and gradients, cut into equal pieces, one per update shard) and in its *runtime units* (what
+//! runtime shards hold and all-gathers move), and how one is encoded into the other and decoded
+//! for compute.
+//!
+//! * **Linear** (f32 and bf16 runtime formats): the plan's layout. A parameter's elements are
+//!   contiguous in the bucket and runtime unit `i` is element `i`; the gathered buffer *is* the
+//!   compute buffer (f32) or is widened once (bf16), and parameters are views into it.
+//! * **Banded** (MXFP8 runtime format): every parameter is cut into one chunk per piece, so each
+//!   piece re-derives its runtime bytes from its own master elements alone — MXFP8's column-wise
+//!   blocks span 32 rows, which a flat element split would cut. An MXFP8 matrix `[rows, cols]`
+//!   (its 2-D view) is cut into bands of whole 32-row tile rows, `ceil(tile_rows / pieces)` per
+//!   piece, each band encoded in `sshsdp-mx`'s tiled layout (row and column planes with their
+//!   E8M0 scales, 2112 bytes per 32×32 tile). A band's tiles are exactly the matrix's tiles, so
+//!   the bytes equal encoding the whole matrix at any world size. A parameter that fell back to
+//!   bf16 (see [`sshsdp_plan::Plan::fallbacks`]) is cut into `ceil(numel / pieces)`-element
+//!   chunks of little-endian bf16. A piece holds every parameter's chunk in bucket order, in
+//!   elements and in bytes; chunk positions past a parameter's end are zero padding. The
+//!   gathered bytes are decoded into a fresh f32 buffer holding the parameters one after the
+//!   other (the CPU analogue of dequantising in a GEMM's load stage), in the plane the phase
+//!   needs ([`Phase`]).
+
+use half::bf16;
+use sshsdp_mx::{ElemFormat, MxShape, Plane, ScaleRule, TILE, TILE_BYTES};
+use sshsdp_plan::{Plan, RuntimeFormat};
+
+use crate::storage::Elems;
+use crate::HsdpError;
+
+/// The MXFP8 element format and scale rule of runtime parameters (E4M3, RCEIL as in cuBLAS and
+/// Transformer Engine).
+const MX_FORMAT: (ElemFormat, ScaleRule) = (ElemFormat::E4M3, ScaleRule::Rceil);
+
+/// Which pass the parameters are materialised for; it picks the MXFP8 plane.
+///
+/// A Burn `Linear` weight is `[d_in, d_out]` and the forward GEMM `x · W` contracts over its
+/// rows, so forward uses the **column-wise** plane (blocks of 32 along rows); the backward data
+/// GEMM `dy · Wᵀ` contracts over its columns and uses the **row-wise** plane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Forward pass (and evaluation).
+    Forward,
+    /// Backward pass.
+    Backward,
+}
+
+impl Phase {
+    fn mx_plane(self) -> Plane {
+        match self {
+            Phase::Forward => Plane::Col,
+            Phase::Backward => Plane::Row,
+        }
+    }
+}
+
+/// A run of elements shared by a parameter (row-major) and its bucket's element space.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// First element in the bucket's element space (pieces one after the other).
+    pub bucket: usize,
+    /// First element in the parameter, row-major.
+    pub param: usize,
+    /// Number of elements.
+    pub len: usize,
+}
+
+/// How a banded parameter's chunk is encoded.
+#[derive(Clone, Copy, Debug)]
+enum Codec {
+    /// Little-endian bf16, two bytes per element.
+    Bf16,
+    /// MXFP8 tiles of a band of whole rows of a matrix with `cols` columns.
+    Mx { cols: usize },
+}
+
+/// A banded parameter's chunk: the same place in every piece.
+#[derive(Clone, Copy, Debug)]
+struct Chunk {
+    codec: Codec,
+    /// Elements per piece (whole rows for MXFP8).
+    elems: usize,
+    /// Offset in the piece's elements.
+    elem_offset: usize,
+    /// Offset in the piece's runtime bytes.
+    unit_offset: usize,
+    /// Runtime bytes per piece.
+    units: usize,
+}
+
+impl Chunk {
+    /// Real (unpadded) elements of the parameter in piece `p`'s chunk.
+    fn real(&self, numel: usize, p: usize) -> usize {
+        numel.saturating_sub(p * self.elems).min(self.elems)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct ParamLayout {
+    shape: Vec<usize>,
+    /// First element of the parameter in the compute buffer.
+    compute_start: usize,
+    segments: Vec<Segment>,
+    /// The chunk in each piece (banded layout only).
+    chunk: Option<Chunk>,
+}
+
+/// One bucket's layout (see the module docs).
+#[derive(Clone, Debug)]
+pub(crate) struct BucketLayout {
+    format: RuntimeFormat,
+    pieces: usize,
+    piece_elems: usize,
+    piece_units: usize,
+    compute_elems: usize,
+    params: Vec<ParamLayout>,
+}
+
+impl BucketLayout {
+    /// The layout of bucket `b` of `plan`.
+    pub fn build(plan: &Plan, b: usize) -> Result<Self, HsdpError> {
+        let format = plan.config().runtime_format;
+        let bucket = &plan.buckets()[b];
+        let members = &plan.params()[bucket.params.clone()];
+        let pieces = plan.pieces();
+        if let Some(size) = format.element_bytes() {
+            let piece_elems = (bucket.piece_bytes / size) as usize;
+            let params = members
+                .iter()
+                .map(|p| {
+                    let start = (p.offset / size) as usize;
+                    ParamLayout {
+                        shape: p.spec.shape.clone(),
+                        compute_start: start,
+                        segments: vec![Segment {
+                            bucket: start,
+                            param: 0,
+                            len: p.spec.numel() as usize,
+                        }],
+                        chunk: None,
+                    }
+                })
+                .collect();
+            return Ok(Self {
+                format,
+                pieces,
+                piece_elems,
+                piece_units: piece_elems,
+                compute_elems: pieces * piece_elems,
+                params,
+            });
+        }
+        let (mut elem_offset, mut unit_offset, mut compute) = (0usize, 0usize, 0usize);
+        let mut params = Vec::with_capacity(members.len());
+        for p in members {
+            let numel = p.spec.numel() as usize;
+            let (codec, elems, units) = match p.format {
+                RuntimeFormat::Mxfp8 => {
+                    let (rows, cols) = p.spec.matrix_dims();
+                    let (rows, cols) = (rows as usize, cols as usize);
+                    let bands = rows.div_ceil(TILE).div_ceil(pieces);
+                    let tiles = bands * cols.div_ceil(TILE);
+                    (Codec::Mx { cols }, bands * TILE * cols, tiles * TILE_BYTES)
+                }
+                RuntimeFormat::Bf16 => {
+                    let elems = numel.div_ceil(pieces);
+                    (Codec::Bf16, elems, 2 * elems)
+                }
+                RuntimeFormat::F32 => {
+                    return Err(HsdpError::Unsupported(format!(
+                        "{}: an f32 parameter in an MXFP8 plan",
+                        p.spec.path
+                    )))
+                }
+            };
+            params.push(ParamLayout {
+                shape: p.spec.shape.clone(),
+                compute_start: compute,
+                segments: Vec::new(),
+                chunk: Some(Chunk {
+                    codec,
+                    elems,
+                    elem_offset,
+                    unit_offset,
+                    units,
+                }),
+            });
+            elem_offset += elems;
+            unit_offset += units;
+            compute += numel;
+        }
+        let piece_elems = elem_offset;
+        for p in &mut params {
+            let numel: usize = p.shape.iter().product();
+            let chunk = p.chunk.expect("banded");
+            p.segments = (0..pieces)
+                .map(|piece| Segment {
+                    bucket: piece * piece_elems + chunk.elem_offset,
+                    param: piece * chunk.elems,
+                    len: chunk.real(numel, piece),
+                })
+                .filter(|s| s.len > 0)
+                .collect();
+        }
+        Ok(Self {
+            format,
+            pieces,
+            piece_elems,
+            piece_units: unit_offset,
+            compute_elems: compute,
+            params,
+        })
+    }
+
+    /// fp32 elements of one piece (master weights and gradients).
+    pub fn piece_elems(&self) -> usize {
+        self.piece_elems
+    }
+
+    /// fp32 elements of the whole bucket (every piece).
+    pub fn bucket_elems(&self) -> usize {
+        self.pieces * self.piece_elems
+    }
+
+    /// Runtime units of the whole bucket (what an all-gather returns).
+    pub fn bucket_units(&self) -> usize {
+        self.pieces * self.piece_units
+    }
+
+    /// Where member `k`'s elements sit in the bucket's element space.
+    pub fn segments(&self, k: usize) -> &[Segment] {
+        &self.params[k].segments
+    }
+
+    /// Member `k`'s first element in the compute buffer.
+    pub fn compute_start(&self, k: usize) -> usize {
+        self.params[k].compute_start
+    }
+
+    /// Member `k`'s shape.
+    pub fn shape(&self, k: usize) -> &[usize] {
+        &self.params[k].shape
+    }
+
+    /// Members.
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+
+    /// Whether forward and backward decode different values (MXFP8 planes), so a gathered
+    /// bucket's runtime bytes are kept while it is resident.
+    pub fn has_planes(&self) -> bool {
+        self.params.iter().any(|p| {
+            matches!(
+                p.chunk,
+                Some(Chunk {
+                    codec: Codec::Mx { .. },
+                    ..
+                })
+            )
+        })
+    }
+
+    /// Writes member `k`'s `values` (row-major) into the bucket element space `dst`.
+    pub fn place(&self, k: usize, values: &[f32], dst: &mut [f32]) {
+        for s in self.segments(k) {
+            dst[s.bucket..s.bucket + s.len].copy_from_slice(&values[s.param..s.param + s.len]);
+        }
+    }
+
+    /// Adds member `k`'s gradient `values` (row-major) into the bucket element space `dst`.
+    pub fn accumulate(&self, k: usize, values: &[f32], dst: &mut [f32]) {
+        for s in self.segments(k) {
+            dst[s.bucket..s.bucket + s.len]
+                .iter_mut()
+                .zip(&values[s.param..s.param + s.len])
+                .for_each(|(d, v)| *d += v);
+        }
+    }
+
+    /// Encodes the element space of consecutive pieces `first..` (`values`, whole pieces) into
+    /// runtime units.
+    pub fn encode(&self, first: usize, values: Vec<f32>) -> Result<Elems, HsdpError> {
+        Ok(match self.format {
+            RuntimeFormat::F32 => Elems::F32(values),
+            RuntimeFormat::Bf16 => Elems::Bf16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
+            RuntimeFormat::Mxfp8 => {
+                let n = values.len() / self.piece_elems.max(1);
+                let mut out = vec![0u8; n * self.piece_units];
+                for i in 0..n {
+                    let master = &values[i * self.piece_elems..(i + 1) * self.piece_elems];
+                    let units = &mut out[i * self.piece_units..(i + 1) * self.piece_units];
+                    self.encode_piece(first + i, master, units)?;
+                }
+                Elems::U8(out)
+            }
+        })
+    }
+
+    /// Re-derives the runtime units of piece `piece`, the `slot`-th piece of `shard`, from its
+    /// fp32 `master` (nothing for f32, whose master elements are the runtime elements).
+    pub fn rederive(
+        &self,
+        shard: &mut Elems,
+        slot: usize,
+        piece: usize,
+        master: &[f32],
+    ) -> Result<(), HsdpError> {
+        let units = slot * self.piece_units..(slot + 1) * self.piece_units;
+        match shard {
+            Elems::F32(v) => debug_assert_eq!(&v[units], master),
+            Elems::Bf16(v) => v[units]
+                .iter_mut()
+                .zip(master)
+                .for_each(|(d, &m)| *d = bf16::from_f32(m)),
+            Elems::U8(v) => self.encode_piece(piece, master, &mut v[units])?,
+        }
+        Ok(())
+    }
+
+    /// Encodes piece `p`'s chunks (banded layout) from its fp32 elements.
+    fn encode_piece(&self, p: usize, master: &[f32], out: &mut [u8]) -> Result<(), HsdpError> {
+        for param in &self.params {
+            let c = param.chunk.expect("banded");
+            let numel: usize = param.shape.iter().product();
+            let real = c.real(numel, p);
+            let src = &master[c.elem_offset..c.elem_offset + real];
+            let dst = &mut out[c.unit_offset..c.unit_offset + c.units];
+            match c.codec {
+                Codec::Bf16 => {
+                    for (d, &v) in dst.chunks_exact_mut(2).zip(src) {
+                        d.copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes());
+                    }
+                    dst[2 * real..].fill(0);
+                }
+                Codec::Mx { cols } => {
+                    let shape = MxShape::new(real / cols.max(1), cols);
+                    let used = shape.n_tiles() * TILE_BYTES;
+                    let (fmt, rule) = MX_FORMAT;
+                    sshsdp_mx::encode_tiled(src, shape, fmt, rule, &mut dst[..used])
+                        .map_err(|e| HsdpError::Failed(format!("MXFP8 encode: {e}")))?;
+                    // Tiles of padding rows: zero elements, all-zero-block scales (0x00).
+                    dst[used..].fill(0);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The compute buffer of a gathered bucket `full` for `phase`, and `full` itself when it
+    /// must be kept to decode the other plane later ([`Self::has_planes`]). `decoded` is set
+    /// when the buffer was converted (not f32 already).
+    pub fn to_compute(
+        &self,
+        full: Elems,
+        phase: Phase,
+    ) -> Result<(Vec<f32>, Option<Elems>), HsdpError> {
+        match full {
+            Elems::F32(v) => Ok((v, None)),
+            Elems::Bf16(v) => Ok((v.iter().map(|x| x.to_f32()).collect(), None)),
+            Elems::U8(bytes) => {
+                let compute = self.decode(&bytes, phase)?;
+                Ok((compute, self.has_planes().then_some(Elems::U8(bytes))))
+            }
+        }
+    }
+
+    /// Decodes a gathered banded bucket for `phase`.
+    pub fn decode(&self, bytes: &[u8], phase: Phase) -> Result<Vec<f32>, HsdpError> {
+        if bytes.len() != self.bucket_units() {
+            return Err(HsdpError::Failed(format!(
+                "a gathered MXFP8 bucket has {} bytes, its layout {}",
+                bytes.len(),
+                self.bucket_units()
+            )));
+        }
+        let mut out = vec![0f32; self.compute_elems];
+        for p in 0..self.pieces {
+            let piece = &bytes[p * self.piece_units..(p + 1) * self.piece_units];
+            for param in &self.params {
+                let c = param.chunk.expect("banded");
+                let numel: usize = param.shape.iter().product();
+                let real = c.real(numel, p);
+                if real == 0 {
+                    continue;
+                }
+                let src = &piece[c.unit_offset..c.unit_offset + c.units];
+                let at = param.compute_start + p * c.elems;
+                let dst = &mut out[at..at + real];
+                match c.codec {
+                    Codec::Bf16 => {
+                        for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                            *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
+                        }
+                    }
+                    Codec::Mx { cols } => {
+                        let shape = MxShape::new(real / cols, cols);
+                        let used = shape.n_tiles() * TILE_BYTES;
+                        sshsdp_mx::decode_tiled(
+                            &src[..used],
+                            shape,
+                            MX_FORMAT.0,
+                            phase.mx_plane(),
+                            dst,
+                        )
+                        .map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Columns of member `k`'s MXFP8 view, when it is MXFP8.
+    #[cfg(test)]
+    fn mx_cols(&self, k: usize) -> Option<usize> {
+        match self.params[k].chunk?.codec {
+            Codec::Mx { cols } => Some(cols),
+            Codec::Bf16 => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sshsdp_plan::{DType, Mesh, ParamSpec, PlanConfig, Role, Sharding};
+
+    fn plan(world: usize, format: RuntimeFormat) -> Plan {
+        let specs = vec![
+            ParamSpec::new("a.weight", vec![70, 96], DType::F32).with_role(Role::Matrix),
+            ParamSpec::new("a.bias", vec![96], DType::F32),
+            ParamSpec::new("b.weight", vec![256, 64], DType::F32).with_role(Role::Matrix),
+        ];
+        let config = PlanConfig::default()
+            .with_format(format)
+            .with_sharding(Sharding::Hierarchical);
+        let mut config = config;
+        config.mx_max_padding = 1.0;
+        Plan::build(specs, Mesh::flat(world).unwrap(), config).unwrap()
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u32).wrapping_mul(2654435761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
+            .collect()
+    }
+
+    /// Every bucket encoded piece by piece at `world` pieces and decoded again.
+    fn round_trip(world: usize, phase: Phase) -> Vec<Vec<f32>> {
+        let plan = plan(world, RuntimeFormat::Mxfp8);
+        let mut out = Vec::new();
+        for b in 0..plan.buckets().len() {
+            let layout = BucketLayout::build(&plan, b).unwrap();
+            let mut space = vec![0f32; layout.bucket_elems()];
+            let members = &plan.params()[plan.buckets()[b].params.clone()];
+            for (k, p) in members.iter().enumerate() {
+                layout.place(k, &values(p.spec.numel() as usize, k as u32), &mut space);
+            }
+            let Elems::U8(bytes) = layout.encode(0, space).unwrap() else {
+                panic!("MXFP8 buckets hold bytes")
+            };
+            let compute = layout.decode(&bytes, phase).unwrap();
+            for (k, p) in members.iter().enumerate() {
+                let at = layout.compute_start(k);
+                out.push(compute[at..at + p.spec.numel() as usize].to_vec());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn banded_mxfp8_decodes_the_same_at_every_world_size() {
+        for phase in [Phase::Forward, Phase::Backward] {
+            let one = round_trip(1, phase);
+            for world in [2, 3, 4, 8] {
+                assert_eq!(round_trip(world, phase), one, "world {world}, {phase:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn banded_mxfp8_matches_the_reference_codec_and_bf16_fallback() {
+        let plan = plan(4, RuntimeFormat::Mxfp8);
+        let decoded = round_trip(4, Phase::Forward);
+        let mut i = 0;
+        for b in 0..plan.buckets().len() {
+            let layout = BucketLayout::build(&plan, b).unwrap();
+            for (k, p) in plan.params()[plan.buckets()[b].params.clone()]
+                .iter()
+                .enumerate()
+            {
+                let v = values(p.spec.numel() as usize, k as u32);
+                let expect: Vec<f32> = match layout.mx_cols(k) {
+                    Some(cols) => {
+                        let shape = MxShape::new(v.len() / cols, cols);
+                        let mut bytes = vec![0u8; shape.n_tiles() * TILE_BYTES];
+                        let (fmt, rule) = MX_FORMAT;
+                        sshsdp_mx::encode_tiled(&v, shape, fmt, rule, &mut bytes).unwrap();
+                        let mut out = vec![0f32; v.len()];
+                        sshsdp_mx::decode_tiled(&bytes, shape, fmt, Plane::Col, &mut out).unwrap();
+                        out
+                    }
+                    None => v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
+                };
+                assert_eq!(decoded[i], expect, "{}", p.spec.path);
+                i += 1;
+            }
+        }
+        assert!(plan.fallbacks().iter().any(|f| f.path == "a.bias"));
+    }
+
+    #[test]
+    fn segments_cover_each_parameter_once() {
+        for format in [
+            RuntimeFormat::F32,
+            RuntimeFormat::Bf16,
+            RuntimeFormat::Mxfp8,
+        ] {
+            for world in [1, 2, 4] {
+                let plan = plan(world, format);
+                for b in 0..plan.buckets().len() {
+                    let layout = BucketLayout::build(&plan, b).unwrap();
+                    let mut seen = vec![0u8; layout.bucket_elems()];
+                    for k in 0..layout.len() {
+                        let numel: usize = layout.shape(k).iter().product();
+                        let covered: usize = layout.segments(k).iter().map(|s| s.len).sum();
+                        assert_eq!(covered, numel);
+                        for s in layout.segments(k) {
+                            seen[s.bucket..s.bucket + s.len]
+                                .iter_mut()
+                                .for_each(|x| *x += 1);
+                        }
+                    }
+                    assert!(seen.iter().all(|&x| x <= 1), "{format:?} world {world}");
+                }
+            }
+        }
+    }
+}
