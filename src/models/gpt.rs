@@ -1,5 +1,4 @@
-//! Models for the examples and benchmarks: a GPT-style decoder-only transformer over byte or
-//! small-vocabulary tokens, written with Burn's `nn` modules and generic over the backend.
+//! A GPT-style decoder-only transformer over byte or small-vocabulary tokens.
 
 use burn::module::Module;
 use burn::nn::attention::{
@@ -71,14 +70,16 @@ impl GptConfig {
 }
 
 impl<B: Backend> Gpt<B> {
-    /// Mean next-token cross-entropy (nats) of `tokens` `[batch, seq + 1]`.
-    pub fn loss(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let [batch, width] = tokens.dims();
-        let seq = width - 1;
-        let device = tokens.device();
-        let vocab = self.head.weight.dims()[1];
-        let input = tokens.clone().slice([0..batch, 0..seq]);
-        let target = tokens.slice([0..batch, 1..seq + 1]).reshape([batch * seq]);
+    /// Context length the position table holds.
+    pub fn max_seq(&self) -> usize {
+        self.pos.weight.dims()[0]
+    }
+
+    /// Next-token logits `[batch, seq, vocab]` of `input` `[batch, seq]` (`seq` at most
+    /// [`Gpt::max_seq`]).
+    pub fn logits(&self, input: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [batch, seq] = input.dims();
+        let device = input.device();
         let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &device)
             .reshape([1, seq])
             .repeat_dim(0, batch);
@@ -93,10 +94,18 @@ impl<B: Backend> Gpt<B> {
             let h = b.norm_mlp.forward(x.clone());
             x = x.clone() + b.down.forward(gelu(b.up.forward(h)));
         }
-        let logits = self
-            .head
-            .forward(self.norm.forward(x))
-            .reshape([batch * seq, vocab]);
+        self.head.forward(self.norm.forward(x))
+    }
+
+    /// Mean next-token cross-entropy (nats) of `tokens` `[batch, seq + 1]`.
+    pub fn loss(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let [batch, width] = tokens.dims();
+        let seq = width - 1;
+        let device = tokens.device();
+        let vocab = self.head.weight.dims()[1];
+        let input = tokens.clone().slice([0..batch, 0..seq]);
+        let target = tokens.slice([0..batch, 1..seq + 1]).reshape([batch * seq]);
+        let logits = self.logits(input).reshape([batch * seq, vocab]);
         CrossEntropyLossConfig::new()
             .init(&device)
             .forward(logits, target)
