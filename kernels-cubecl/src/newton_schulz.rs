@@ -1,0 +1,266 @@
+//! Newton–Schulz orthogonalisation for Muon in `f32` on the device: the quintic step
+//! `A = X·Xᵀ`, `Bm = b·A + c·A·A`, `X ← a·X + Bm·X` as three strided GEMMs
+//! ([`crate::gemm`]), and the whole `newton_schulz` of `sshsdp-optim` (normalisation by
+//! `‖G‖_F + 1e-7`, iteration on the wide orientation, transpose back).
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+use crate::error::{check_size, to_u32, KernelError};
+use crate::gemm::{gemm, MatRef};
+
+/// Quintic Newton–Schulz coefficients `(a, b, c)` (the same as `sshsdp_optim`).
+pub const NS_COEFFICIENTS: (f32, f32, f32) = (3.4445, -4.7750, 2.0315);
+/// The `eps` of the normalisation `X = G / (‖G‖_F + eps)`.
+pub const NS_EPS: f32 = 1e-7;
+
+/// Cubes of the sum-of-squares pass (each writes one partial sum).
+const REDUCE_CUBES: u32 = 256;
+/// Units per cube of the element-wise kernels.
+const UNITS_1D: u32 = 256;
+
+/// Partial sums of squares: cube `p` sums elements `p·256 + u (+ 65536·i)` into
+/// `partial[p]` with a shared-memory tree.
+#[cube(launch)]
+fn sum_squares_kernel(x: &Array<f32>, partial: &mut Array<f32>, len: u32) {
+    let mut tree = SharedMemory::<f32>::new(256usize);
+    let u = UNIT_POS;
+    let mut i = CUBE_POS as u32 * 256 + u;
+    let stride = CUBE_COUNT as u32 * 256;
+    let mut s = 0.0f32;
+    while i < len {
+        let v = x[i as usize];
+        s += v * v;
+        i += stride;
+    }
+    tree[u as usize] = s;
+    sync_cube();
+    let mut half = 128u32;
+    while half > 0 {
+        if u < half {
+            tree[u as usize] = tree[u as usize] + tree[(u + half) as usize];
+        }
+        sync_cube();
+        half /= 2;
+    }
+    if u == 0 {
+        partial[CUBE_POS] = tree[0];
+    }
+}
+
+/// `norm[0] = sqrt(Σ partial) + eps` (one cube).
+#[cube(launch)]
+fn finish_norm_kernel(partial: &Array<f32>, norm: &mut Array<f32>, eps: f32) {
+    let mut tree = SharedMemory::<f32>::new(256usize);
+    let u = UNIT_POS;
+    tree[u as usize] = partial[u as usize];
+    sync_cube();
+    let mut half = 128u32;
+    while half > 0 {
+        if u < half {
+            tree[u as usize] = tree[u as usize] + tree[(u + half) as usize];
+        }
+        sync_cube();
+        half /= 2;
+    }
+    if u == 0 {
+        norm[0] = f32::sqrt(tree[0]) + eps;
+    }
+}
+
+/// `dst = src / norm[0]` (when `divide`), transposed (`dst[j·rows + i] = src[i·cols + j]`)
+/// when `transpose`.
+#[cube(launch)]
+fn scale_transpose_kernel(
+    src: &Array<f32>,
+    norm: &Array<f32>,
+    dst: &mut Array<f32>,
+    rows: u32,
+    cols: u32,
+    #[comptime] transpose: bool,
+    #[comptime] divide: bool,
+) {
+    let len = rows * cols;
+    let mut idx = CUBE_POS as u32 * 256 + UNIT_POS;
+    let stride = CUBE_COUNT as u32 * 256;
+    while idx < len {
+        let mut v = src[idx as usize];
+        if divide {
+            v /= norm[0];
+        }
+        let mut o = idx;
+        if transpose {
+            o = (idx % cols) * rows + idx / cols;
+        }
+        dst[o as usize] = v;
+        idx += stride;
+    }
+}
+
+/// Cubes for an element-wise pass over `len` values (grid-stride beyond 65535 cubes).
+fn grid_1d(len: usize) -> CubeCount {
+    let cubes = (len as u64).div_ceil(UNITS_1D as u64).clamp(1, 65_535) as u32;
+    CubeCount::Static(cubes, 1, 1)
+}
+
+/// Scratch buffers of [`ns_step`] for a wide `m x n` iterate (`m <= n`).
+#[derive(Debug, Clone)]
+pub struct NsWorkspace {
+    /// `A = X·Xᵀ`, `m x m`.
+    pub gram: Handle,
+    /// `Bm = b·A + c·A·A`, `m x m`.
+    pub bm: Handle,
+}
+
+impl NsWorkspace {
+    /// Allocates the scratch for an `m x m` Gram matrix.
+    pub fn new<R: Runtime>(client: &ComputeClient<R>, m: usize) -> Self {
+        let bytes = (m * m * 4).max(4);
+        Self {
+            gram: client.empty(bytes),
+            bm: client.empty(bytes),
+        }
+    }
+}
+
+/// One quintic Newton–Schulz step on the row-major `m x n` iterate `x` (`m <= n` is the
+/// cheap orientation, any shape works): `out = a·X + (b·A + c·A·A)·X` with `A = X·Xᵀ`,
+/// `(a, b, c)` = `coeffs`. `out` must not alias `x` or the workspace.
+pub fn ns_step<R: Runtime>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    n: usize,
+    coeffs: (f32, f32, f32),
+    ws: &NsWorkspace,
+    out: &Handle,
+) -> Result<(), KernelError> {
+    let (a, b, c) = coeffs;
+    check_size("gram", &ws.gram, (m * m * 4) as u64)?;
+    check_size("bm", &ws.bm, (m * m * 4) as u64)?;
+    // A = X·Xᵀ
+    gemm(
+        client,
+        m,
+        m,
+        n,
+        1.0,
+        MatRef::row_major(x, n),
+        MatRef::transposed(x, n),
+        0.0,
+        None,
+        &ws.gram,
+    )?;
+    // Bm = c·A·A + b·A
+    gemm(
+        client,
+        m,
+        m,
+        m,
+        c,
+        MatRef::row_major(&ws.gram, m),
+        MatRef::row_major(&ws.gram, m),
+        b,
+        Some(&ws.gram),
+        &ws.bm,
+    )?;
+    // X' = Bm·X + a·X
+    gemm(
+        client,
+        m,
+        n,
+        m,
+        1.0,
+        MatRef::row_major(&ws.bm, m),
+        MatRef::row_major(x, n),
+        a,
+        Some(x),
+        out,
+    )
+}
+
+/// Muon's orthogonalisation of the row-major `rows x cols` matrix `g` into `out` (same
+/// shape), as `sshsdp_optim::newton_schulz(g, steps, NsPrecision::F32)`: `X = G / (‖G‖_F +
+/// 1e-7)`, transposed when `rows > cols`, `steps` quintic steps, transposed back.
+pub fn newton_schulz<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: &Handle,
+    rows: usize,
+    cols: usize,
+    steps: usize,
+    out: &Handle,
+) -> Result<(), KernelError> {
+    let len = rows * cols;
+    if len == 0 {
+        return Ok(());
+    }
+    check_size("g", g, (len * 4) as u64)?;
+    check_size("out", out, (len * 4) as u64)?;
+    let len32 = to_u32("rows * cols", len as u64)?;
+    let transposed = rows > cols;
+    let (m, n) = if transposed {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
+    let words = |h: &Handle| h.size_in_used() as usize / 4;
+    let partial = client.empty(REDUCE_CUBES as usize * 4);
+    let norm = client.empty(4);
+    let bytes = len * 4;
+    let mut x = client.empty(bytes);
+    let mut next = client.empty(bytes);
+    let dim = CubeDim::new_1d(UNITS_1D);
+    // SAFETY (all launches below): indices are below `len` (checked against every handle
+    // above or freshly allocated with `len` values), `REDUCE_CUBES` and 1.
+    unsafe {
+        sum_squares_kernel::launch::<R>(
+            client,
+            CubeCount::Static(REDUCE_CUBES, 1, 1),
+            dim,
+            ArrayArg::from_raw_parts(g.clone(), words(g)),
+            ArrayArg::from_raw_parts(partial.clone(), REDUCE_CUBES as usize),
+            len32,
+        );
+        finish_norm_kernel::launch::<R>(
+            client,
+            CubeCount::Static(1, 1, 1),
+            dim,
+            ArrayArg::from_raw_parts(partial.clone(), REDUCE_CUBES as usize),
+            ArrayArg::from_raw_parts(norm.clone(), 1),
+            NS_EPS,
+        );
+        scale_transpose_kernel::launch::<R>(
+            client,
+            grid_1d(len),
+            dim,
+            ArrayArg::from_raw_parts(g.clone(), words(g)),
+            ArrayArg::from_raw_parts(norm.clone(), 1),
+            ArrayArg::from_raw_parts(x.clone(), len),
+            rows as u32,
+            cols as u32,
+            transposed,
+            true,
+        );
+    }
+    let ws = NsWorkspace::new(client, m);
+    for _ in 0..steps {
+        ns_step(client, &x, m, n, NS_COEFFICIENTS, &ws, &next)?;
+        core::mem::swap(&mut x, &mut next);
+    }
+    // SAFETY: as above; `x` holds `m x n = len` values.
+    unsafe {
+        scale_transpose_kernel::launch::<R>(
+            client,
+            grid_1d(len),
+            dim,
+            ArrayArg::from_raw_parts(x.clone(), len),
+            ArrayArg::from_raw_parts(norm.clone(), 1),
+            ArrayArg::from_raw_parts(out.clone(), words(out)),
+            m as u32,
+            n as u32,
+            transposed,
+            false,
+        );
+    }
+    Ok(())
+}

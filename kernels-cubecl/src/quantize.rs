@@ -1,0 +1,198 @@
+//! MXFP8 (E4M3, E8M0) quantisation of a row-major `[rows, cols]` tensor into the tiled bucket
+//! layout, written in place at a word offset of a `u32` buffer. Bit-identical to
+//! `sshsdp_mx::encode_tiled`.
+//!
+//! One cube (32 x 8 units) encodes one 32x32 tile at a time: coalesced loads of the tile
+//! into shared memory (zero padding outside the tensor), 64 units derive the 32 row and 32
+//! column scales, then every unit writes one row-data word and one column-data word, and
+//! 16 units the scale words.
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use sshsdp_mx::{MxShape, ScaleRule};
+
+use crate::e4m3::{encode_word, scale_byte};
+use crate::error::{check_size, to_u32, KernelError};
+use crate::layout::{
+    COL_DATA_W, COL_SCALES_W, MAX_CUBES, ROW_DATA_W, ROW_SCALES_W, TILE_CUBE, TILE_WORDS,
+};
+
+/// Element type of the quantiser's input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum InputDType {
+    /// `f32`, one per word.
+    #[default]
+    F32,
+    /// `bf16`, two per word (element `2i` in the low half), as Burn stores bf16 tensors.
+    Bf16,
+}
+
+/// Stride of the shared tile (33: conflict-free row and column walks).
+const SMEM_STRIDE: u32 = 33;
+
+/// `f32` bits of element `idx` of the input (`bf16` widened exactly).
+#[cube]
+pub(crate) fn load_bits(input: &Array<u32>, idx: u32, #[comptime] bf16: bool) -> u32 {
+    if bf16 {
+        let w = input[(idx / 2) as usize];
+        ((w >> ((idx & 1) * 16)) & 0xFFFF) << 16
+    } else {
+        input[idx as usize]
+    }
+}
+
+/// The quantise kernel: tiles `CUBE_POS, CUBE_POS + CUBE_COUNT, ...` of `n_tiles`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn quantize_tiled_kernel(
+    input: &Array<u32>,
+    out: &mut Array<u32>,
+    rows: u32,
+    cols: u32,
+    tile_cols: u32,
+    n_tiles: u32,
+    word_offset: u32,
+    #[comptime] rceil: bool,
+    #[comptime] bf16: bool,
+) {
+    let mut vals = SharedMemory::<u32>::new(32 * 33usize);
+    let mut scales = SharedMemory::<u32>::new(64usize);
+    let x = UNIT_POS_X;
+    let y = UNIT_POS_Y;
+    let u = UNIT_POS;
+    let mut t = CUBE_POS as u32;
+    let stride = CUBE_COUNT as u32;
+    while t < n_tiles {
+        let r0 = (t / tile_cols) * 32;
+        let c0 = (t % tile_cols) * 32;
+        // 1. load the tile (bits), zero outside the tensor
+        for i in 0..4u32 {
+            let r = y + 8 * i;
+            let mut v = 0u32;
+            if r0 + r < rows && c0 + x < cols {
+                v = load_bits(input, (r0 + r) * cols + c0 + x, bf16);
+            }
+            vals[(r * SMEM_STRIDE + x) as usize] = v;
+        }
+        sync_cube();
+        // 2. scales: units 0..32 the rows, 32..64 the columns
+        if u < 64 {
+            let mut amax = 0u32;
+            if u < 32 {
+                for i in 0..32u32 {
+                    amax = max(amax, vals[(u * SMEM_STRIDE + i) as usize] & 0x7FFF_FFFF);
+                }
+            } else {
+                for i in 0..32u32 {
+                    amax = max(
+                        amax,
+                        vals[(i * SMEM_STRIDE + u - 32) as usize] & 0x7FFF_FFFF,
+                    );
+                }
+            }
+            scales[u as usize] = scale_byte(amax, rceil);
+        }
+        sync_cube();
+        // 3. data words: row word u (row u / 8, columns 4·(u % 8)..) and column word u
+        let base = word_offset + t * TILE_WORDS;
+        let a = u / 8;
+        let b = (u % 8) * 4;
+        let rs = scales[a as usize];
+        let ri = (a * SMEM_STRIDE + b) as usize;
+        out[(base + ROW_DATA_W + u) as usize] =
+            encode_word(vals[ri], vals[ri + 1], vals[ri + 2], vals[ri + 3], rs);
+        let cs = scales[(32 + a) as usize];
+        let ci = (b * SMEM_STRIDE + a) as usize;
+        let s33 = SMEM_STRIDE as usize;
+        out[(base + COL_DATA_W + u) as usize] = encode_word(
+            vals[ci],
+            vals[ci + s33],
+            vals[ci + 2 * s33],
+            vals[ci + 3 * s33],
+            cs,
+        );
+        // 4. scale words: units 0..8 the row scales, 8..16 the column scales
+        if u < 16 {
+            let s0 = (u * 4) as usize;
+            let w = scales[s0]
+                | (scales[s0 + 1] << 8)
+                | (scales[s0 + 2] << 16)
+                | (scales[s0 + 3] << 24);
+            let mut dst = base + ROW_SCALES_W + u;
+            if u >= 8 {
+                dst = base + COL_SCALES_W + u - 8;
+            }
+            out[dst as usize] = w;
+        }
+        sync_cube();
+        t += stride;
+    }
+}
+
+/// Grid for `n_tiles` tiles: one cube per tile, at most [`MAX_CUBES`] (they loop).
+pub(crate) fn tile_grid(n_tiles: u32) -> (CubeCount, CubeDim) {
+    let cubes = n_tiles.clamp(1, MAX_CUBES);
+    (
+        CubeCount::Static(cubes, 1, 1),
+        CubeDim::new_2d(TILE_CUBE.0, TILE_CUBE.1),
+    )
+}
+
+/// Quantises the row-major `[rows, cols]` tensor in `input` (`f32` or `bf16`, see
+/// [`InputDType`]) to MXFP8 E4M3 with scale rule `rule`, writing the tiled layout
+/// (`sshsdp_mx::tiled_bytes(rows, cols)` bytes) into `out` from word `word_offset` on.
+/// Other words of `out` are untouched. Output bits equal `sshsdp_mx::encode_tiled`'s.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_tiled<R: Runtime>(
+    client: &ComputeClient<R>,
+    input: &Handle,
+    dtype: InputDType,
+    rows: usize,
+    cols: usize,
+    rule: ScaleRule,
+    out: &Handle,
+    word_offset: usize,
+) -> Result<(), KernelError> {
+    let shape = MxShape::new(rows, cols);
+    shape
+        .validate()
+        .map_err(|e| KernelError::Shape(e.to_string()))?;
+    if shape.is_empty() {
+        return Ok(());
+    }
+    let elem_bytes = match dtype {
+        InputDType::F32 => 4,
+        InputDType::Bf16 => 2,
+    };
+    let out_words = shape.tiled_bytes() / 4;
+    check_size("input", input, (shape.len() * elem_bytes) as u64)?;
+    check_size("out", out, (word_offset + out_words) as u64 * 4)?;
+    to_u32("rows * cols", shape.len() as u64)?;
+    to_u32(
+        "word_offset + tiled words",
+        (word_offset + out_words) as u64,
+    )?;
+    let n_tiles = shape.n_tiles() as u32;
+    let (count, dim) = tile_grid(n_tiles);
+    let out_len = out.size_in_used() as usize / 4;
+    // SAFETY: lengths are the handles' sizes in words (a bf16 input's last word may be half
+    // used); every index the kernel forms is below the input's words or
+    // `word_offset + out_words`, both checked above.
+    unsafe {
+        quantize_tiled_kernel::launch::<R>(
+            client,
+            count,
+            dim,
+            ArrayArg::from_raw_parts(input.clone(), (input.size_in_used() as usize).div_ceil(4)),
+            ArrayArg::from_raw_parts(out.clone(), out_len),
+            rows as u32,
+            cols as u32,
+            shape.tile_cols() as u32,
+            n_tiles,
+            word_offset as u32,
+            rule == ScaleRule::Rceil,
+            dtype == InputDType::Bf16,
+        );
+    }
+    Ok(())
+}

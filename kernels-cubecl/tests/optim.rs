@@ -1,0 +1,157 @@
+//! Newton–Schulz and AdamW kernels against `sshsdp-optim` / burn-optim on the CPU.
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use burn::backend::NdArray;
+use burn::optim::{AdamWConfig, SimpleOptimizer};
+use burn::tensor::{Tensor, TensorData};
+use common::*;
+use sshsdp_kernels::{
+    adamw_reference, adamw_step, newton_schulz, ns_step, AdamWParams, NsWorkspace, NS_COEFFICIENTS,
+};
+use sshsdp_optim::NsPrecision;
+
+type B = NdArray<f32>;
+
+fn tensor(v: &[f32], rows: usize, cols: usize) -> Tensor<B, 2> {
+    Tensor::from_data(
+        TensorData::new(v.to_vec(), [rows, cols]),
+        &Default::default(),
+    )
+}
+
+fn values(t: Tensor<B, 2>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn ns_step_matches_f64_reference() {
+    let c = client();
+    let mut rng = Rng::new(0x5EED_0201);
+    for (m, n) in [(1, 1), (16, 48), (33, 70), (64, 64), (40, 130)] {
+        let x0 = rng.vec(m * n, |r| r.normal());
+        // normalise like Muon so the step is in its working range
+        let norm = x0.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let x: Vec<f32> = x0.iter().map(|v| v / norm).collect();
+        // f64 reference
+        let (a, b, cc) = NS_COEFFICIENTS;
+        let (a, b, cc) = (a as f64, b as f64, cc as f64);
+        let xd: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let mut gram = vec![0f64; m * m];
+        for i in 0..m {
+            for j in 0..m {
+                gram[i * m + j] = (0..n).map(|l| xd[i * n + l] * xd[j * n + l]).sum();
+            }
+        }
+        let mut bm = vec![0f64; m * m];
+        for i in 0..m {
+            for j in 0..m {
+                let aa: f64 = (0..m).map(|l| gram[i * m + l] * gram[l * m + j]).sum();
+                bm[i * m + j] = b * gram[i * m + j] + cc * aa;
+            }
+        }
+        let want: Vec<f32> = (0..m * n)
+            .map(|idx| {
+                let (i, j) = (idx / n, idx % n);
+                let bx: f64 = (0..m).map(|l| bm[i * m + l] * xd[l * n + j]).sum();
+                (a * xd[idx] + bx) as f32
+            })
+            .collect();
+        let hx = upload_f32(&c, &x);
+        let out = c.empty(m * n * 4);
+        let ws = NsWorkspace::new(&c, m);
+        ns_step(&c, &hx, m, n, NS_COEFFICIENTS, &ws, &out).unwrap();
+        let got = read_f32(&c, &out);
+        let d = max_abs_diff(&got, &want);
+        assert!(d < 1e-5, "ns_step {m}x{n}: max |diff| {d:e}");
+    }
+}
+
+#[test]
+fn newton_schulz_matches_sshsdp_optim() {
+    let c = client();
+    let mut rng = Rng::new(0x5EED_0202);
+    for (rows, cols) in [(32, 48), (70, 33), (64, 64), (5, 1), (96, 40)] {
+        let g = rng.vec(rows * cols, |r| r.normal() * 0.02);
+        let want = values(sshsdp_optim::newton_schulz(
+            tensor(&g, rows, cols),
+            5,
+            NsPrecision::F32,
+        ));
+        let hg = upload_f32(&c, &g);
+        let out = c.empty(rows * cols * 4);
+        newton_schulz(&c, &hg, rows, cols, 5, &out).unwrap();
+        let got = read_f32(&c, &out);
+        let d = max_abs_diff(&got, &want);
+        assert!(d < 1e-4, "newton_schulz {rows}x{cols}: max |diff| {d:e}");
+    }
+}
+
+#[test]
+fn adamw_matches_burn_and_reference() {
+    let c = client();
+    let mut rng = Rng::new(0x5EED_0203);
+    let (rows, cols) = (37, 29); // 1073 elements, not a multiple of the cube size
+    let len = rows * cols;
+    let mut p = rng.vec(len, |r| r.normal());
+    let (mut m, mut v) = (vec![0f32; len], vec![0f32; len]);
+    let base = AdamWParams {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 1,
+    };
+    let optim = AdamWConfig::new()
+        .with_beta_1(base.beta1)
+        .with_beta_2(base.beta2)
+        .with_epsilon(base.eps)
+        .with_weight_decay(base.weight_decay)
+        .build();
+    let mut burn_p = tensor(&p, rows, cols);
+    let mut burn_state = None;
+    let (hp, hm, hv) = (upload_f32(&c, &p), upload_f32(&c, &m), upload_f32(&c, &v));
+    for step in 1..=4 {
+        let g = rng.vec(len, |r| r.wide(4));
+        let params = AdamWParams { step, ..base };
+        // device
+        let hg = upload_f32(&c, &g);
+        adamw_step(&c, &hp, &hg, &hm, &hv, len, &params).unwrap();
+        // CPU reference (same formula, element by element)
+        adamw_reference(&mut p, &g, &mut m, &mut v, &params);
+        // burn-optim's AdamW
+        let (np, ns) = optim.step(base.lr, burn_p, tensor(&g, rows, cols), burn_state);
+        burn_p = np;
+        burn_state = ns;
+        let got = read_f32(&c, &hp);
+        let burn_vals = values(burn_p.clone());
+        for i in 0..len {
+            let tol = 1e-6 * p[i].abs().max(1e-3);
+            assert!(
+                (got[i] - p[i]).abs() <= tol,
+                "step {step} param {i}: device {} vs reference {}",
+                got[i],
+                p[i]
+            );
+            assert!(
+                (burn_vals[i] - p[i]).abs() <= tol,
+                "step {step} param {i}: burn {} vs reference {}",
+                burn_vals[i],
+                p[i]
+            );
+        }
+        let (gm, gv) = (read_f32(&c, &hm), read_f32(&c, &hv));
+        assert!(max_abs_diff(&gm, &m) <= 1e-6 * m.iter().fold(0f32, |a, b| a.max(b.abs())));
+        assert!(max_abs_diff(&gv, &v) <= 1e-6 * v.iter().fold(0f32, |a, b| a.max(b.abs())));
+    }
+}
