@@ -27,11 +27,21 @@ const CONFIG: GptConfig = GptConfig {
     seq: 16,
 };
 
+/// Rows `first..first + rows` of step `step`'s batch: each next token is `7·t + 3 + r` with `r`
+/// drawn from four values, so the loss floor is ln 4 ≈ 1.386 and runs are compared where the
+/// model still has something to learn.
 fn tokens(step: usize, first: usize, rows: usize) -> Tensor<B, 2, Int> {
     let w = CONFIG.seq + 1;
-    let data: Vec<i64> = (first * w..(first + rows) * w)
-        .map(|i| ((i * 7 + step * 13 + (i / w) * 3) % CONFIG.vocab) as i64)
-        .collect();
+    let hash = |x: usize| (x as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+    let mut data = Vec::with_capacity(rows * w);
+    for row in first..first + rows {
+        let seed = step * 1_000 + row;
+        let mut t = hash(seed) as usize % CONFIG.vocab;
+        for j in 0..w {
+            data.push(t as i64);
+            t = (t * 7 + 3 + hash(seed * 64 + j + 1) as usize % 4) % CONFIG.vocab;
+        }
+    }
     Tensor::from_data(TensorData::new(data, [rows, w]), &Default::default())
 }
 
@@ -149,7 +159,7 @@ fn mxfp8_training_tracks_bf16_within_two_percent() {
         mx_losses[0]
     );
     assert!((m - b).abs() <= 0.02 * b, "MXFP8 {m} vs bf16 {b}");
-    assert!(m < 0.7 * mx_losses[0], "did not learn: {mx_losses:?}");
+    assert!(m < 0.75 * mx_losses[0], "did not learn: {mx_losses:?}");
     // Every tile-aligned matrix (embeddings included) is MXFP8; vectors and the 16-row position
     // table fell back to bf16, each reported.
     let params = named_params(&init).unwrap();

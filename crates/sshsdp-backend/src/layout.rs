@@ -6,19 +6,20 @@
 //! * **Linear** (f32 and bf16 runtime formats): the plan's layout. A parameter's elements are
 //!   contiguous in the bucket and runtime unit `i` is element `i`; the gathered buffer *is* the
 //!   compute buffer (f32) or is widened once (bf16), and parameters are views into it.
-//! * **Banded** (MXFP8 runtime format): every parameter is cut into one chunk per piece, so each
-//!   piece re-derives its runtime bytes from its own master elements alone — MXFP8's column-wise
-//!   blocks span 32 rows, which a flat element split would cut. An MXFP8 matrix `[rows, cols]`
-//!   (its 2-D view) is cut into bands of whole 32-row tile rows, `ceil(tile_rows / pieces)` per
-//!   piece, each band encoded in `sshsdp-mx`'s tiled layout (row and column planes with their
-//!   E8M0 scales, 2112 bytes per 32×32 tile). A band's tiles are exactly the matrix's tiles, so
-//!   the bytes equal encoding the whole matrix at any world size. A parameter that fell back to
-//!   bf16 (see [`sshsdp_plan::Plan::fallbacks`]) is cut into `ceil(numel / pieces)`-element
-//!   chunks of little-endian bf16. A piece holds every parameter's chunk in bucket order, in
-//!   elements and in bytes; chunk positions past a parameter's end are zero padding. The
-//!   gathered bytes are decoded into a fresh f32 buffer holding the parameters one after the
-//!   other (the CPU analogue of dequantising in a GEMM's load stage), in the plane the phase
-//!   needs ([`Phase`]).
+//! * **Banded** (MXFP8 runtime format): pieces are cut so that each re-derives its runtime bytes
+//!   from its own master elements alone — MXFP8's column-wise blocks span 32 rows, which a flat
+//!   element split would cut. An MXFP8 matrix `[rows, cols]` (its 2-D view) is a run of *bands*
+//!   of 32 rows (one tile row), each encoded in `sshsdp-mx`'s tiled layout (row and column
+//!   planes with their E8M0 scales, 2112 bytes per 32×32 tile); a parameter that fell back to
+//!   bf16 (see [`sshsdp_plan::Plan::fallbacks`]) is a run of little-endian bf16 elements. The
+//!   bucket's runtime bytes are these runs in bucket order, cut into pieces at the ideal
+//!   positions `i · total / pieces` moved to the nearest band edge (any element edge in bf16),
+//!   so pieces differ by at most one band and most matrices stay whole in one piece (which
+//!   keeps Muon's orthogonalisation local). Every piece is padded to the largest piece, in
+//!   bytes and in elements. A band's tiles are exactly the matrix's tiles, so the bytes equal
+//!   encoding the whole matrix, at any world size. The gathered bytes are decoded into a fresh
+//!   f32 buffer holding the parameters one after the other (the CPU analogue of dequantising
+//!   in a GEMM's load stage), in the plane the phase needs ([`Phase`]).
 
 use half::bf16;
 use sshsdp_mx::{ElemFormat, MxShape, Plane, ScaleRule, TILE, TILE_BYTES};
@@ -64,34 +65,47 @@ pub struct Segment {
     pub len: usize,
 }
 
-/// How a banded parameter's chunk is encoded.
-#[derive(Clone, Copy, Debug)]
+/// How a run of a parameter is encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Codec {
     /// Little-endian bf16, two bytes per element.
     Bf16,
-    /// MXFP8 tiles of a band of whole rows of a matrix with `cols` columns.
+    /// MXFP8 tiles of whole bands of a matrix with `cols` columns.
     Mx { cols: usize },
 }
 
-/// A banded parameter's chunk: the same place in every piece.
-#[derive(Clone, Copy, Debug)]
+impl Codec {
+    /// Runtime bytes of one atom (the finest cut): a band, or one bf16 element.
+    fn atom_units(self) -> usize {
+        match self {
+            Codec::Bf16 => 2,
+            Codec::Mx { cols } => cols.div_ceil(TILE) * TILE_BYTES,
+        }
+    }
+
+    /// Elements of atoms `[a0, a1)` of a parameter of `numel` elements.
+    fn atom_elems(self, numel: usize, a0: usize, a1: usize) -> std::ops::Range<usize> {
+        match self {
+            Codec::Bf16 => a0..a1,
+            Codec::Mx { cols } => (a0 * TILE * cols).min(numel)..(a1 * TILE * cols).min(numel),
+        }
+    }
+}
+
+/// Part of one parameter held by one piece (banded layout).
+#[derive(Clone, Debug)]
 struct Chunk {
+    /// Member index in the bucket.
+    member: usize,
     codec: Codec,
-    /// Elements per piece (whole rows for MXFP8).
-    elems: usize,
+    /// Elements of the parameter (row-major).
+    elems: std::ops::Range<usize>,
     /// Offset in the piece's elements.
     elem_offset: usize,
     /// Offset in the piece's runtime bytes.
     unit_offset: usize,
-    /// Runtime bytes per piece.
+    /// Runtime bytes.
     units: usize,
-}
-
-impl Chunk {
-    /// Real (unpadded) elements of the parameter in piece `p`'s chunk.
-    fn real(&self, numel: usize, p: usize) -> usize {
-        numel.saturating_sub(p * self.elems).min(self.elems)
-    }
 }
 
 #[derive(Clone, Debug)]
@@ -100,8 +114,6 @@ struct ParamLayout {
     /// First element of the parameter in the compute buffer.
     compute_start: usize,
     segments: Vec<Segment>,
-    /// The chunk in each piece (banded layout only).
-    chunk: Option<Chunk>,
 }
 
 /// One bucket's layout (see the module docs).
@@ -113,6 +125,8 @@ pub(crate) struct BucketLayout {
     piece_units: usize,
     compute_elems: usize,
     params: Vec<ParamLayout>,
+    /// Each piece's chunks (banded layout only).
+    chunks: Vec<Vec<Chunk>>,
 }
 
 impl BucketLayout {
@@ -136,7 +150,6 @@ impl BucketLayout {
                             param: 0,
                             len: p.spec.numel() as usize,
                         }],
-                        chunk: None,
                     }
                 })
                 .collect();
@@ -147,24 +160,26 @@ impl BucketLayout {
                 piece_units: piece_elems,
                 compute_elems: pieces * piece_elems,
                 params,
+                chunks: Vec::new(),
             });
         }
-        let (mut elem_offset, mut unit_offset, mut compute) = (0usize, 0usize, 0usize);
+        // Each member as a run of atoms: its codec, atom count and first byte in the bucket.
+        let mut runs = Vec::with_capacity(members.len());
+        let (mut total, mut compute) = (0usize, 0usize);
         let mut params = Vec::with_capacity(members.len());
         for p in members {
             let numel = p.spec.numel() as usize;
-            let (codec, elems, units) = match p.format {
+            let (codec, atoms) = match p.format {
                 RuntimeFormat::Mxfp8 => {
                     let (rows, cols) = p.spec.matrix_dims();
-                    let (rows, cols) = (rows as usize, cols as usize);
-                    let bands = rows.div_ceil(TILE).div_ceil(pieces);
-                    let tiles = bands * cols.div_ceil(TILE);
-                    (Codec::Mx { cols }, bands * TILE * cols, tiles * TILE_BYTES)
+                    (
+                        Codec::Mx {
+                            cols: cols as usize,
+                        },
+                        (rows as usize).div_ceil(TILE),
+                    )
                 }
-                RuntimeFormat::Bf16 => {
-                    let elems = numel.div_ceil(pieces);
-                    (Codec::Bf16, elems, 2 * elems)
-                }
+                RuntimeFormat::Bf16 => (Codec::Bf16, numel),
                 RuntimeFormat::F32 => {
                     return Err(HsdpError::Unsupported(format!(
                         "{}: an f32 parameter in an MXFP8 plan",
@@ -172,42 +187,71 @@ impl BucketLayout {
                     )))
                 }
             };
+            runs.push((codec, atoms, total, numel));
+            total += atoms * codec.atom_units();
             params.push(ParamLayout {
                 shape: p.spec.shape.clone(),
                 compute_start: compute,
                 segments: Vec::new(),
-                chunk: Some(Chunk {
+            });
+            compute += numel;
+        }
+        // Cuts at `i · total / pieces`, moved to the nearest atom edge.
+        let cut = |ideal: usize| -> usize {
+            match runs.iter().find(|r| ideal < r.2 + r.1 * r.0.atom_units()) {
+                None => total,
+                Some(&(codec, _, first, _)) => {
+                    let atom = codec.atom_units();
+                    first + (ideal - first + atom / 2) / atom * atom
+                }
+            }
+        };
+        let cuts: Vec<usize> = (0..=pieces).map(|i| cut(i * total / pieces)).collect();
+        let mut chunks = vec![Vec::new(); pieces];
+        let (mut piece_units, mut piece_elems) = (0usize, 0usize);
+        for (piece, list) in chunks.iter_mut().enumerate() {
+            let (lo, hi) = (cuts[piece], cuts[piece + 1]);
+            let (mut elem_offset, mut unit_offset) = (0usize, 0usize);
+            for (member, &(codec, atoms, first, numel)) in runs.iter().enumerate() {
+                let atom = codec.atom_units();
+                let a0 = (lo.max(first) - first).div_ceil(atom).min(atoms);
+                let a1 = (hi.max(first) - first).div_ceil(atom).min(atoms);
+                if a0 >= a1 {
+                    continue;
+                }
+                let elems = codec.atom_elems(numel, a0, a1);
+                let units = (a1 - a0) * atom;
+                list.push(Chunk {
+                    member,
                     codec,
-                    elems,
+                    elems: elems.clone(),
                     elem_offset,
                     unit_offset,
                     units,
-                }),
-            });
-            elem_offset += elems;
-            unit_offset += units;
-            compute += numel;
+                });
+                elem_offset += elems.len();
+                unit_offset += units;
+            }
+            piece_units = piece_units.max(unit_offset);
+            piece_elems = piece_elems.max(elem_offset);
         }
-        let piece_elems = elem_offset;
-        for p in &mut params {
-            let numel: usize = p.shape.iter().product();
-            let chunk = p.chunk.expect("banded");
-            p.segments = (0..pieces)
-                .map(|piece| Segment {
-                    bucket: piece * piece_elems + chunk.elem_offset,
-                    param: piece * chunk.elems,
-                    len: chunk.real(numel, piece),
-                })
-                .filter(|s| s.len > 0)
-                .collect();
+        for (piece, list) in chunks.iter().enumerate() {
+            for c in list {
+                params[c.member].segments.push(Segment {
+                    bucket: piece * piece_elems + c.elem_offset,
+                    param: c.elems.start,
+                    len: c.elems.len(),
+                });
+            }
         }
         Ok(Self {
             format,
             pieces,
             piece_elems,
-            piece_units: unit_offset,
+            piece_units,
             compute_elems: compute,
             params,
+            chunks,
         })
     }
 
@@ -249,15 +293,10 @@ impl BucketLayout {
     /// Whether forward and backward decode different values (MXFP8 planes), so a gathered
     /// bucket's runtime bytes are kept while it is resident.
     pub fn has_planes(&self) -> bool {
-        self.params.iter().any(|p| {
-            matches!(
-                p.chunk,
-                Some(Chunk {
-                    codec: Codec::Mx { .. },
-                    ..
-                })
-            )
-        })
+        self.chunks
+            .iter()
+            .flatten()
+            .any(|c| matches!(c.codec, Codec::Mx { .. }))
     }
 
     /// Writes member `k`'s `values` (row-major) into the bucket element space `dst`.
@@ -319,27 +358,21 @@ impl BucketLayout {
 
     /// Encodes piece `p`'s chunks (banded layout) from its fp32 elements.
     fn encode_piece(&self, p: usize, master: &[f32], out: &mut [u8]) -> Result<(), HsdpError> {
-        for param in &self.params {
-            let c = param.chunk.expect("banded");
-            let numel: usize = param.shape.iter().product();
-            let real = c.real(numel, p);
-            let src = &master[c.elem_offset..c.elem_offset + real];
+        out.fill(0);
+        for c in &self.chunks[p] {
+            let src = &master[c.elem_offset..c.elem_offset + c.elems.len()];
             let dst = &mut out[c.unit_offset..c.unit_offset + c.units];
             match c.codec {
                 Codec::Bf16 => {
                     for (d, &v) in dst.chunks_exact_mut(2).zip(src) {
                         d.copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes());
                     }
-                    dst[2 * real..].fill(0);
                 }
                 Codec::Mx { cols } => {
-                    let shape = MxShape::new(real / cols.max(1), cols);
-                    let used = shape.n_tiles() * TILE_BYTES;
+                    let shape = MxShape::new(src.len() / cols, cols);
                     let (fmt, rule) = MX_FORMAT;
-                    sshsdp_mx::encode_tiled(src, shape, fmt, rule, &mut dst[..used])
+                    sshsdp_mx::encode_tiled(src, shape, fmt, rule, dst)
                         .map_err(|e| HsdpError::Failed(format!("MXFP8 encode: {e}")))?;
-                    // Tiles of padding rows: zero elements, all-zero-block scales (0x00).
-                    dst[used..].fill(0);
                 }
             }
         }
@@ -374,18 +407,12 @@ impl BucketLayout {
             )));
         }
         let mut out = vec![0f32; self.compute_elems];
-        for p in 0..self.pieces {
+        for (p, list) in self.chunks.iter().enumerate() {
             let piece = &bytes[p * self.piece_units..(p + 1) * self.piece_units];
-            for param in &self.params {
-                let c = param.chunk.expect("banded");
-                let numel: usize = param.shape.iter().product();
-                let real = c.real(numel, p);
-                if real == 0 {
-                    continue;
-                }
+            for c in list {
                 let src = &piece[c.unit_offset..c.unit_offset + c.units];
-                let at = param.compute_start + p * c.elems;
-                let dst = &mut out[at..at + real];
+                let at = self.params[c.member].compute_start + c.elems.start;
+                let dst = &mut out[at..at + c.elems.len()];
                 match c.codec {
                     Codec::Bf16 => {
                         for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
@@ -393,16 +420,9 @@ impl BucketLayout {
                         }
                     }
                     Codec::Mx { cols } => {
-                        let shape = MxShape::new(real / cols, cols);
-                        let used = shape.n_tiles() * TILE_BYTES;
-                        sshsdp_mx::decode_tiled(
-                            &src[..used],
-                            shape,
-                            MX_FORMAT.0,
-                            phase.mx_plane(),
-                            dst,
-                        )
-                        .map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
+                        let shape = MxShape::new(c.elems.len() / cols, cols);
+                        sshsdp_mx::decode_tiled(src, shape, MX_FORMAT.0, phase.mx_plane(), dst)
+                            .map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
                     }
                 }
             }
@@ -413,10 +433,14 @@ impl BucketLayout {
     /// Columns of member `k`'s MXFP8 view, when it is MXFP8.
     #[cfg(test)]
     fn mx_cols(&self, k: usize) -> Option<usize> {
-        match self.params[k].chunk?.codec {
-            Codec::Mx { cols } => Some(cols),
-            Codec::Bf16 => None,
-        }
+        self.chunks
+            .iter()
+            .flatten()
+            .find(|c| c.member == k)
+            .and_then(|c| match c.codec {
+                Codec::Mx { cols } => Some(cols),
+                Codec::Bf16 => None,
+            })
     }
 }
 
@@ -535,5 +559,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn banded_pieces_are_balanced_and_keep_most_matrices_whole() {
+        let specs: Vec<ParamSpec> = (0..8)
+            .flat_map(|i| {
+                [
+                    ParamSpec::new(format!("l{i}.weight"), vec![128, 96], DType::F32),
+                    ParamSpec::new(format!("l{i}.bias"), vec![96], DType::F32),
+                ]
+            })
+            .collect();
+        let config = PlanConfig::default()
+            .with_format(RuntimeFormat::Mxfp8)
+            .with_bucket_elements(1 << 30);
+        let plan = Plan::build(specs, Mesh::flat(4).unwrap(), config).unwrap();
+        assert_eq!(plan.buckets().len(), 1);
+        let layout = BucketLayout::build(&plan, 0).unwrap();
+        let band = 3 * TILE_BYTES;
+        let total: usize = layout.chunks.iter().flatten().map(|c| c.units).sum();
+        assert!(
+            layout.piece_units <= total / 4 + band,
+            "{} vs {total}",
+            layout.piece_units
+        );
+        let split = (0..layout.len())
+            .filter(|&k| layout.segments(k).len() > 1)
+            .count();
+        // At most one parameter crosses each of the three cuts.
+        assert!(split <= 3, "{split} parameters split");
     }
 }
