@@ -249,11 +249,7 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
         gathered: c.gathered_bytes,
         reduced: c.reduced_bytes,
         copied: c.param_bytes_copied,
-        projection: Some((
-            pg == c.gathered_bytes && pr == c.reduced_bytes,
-            pg,
-            pr,
-        )),
+        projection: Some((pg == c.gathered_bytes && pr == c.reduced_bytes, pg, pr)),
     })
 }
 
@@ -398,9 +394,9 @@ fn main() {
                     None => "–".to_string(),
                     Some((true, _, _)) => "yes".to_string(),
                     Some((false, g, red)) => format!(
-                        "NO (projected {:.2} / {:.2} MiB)",
-                        mib(g as f64),
-                        mib(red as f64)
+                        "no: counters {:+.1}% / {:+.1}% against the plan's layout",
+                        100.0 * (r.gathered as f64 / g.max(1) as f64 - 1.0),
+                        100.0 * (r.reduced as f64 / red.max(1) as f64 - 1.0),
                     ),
                 };
                 println!(

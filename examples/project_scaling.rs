@@ -134,9 +134,7 @@ fn layouts(ranks: usize, gpus: usize) -> Result<Vec<(&'static str, Mesh, Shardin
     let mut out = vec![("full", flat, Sharding::Hierarchical)];
     if ranks > gpus {
         if ranks % gpus != 0 {
-            return Err(format!(
-                "{ranks} ranks are not whole nodes of {gpus} GPUs"
-            ));
+            return Err(format!("{ranks} ranks are not whole nodes of {gpus} GPUs"));
         }
         let nodes = Mesh::new(ranks / gpus, gpus).map_err(|e| e.to_string())?;
         out.push(("HSDP", nodes, Sharding::Hsdp));

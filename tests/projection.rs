@@ -55,7 +55,10 @@ fn check(mesh: Mesh, sharding: Sharding, format: RuntimeFormat, reshard: bool, m
             muon_exchange: muon,
         };
         let projected = StepTraffic::of(runtime.plan(), options);
-        assert!(runtime.plan().buckets().len() >= 3, "{label}: too few buckets");
+        assert!(
+            runtime.plan().buckets().len() >= 3,
+            "{label}: too few buckets"
+        );
         let mut adamw = ShardedOptimizer::new(AdamWConfig::new().build(), device);
         let mut muon_optim =
             ShardedMuon::new(MuonConfig::new().init(), AdamWConfig::new().build(), device);
@@ -107,7 +110,13 @@ fn flat_world_2_and_4() {
     let f32 = RuntimeFormat::F32;
     let hier = Sharding::Hierarchical;
     check(Mesh::flat(2).unwrap(), hier, f32, false, false);
-    check(Mesh::flat(4).unwrap(), hier, RuntimeFormat::Bf16, false, false);
+    check(
+        Mesh::flat(4).unwrap(),
+        hier,
+        RuntimeFormat::Bf16,
+        false,
+        false,
+    );
     check(Mesh::flat(2).unwrap(), Sharding::Ddp, f32, false, false);
 }
 

@@ -23,9 +23,13 @@
 //!
 //! Gradients are reduced in fp32. For f32 and bf16 runtime parameters the gradient buffer has
 //! one fp32 element per runtime element (`G = 4 · B / element bytes`), exactly as the runtime
-//! allocates it; for MXFP8 buckets `G` is assumed to hold one fp32 element per tile-padded
-//! element (bf16 fallbacks: per element), rounded up to whole pieces — an assumption until the
-//! MXFP8 runtime reports its own counters. Gradient clipping's one-float all-reduce is ignored.
+//! allocates it. For MXFP8 buckets the plan's tiled layout is used (`B`: 2112 bytes per 32×32
+//! tile, both planes; `G`: one fp32 element per tile-padded element, bf16 fallbacks one per
+//! element, rounded up to whole pieces). The MXFP8 runtime cuts pieces at 32-row band edges and
+//! pads every piece to the largest, so its buckets can be a little larger than the plan's
+//! (0.4 % at world 4 on `sshsdp-bench`'s GPT): pass the runtime's own sizes to
+//! [`StepTraffic::from_buckets`] for exact numbers. Gradient clipping's one-float all-reduce is
+//! ignored.
 //!
 //! [`StepTraffic::gathered_bytes`] and [`StepTraffic::reduced_bytes`] use the runtime counters'
 //! definitions (`sshsdp_backend::Counters`): bytes received by bucket all-gathers, and bytes of
@@ -146,13 +150,58 @@ pub struct StepTraffic {
     pub collectives: Vec<Collective>,
 }
 
+/// The sizes of one bucket that its collectives move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketBytes {
+    /// Bytes of the full runtime buffer (`B`), a multiple of the update group's size.
+    pub runtime: u64,
+    /// fp32 elements of the full-bucket gradient (`G / 4`), a multiple of the update group's
+    /// size.
+    pub gradient_elements: u64,
+}
+
+impl BucketBytes {
+    /// Every bucket of `plan`, sized as the plan lays it out (see [`gradient_elements`]).
+    pub fn of_plan(plan: &Plan) -> Vec<Self> {
+        (0..plan.buckets().len())
+            .map(|b| Self {
+                runtime: plan.buffer_bytes(b),
+                gradient_elements: gradient_elements(plan, b),
+            })
+            .collect()
+    }
+}
+
 impl StepTraffic {
     /// The collectives `plan`'s runtime issues in one step (see the module docs).
     pub fn of(plan: &Plan, options: TrafficOptions) -> Self {
-        let mesh = plan.mesh();
-        let sharding = plan.config().sharding;
+        let split: u64 = plan
+            .params()
+            .iter()
+            .filter(|p| p.spec.role == Role::Matrix && p.split)
+            .map(|p| p.spec.numel())
+            .sum();
+        Self::from_buckets(
+            plan.mesh(),
+            plan.config().sharding,
+            &BucketBytes::of_plan(plan),
+            split,
+            options,
+        )
+    }
+
+    /// The collectives of one step over `mesh` for buckets of the given sizes (in forward
+    /// order), with `split_matrix_elements` elements of matrices split across pieces (Muon's
+    /// exchange). [`StepTraffic::of`] takes all of it from a plan; a runtime whose buckets are
+    /// sized otherwise (the MXFP8 runtime's banded layout) passes its own sizes.
+    pub fn from_buckets(
+        mesh: Mesh,
+        sharding: Sharding,
+        buckets: &[BucketBytes],
+        split_matrix_elements: u64,
+        options: TrafficOptions,
+    ) -> Self {
         let (r, s, world) = (mesh.replicas(), mesh.shards(), mesh.world_size());
-        let buckets = plan.buckets().len();
         let mut collectives = Vec::new();
         let mut push = |purpose, kind, group, ranks, bytes| {
             collectives.push(Collective {
@@ -167,18 +216,18 @@ impl StepTraffic {
         use GroupKind::*;
         use Purpose::*;
         if sharding != Sharding::Ddp {
-            for b in 0..buckets {
-                push(ForwardGather, AllGather, Shard, s, plan.buffer_bytes(b));
+            for b in buckets {
+                push(ForwardGather, AllGather, Shard, s, b.runtime);
             }
             if options.reshard_after_forward {
                 // The last bucket of forward is the first of backward: it stays resident.
-                for b in (0..buckets.saturating_sub(1)).rev() {
-                    push(BackwardGather, AllGather, Shard, s, plan.buffer_bytes(b));
+                for b in buckets.iter().rev().skip(1) {
+                    push(BackwardGather, AllGather, Shard, s, b.runtime);
                 }
             }
         }
-        for b in (0..buckets).rev() {
-            let g = 4 * gradient_elements(plan, b);
+        for b in buckets.iter().rev() {
+            let g = 4 * b.gradient_elements;
             match sharding {
                 Sharding::Hierarchical => {
                     push(GradientReduction, ReduceScatter, Shard, s, g);
@@ -192,31 +241,20 @@ impl StepTraffic {
             }
         }
         if sharding == Sharding::Hierarchical {
-            for b in 0..buckets {
-                push(
-                    ShardRebuild,
-                    AllGather,
-                    Replica,
-                    r,
-                    plan.buffer_bytes(b) / s as u64,
-                );
+            for b in buckets {
+                push(ShardRebuild, AllGather, Replica, r, b.runtime / s as u64);
             }
         }
         if options.muon_exchange {
-            let split: u64 = plan
-                .params()
-                .iter()
-                .filter(|p| p.spec.role == Role::Matrix && p.split)
-                .map(|p| p.spec.numel())
-                .sum();
             let (group, ranks) = match sharding {
                 Sharding::Hierarchical => (World, world),
                 Sharding::Hsdp => (Shard, s),
                 Sharding::Ddp => (World, 1),
             };
-            if split > 0 && ranks > 1 {
-                push(MuonExchange, AllReduce, group, ranks, 4 * split);
-                push(MuonExchange, AllReduce, group, ranks, 4 * split);
+            if split_matrix_elements > 0 && ranks > 1 {
+                let bytes = 4 * split_matrix_elements;
+                push(MuonExchange, AllReduce, group, ranks, bytes);
+                push(MuonExchange, AllReduce, group, ranks, bytes);
             }
         }
         Self { collectives }
@@ -238,7 +276,11 @@ impl StepTraffic {
         let first_level = |c: &&Collective| {
             c.purpose == Purpose::GradientReduction && c.group != GroupKind::Replica
         };
-        self.collectives.iter().filter(first_level).map(|c| c.bytes).sum()
+        self.collectives
+            .iter()
+            .filter(first_level)
+            .map(|c| c.bytes)
+            .sum()
     }
 
     /// Bytes each rank sends on a ring for collectives of `purpose`.
@@ -371,8 +413,7 @@ mod tests {
         (0..6)
             .flat_map(|l| {
                 [
-                    ParamSpec::new(format!("l{l}.w"), vec![256, 512], DType::F32)
-                        .with_order(2 * l),
+                    ParamSpec::new(format!("l{l}.w"), vec![256, 512], DType::F32).with_order(2 * l),
                     ParamSpec::new(format!("l{l}.norm"), vec![256], DType::F32)
                         .with_order(2 * l + 1),
                 ]
@@ -441,7 +482,10 @@ mod tests {
         assert_eq!(t.gathered_bytes(), buffers - buffers / 4);
         // bf16 runtime: one fp32 gradient element per 2-byte runtime element.
         assert_eq!(t.reduced_bytes(), 2 * buffers);
-        assert_eq!(t.wire_bytes(Purpose::ForwardGather), (buffers * 3 / 4) as f64);
+        assert_eq!(
+            t.wire_bytes(Purpose::ForwardGather),
+            (buffers * 3 / 4) as f64
+        );
         // One replica: the replica reductions and rebuilds move nothing.
         let links = Links::from_gbps(8, 8.0, 8.0, 0.0, 0.0);
         let time = t.time(plan.mesh(), &links);
@@ -521,7 +565,9 @@ mod tests {
             .filter(|c| c.purpose == Purpose::MuonExchange)
             .collect();
         assert_eq!(exchange.len(), 2);
-        assert!(exchange.iter().all(|c| c.bytes == 4 * split && c.ranks == 8));
+        assert!(exchange
+            .iter()
+            .all(|c| c.bytes == 4 * split && c.ranks == 8));
         let without = StepTraffic::of(&plan, TrafficOptions::default());
         assert_eq!(without.wire_bytes(Purpose::MuonExchange), 0.0);
     }
