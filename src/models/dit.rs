@@ -300,6 +300,35 @@ mod tests {
     }
 
     #[test]
+    fn untrained_model_predicts_no_noise_and_samples_in_range() {
+        use burn::backend::NdArray;
+        type B = NdArray<f32>;
+        let cfg = DitConfig {
+            frames: 2,
+            channels: 1,
+            height: 8,
+            width: 8,
+            patch: 4,
+            d_model: 16,
+            layers: 2,
+            heads: 2,
+        };
+        let device = Default::default();
+        let model: Dit<B> = cfg.init(&device);
+        let shape = [3, cfg.tokens(), cfg.patch_dim()];
+        let x0 = Tensor::<B, 3>::ones(shape, &device) * 0.5;
+        let noise = Tensor::<B, 3>::ones(shape, &device) * 2.0;
+        let t = Tensor::<B, 1>::from_floats([0.1, 0.5, 0.9], &device);
+        // The zero-initialised head predicts 0, so the loss is the mean of noise².
+        let loss: f32 = model.loss(x0, t, noise.clone()).into_scalar();
+        assert!((loss - 4.0).abs() < 1e-5, "{loss}");
+        let sample = model.sample(noise, 4);
+        assert_eq!(sample.dims(), shape);
+        let max: f32 = sample.abs().max().into_scalar();
+        assert!(max <= 1.0);
+    }
+
+    #[test]
     fn schedule_runs_from_clean_to_noise() {
         assert!((alpha_bar_scalar(0.0) - 1.0).abs() < 1e-3);
         assert!(alpha_bar_scalar(1.0) < 1e-6);
