@@ -22,8 +22,10 @@ mod common;
 use std::path::Path;
 use std::process::ExitCode;
 
+use burn::module::AutodiffModule;
+use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use common::{parse_args, parse_num, Args, Defaults, Device, Rng, Task, B, COMMON_USAGE};
+use common::{parse_args, parse_num, Args, Defaults, Device, Eval, Rng, Task, B, COMMON_USAGE};
 use sshsdp::models::{Dit, DitConfig};
 
 const USAGE: &str = "\
@@ -109,17 +111,17 @@ fn clip(rng: &mut Rng) -> Vec<f32> {
 
 impl DitTask {
     /// Clean tokens, times and noise of `clips` clips drawn from `rng`, as tensors.
-    fn batch_tensors(
+    fn batch_tensors<K: Backend>(
         &self,
         rng: &mut Rng,
         clips: usize,
         t_of: impl Fn(usize, &mut Rng) -> f64,
-    ) -> (Tensor<B, 3>, Tensor<B, 1>, Tensor<B, 3>) {
+    ) -> (Tensor<K, 3>, Tensor<K, 1>, Tensor<K, 3>) {
         let (n, pd) = (self.config.tokens(), self.config.patch_dim());
         let raw: Vec<f32> = (0..clips).flat_map(|_| clip(rng)).collect();
         let times: Vec<f32> = (0..clips).map(|i| t_of(i, rng) as f32).collect();
         let noise: Vec<f32> = (0..clips * n * pd).map(|_| rng.normal() as f32).collect();
-        let device = Device::default();
+        let device = Default::default();
         (
             Tensor::from_data(
                 TensorData::new(self.config.patchify(&raw), [clips, n, pd]),
@@ -133,14 +135,14 @@ impl DitTask {
     /// This rank's rows of a global batch of `global` clips drawn from `rng`: every rank
     /// draws all of them (cheap) and keeps its own, so the global batch is the same at any
     /// world size.
-    fn rows(
+    fn rows<K: Backend>(
         &self,
         rng: &mut Rng,
         global: usize,
         rank: usize,
         world: usize,
         t_of: impl Fn(usize, &mut Rng) -> f64 + Copy,
-    ) -> (Tensor<B, 3>, Tensor<B, 1>, Tensor<B, 3>) {
+    ) -> (Tensor<K, 3>, Tensor<K, 1>, Tensor<K, 3>) {
         let mine = common::my_rows(global, rank, world);
         let mut keep = None;
         for r in 0..world {
@@ -176,18 +178,18 @@ impl Task for DitTask {
 
     fn train_loss(&self, model: &Dit<B>, step: usize, rank: usize, world: usize) -> Tensor<B, 1> {
         let mut rng = Rng::new(self.seed, step as u64);
-        let (x0, t, noise) = self.rows(&mut rng, self.batch, rank, world, |_, g| g.uniform());
+        let (x0, t, noise) = self.rows::<B>(&mut rng, self.batch, rank, world, |_, g| g.uniform());
         model.loss(x0, t, noise)
     }
 
-    fn eval_loss(&self, model: &Dit<B>, rank: usize, world: usize) -> Tensor<B, 1> {
+    fn eval_loss(&self, model: &Dit<B>, rank: usize, world: usize) -> f32 {
         // Fixed clips, noise and times spread evenly over (0, 1).
         let mut rng = Rng::new(self.seed ^ 0x5eed, u64::MAX);
         let held = HELD_OUT.max(world) / world * world;
-        let (x0, t, noise) = self.rows(&mut rng, held, rank, world, move |i, _| {
+        let (x0, t, noise) = self.rows::<Eval>(&mut rng, held, rank, world, move |i, _| {
             (i as f64 + 0.5) / held as f64
         });
-        model.loss(x0, t, noise)
+        model.valid().loss(x0, t, noise).into_scalar()
     }
 
     fn baseline(&self) -> Option<(f64, String)> {
@@ -206,11 +208,12 @@ impl Task for DitTask {
         }
         // Every rank samples the same clips from the same noise (the forward passes gather
         // the sharded parameters).
+        let model = model.valid();
         let (n, pd) = (self.config.tokens(), self.config.patch_dim());
         let mut rng = Rng::new(self.seed, u64::MAX - 1);
         let noise: Vec<f32> = (0..2 * n * pd).map(|_| rng.normal() as f32).collect();
         let noise =
-            Tensor::<B, 3>::from_data(TensorData::new(noise, [2, n, pd]), &Device::default());
+            Tensor::<Eval, 3>::from_data(TensorData::new(noise, [2, n, pd]), &Device::default());
         let tokens: Vec<f32> = model
             .sample(noise, self.sample_steps)
             .into_data()

@@ -25,9 +25,11 @@ mod common;
 use std::path::Path;
 use std::process::ExitCode;
 
+use burn::module::AutodiffModule;
 use burn::tensor::activation::softmax;
+use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{parse_args, parse_num, Args, Defaults, Device, Rng, Task, B, COMMON_USAGE};
+use common::{parse_args, parse_num, Args, Defaults, Device, Eval, Rng, Task, B, COMMON_USAGE};
 use sshsdp::models::{Gpt, GptConfig};
 
 const USAGE: &str = "\
@@ -78,9 +80,9 @@ fn unigram_entropy(text: &[u8]) -> f64 {
 
 impl GptTask {
     /// `rows` windows of `seq + 1` bytes as a token tensor.
-    fn tokens(&self, windows: Vec<i64>, rows: usize) -> Tensor<B, 2, Int> {
+    fn tokens<K: Backend>(&self, windows: Vec<i64>, rows: usize) -> Tensor<K, 2, Int> {
         let width = self.config.seq + 1;
-        Tensor::from_data(TensorData::new(windows, [rows, width]), &Device::default())
+        Tensor::from_data(TensorData::new(windows, [rows, width]), &Default::default())
     }
 }
 
@@ -120,7 +122,7 @@ impl Task for GptTask {
         model.loss(self.tokens(windows, n))
     }
 
-    fn eval_loss(&self, model: &Gpt<B>, rank: usize, world: usize) -> Tensor<B, 1> {
+    fn eval_loss(&self, model: &Gpt<B>, rank: usize, world: usize) -> f32 {
         // Fixed windows spread evenly over the held-out text.
         let width = self.config.seq + 1;
         let span = self.held_out.len() - width;
@@ -132,7 +134,10 @@ impl Task for GptTask {
                 self.held_out[s..s + width].iter().map(|&b| b as i64)
             })
             .collect();
-        model.loss(self.tokens(windows, n))
+        model
+            .valid()
+            .loss(self.tokens::<Eval>(windows, n))
+            .into_scalar()
     }
 
     fn baseline(&self) -> Option<(f64, String)> {
@@ -151,6 +156,7 @@ impl Task for GptTask {
         }
         // Every rank runs the same forward passes (they gather the sharded parameters); rank 0
         // draws each byte and broadcasts it.
+        let model = model.valid();
         let mut text: Vec<u8> = self.prompt.bytes().collect();
         let mut rng = Rng::new(self.seed, u64::MAX);
         let context = model.max_seq();
@@ -158,7 +164,7 @@ impl Task for GptTask {
             let window = &text[text.len().saturating_sub(context)..];
             let input: Vec<i64> = window.iter().map(|&b| b as i64).collect();
             let len = input.len();
-            let input = Tensor::<B, 2, Int>::from_data(
+            let input = Tensor::<Eval, 2, Int>::from_data(
                 TensorData::new(input, [1, len]),
                 &Device::default(),
             );
@@ -205,9 +211,9 @@ fn setup() -> Result<Option<(GptTask, Args)>, String> {
     let mut prompt = "The Lion ".to_string();
     let (mut sample_len, mut temperature) = (400, 0.8f64);
     let defaults = Defaults {
-        steps: 600,
-        lr: 3e-3,
-        warmup: 30,
+        steps: 400,
+        lr: 4e-3,
+        warmup: 20,
         eval_every: 50,
         out: "runs/train_gpt",
     };

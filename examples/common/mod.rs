@@ -36,6 +36,9 @@ use sshsdp::plan::{Mesh, RuntimeFormat};
 pub type Inner = Flex;
 /// The training backend: autodiff over the sharding decorator.
 pub type B = Autodiff<Hsdp<Inner>>;
+/// The backend of evaluation and sampling: the decorator without autodiff (`model.valid()`), so
+/// forward passes that are never followed by a backward pass build no graph.
+pub type Eval = Hsdp<Inner>;
 /// The device of [`B`].
 pub type Device = burn::backend::flex::FlexDevice;
 
@@ -352,12 +355,13 @@ pub trait Task: Sync {
         rank: usize,
         world: usize,
     ) -> Tensor<B, 1>;
-    /// The loss of this rank's rows of the fixed held-out batch.
-    fn eval_loss(&self, model: &Self::Model, rank: usize, world: usize) -> Tensor<B, 1>;
+    /// The loss of this rank's rows of the fixed held-out batch (computed on `model.valid()`,
+    /// the [`Eval`] backend).
+    fn eval_loss(&self, model: &Self::Model, rank: usize, world: usize) -> f32;
     /// A reference level for the loss (drawn in the plot, printed at the end).
     fn baseline(&self) -> Option<(f64, String)>;
     /// Runs on every rank after training, in lockstep (forward passes gather parameters, so
-    /// every rank runs the same ones). `broadcast` copies rank 0's values to every rank. Returns
+    /// every rank runs the same ones; use `model.valid()`, the [`Eval`] backend). `broadcast` copies rank 0's values to every rank. Returns
     /// what rank 0 prints (e.g. generated text); may write files into `out`.
     fn finish(
         &self,
@@ -642,7 +646,7 @@ fn train_rank<T: Task, C: Collective + Send + 'static>(
             .map_err(|e| e.to_string())
     };
     let evaluate = |model: &T::Model| -> Result<f32, String> {
-        let mut v = [task.eval_loss(model, rank, world).into_scalar()];
+        let mut v = [task.eval_loss(model, rank, world)];
         all_reduce(&mut v)?;
         Ok(v[0])
     };
