@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::{
     adamw_reference, adamw_step, dequantize_tiled, gemm, mx_matmul, ns_step, quantize_tiled,
-    AdamWParams, InputDType, MatRef, NsWorkspace, Plane, ScaleRule, NS_COEFFICIENTS,
+    AdamWParams, InputDType, MatRef, NsPrecision, NsWorkspace, Plane, ScaleRule, NS_COEFFICIENTS,
 };
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -103,7 +103,7 @@ impl<R: Runtime> Check<R> {
     /// Records a check result.
     fn verdict(&mut self, name: &str, ok: bool, detail: String) {
         println!(
-            "check  {name:<28} {:<4} {detail}",
+            "check  {name:<26} {:<4} {detail}",
             if ok { "ok" } else { "FAIL" }
         );
         if !ok {
@@ -132,7 +132,7 @@ fn sync<R: Runtime>(client: &ComputeClient<R>) {
 /// Prints one table row.
 fn row(kernel: &str, shape: &str, secs: f64, rate: String, reference: String) {
     println!(
-        "perf   {kernel:<22} {shape:<18} {:>10.3} ms  {rate:<24} {reference}",
+        "perf   {kernel:<26} {shape:<16} {:>10.3} ms  {rate:<24} {reference}",
         secs * 1e3
     );
 }
@@ -194,7 +194,7 @@ fn quantize<R: Runtime>(ck: &mut Check<R>, rng: &mut Rng, (rows, cols): (usize, 
     let copy_gbs = copy_bytes / t_copy / 1e9;
     row(
         "d2d copy (u32 kernel)",
-        &format!("{} MiB", rows * cols * 4 >> 20),
+        &format!("{:.1} MB", (rows * cols * 4) as f64 / 1e6),
         t_copy,
         format!("{copy_gbs:.1} GB/s"),
         String::new(),
@@ -357,8 +357,8 @@ fn newton_schulz<R: Runtime>(ck: &mut Check<R>, rng: &mut Rng, (m, n): (usize, u
     let x: Vec<f32> = x0.iter().map(|v| v / norm).collect();
     let hx = ck.upload(&x);
     let out = c.empty(m * n * 4);
-    let ws = NsWorkspace::new(&c, m);
-    ns_step(&c, &hx, m, n, NS_COEFFICIENTS, &ws, &out).unwrap();
+    let ws = NsWorkspace::new(&c, m, n, NsPrecision::F32);
+    ns_step(&c, &hx, m, n, NS_COEFFICIENTS, NsPrecision::F32, &ws, &out).unwrap();
     let got = ck.read_f32(&out);
     // reference: Gram in f64, then sampled outputs
     let (a, b, cc) = NS_COEFFICIENTS;
@@ -391,7 +391,8 @@ fn newton_schulz<R: Runtime>(ck: &mut Check<R>, rng: &mut Rng, (m, n): (usize, u
         format!("{m}x{n}: max abs err {err:.2e} over 64 sampled outputs (tol 1e-4)"),
     );
     let flops = (4 * m * m * n + 2 * m * m * m) as f64;
-    let t = ck.time(|| ns_step(&c, &hx, m, n, NS_COEFFICIENTS, &ws, &out).unwrap());
+    let t =
+        ck.time(|| ns_step(&c, &hx, m, n, NS_COEFFICIENTS, NsPrecision::F32, &ws, &out).unwrap());
     let bytes = (4 * (3 * m * n + 4 * m * m)) as f64;
     row(
         "ns_step (3 f32 GEMMs)",

@@ -85,7 +85,19 @@ pub(crate) fn load_strided(
     }
 }
 
-/// Writes the 4 x 4 accumulators: `c = alpha · acc (+ beta · d)`, inside `m x n` only.
+/// Rounds `v` to the nearest `bf16` value (ties to even), kept as `f32` (NaN stays NaN).
+#[cube]
+pub fn round_bf16(v: f32) -> f32 {
+    let b = u32::reinterpret(v);
+    let mut r = (b + 0x7FFFu32 + ((b >> 16) & 1u32)) & 0xFFFF_0000u32;
+    if (b & 0x7FFF_FFFFu32) > 0x7F80_0000u32 {
+        r = (b | 0x0040_0000u32) & 0xFFFF_0000u32;
+    }
+    f32::reinterpret(r)
+}
+
+/// Writes the 4 x 4 accumulators: `c = alpha · acc (+ beta · d)`, inside `m x n` only,
+/// rounded to `bf16` values when `round`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn store_block(
@@ -97,6 +109,7 @@ pub(crate) fn store_block(
     alpha: f32,
     beta: f32,
     #[comptime] has_d: bool,
+    #[comptime] round: bool,
 ) {
     let i0 = CUBE_POS_Y * BM + UNIT_POS_Y;
     let j0 = CUBE_POS_X * BN + UNIT_POS_X;
@@ -111,6 +124,9 @@ pub(crate) fn store_block(
                 let mut v = alpha * acc[(i * 4 + j) as usize];
                 if has_d {
                     v += beta * d[idx];
+                }
+                if round {
+                    v = round_bf16(v);
                 }
                 c[idx] = v;
             }
@@ -156,6 +172,7 @@ fn gemm_kernel(
     #[comptime] a_k_contig: bool,
     #[comptime] b_k_contig: bool,
     #[comptime] has_d: bool,
+    #[comptime] round: bool,
 ) {
     let mut a_s = SharedMemory::<f32>::new(32 * 65usize);
     let mut b_s = SharedMemory::<f32>::new(32 * 65usize);
@@ -175,7 +192,7 @@ fn gemm_kernel(
         sync_cube();
         k0 += BK;
     }
-    store_block(&acc, c, d, m, n, alpha, beta, has_d);
+    store_block(&acc, c, d, m, n, alpha, beta, has_d, round);
 }
 
 /// A strided view of an `f32` matrix operand: element `(r, k)` at `r * row_stride + k *
@@ -234,6 +251,23 @@ pub fn gemm<R: Runtime>(
     d: Option<&Handle>,
     c: &Handle,
 ) -> Result<(), KernelError> {
+    gemm_impl(client, (m, n, k), alpha, a, b, beta, d, c, false)
+}
+
+/// [`gemm`] with the output optionally rounded to `bf16` values (`round`), for iterations
+/// that keep their intermediates in `bf16`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_impl<R: Runtime>(
+    client: &ComputeClient<R>,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    d: Option<&Handle>,
+    c: &Handle,
+    round: bool,
+) -> Result<(), KernelError> {
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -275,6 +309,7 @@ pub fn gemm<R: Runtime>(
             a.col_stride == 1,
             b.row_stride == 1,
             d.is_some(),
+            round,
         );
     }
     Ok(())

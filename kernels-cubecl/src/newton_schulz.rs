@@ -1,13 +1,18 @@
-//! Newton–Schulz orthogonalisation for Muon in `f32` on the device: the quintic step
-//! `A = X·Xᵀ`, `Bm = b·A + c·A·A`, `X ← a·X + Bm·X` as three strided GEMMs
-//! ([`crate::gemm`]), and the whole `newton_schulz` of `sshsdp-optim` (normalisation by
-//! `‖G‖_F + 1e-7`, iteration on the wide orientation, transpose back).
+//! Newton–Schulz orthogonalisation for Muon on the device: the quintic step `A = X·Xᵀ`,
+//! `Bm = b·A + c·A·A`, `X ← a·X + Bm·X` as three strided GEMMs ([`crate::gemm`]), and the
+//! whole `newton_schulz` of `sshsdp-optim` (normalisation by `‖G‖_F + 1e-7`, iteration on the
+//! wide orientation, transpose back).
+//!
+//! [`NsPrecision::Bf16`] keeps every intermediate as a `bf16` value (`X`, `A`, `A·A`, `Bm`,
+//! `Bm·X`, the new `X`, each rounded to nearest even, stored in `f32`) with `f32` accumulation
+//! inside the GEMMs: the semantics of `sshsdp_optim`'s bf16 emulation, on any device (no
+//! native bf16 arithmetic needed).
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::error::{check_size, to_u32, KernelError};
-use crate::gemm::{gemm, MatRef};
+use crate::gemm::{gemm_impl, round_bf16, MatRef};
 
 /// Quintic Newton–Schulz coefficients `(a, b, c)` (the same as `sshsdp_optim`).
 pub const NS_COEFFICIENTS: (f32, f32, f32) = (3.4445, -4.7750, 2.0315);
@@ -68,8 +73,8 @@ fn finish_norm_kernel(partial: &Array<f32>, norm: &mut Array<f32>, eps: f32) {
     }
 }
 
-/// `dst = src / norm[0]` (when `divide`), transposed (`dst[j·rows + i] = src[i·cols + j]`)
-/// when `transpose`.
+/// `dst = src / norm[0]` (when `divide`), rounded to bf16 values (when `round`), transposed
+/// (`dst[j·rows + i] = src[i·cols + j]`) when `transpose`.
 #[cube(launch)]
 fn scale_transpose_kernel(
     src: &Array<f32>,
@@ -79,6 +84,7 @@ fn scale_transpose_kernel(
     cols: u32,
     #[comptime] transpose: bool,
     #[comptime] divide: bool,
+    #[comptime] round: bool,
 ) {
     let len = rows * cols;
     let mut idx = CUBE_POS as u32 * 256 + UNIT_POS;
@@ -87,6 +93,9 @@ fn scale_transpose_kernel(
         let mut v = src[idx as usize];
         if divide {
             v /= norm[0];
+        }
+        if round {
+            v = round_bf16(v);
         }
         let mut o = idx;
         if transpose {
@@ -97,97 +106,192 @@ fn scale_transpose_kernel(
     }
 }
 
+/// `out = p·u + q·w`, rounded to `bf16` values (the combinations of the bf16 iteration).
+#[cube(launch)]
+fn axpby_bf16_kernel(
+    u: &Array<f32>,
+    w: &Array<f32>,
+    out: &mut Array<f32>,
+    p: f32,
+    q: f32,
+    len: u32,
+) {
+    let mut idx = CUBE_POS as u32 * 256 + UNIT_POS;
+    let stride = CUBE_COUNT as u32 * 256;
+    while idx < len {
+        let i = idx as usize;
+        out[i] = round_bf16(u[i] * p + w[i] * q);
+        idx += stride;
+    }
+}
+
+/// Number format of the iterations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum NsPrecision {
+    /// Everything in `f32`.
+    #[default]
+    F32,
+    /// Intermediates rounded to `bf16` values, `f32` accumulation (see the module docs).
+    Bf16,
+}
+
 /// Cubes for an element-wise pass over `len` values (grid-stride beyond 65535 cubes).
 fn grid_1d(len: usize) -> CubeCount {
     let cubes = (len as u64).div_ceil(UNITS_1D as u64).clamp(1, 65_535) as u32;
     CubeCount::Static(cubes, 1, 1)
 }
 
-/// Scratch buffers of [`ns_step`] for a wide `m x n` iterate (`m <= n`).
+/// Scratch buffers of [`ns_step`] for an `m x n` iterate.
 #[derive(Debug, Clone)]
 pub struct NsWorkspace {
     /// `A = X·Xᵀ`, `m x m`.
     pub gram: Handle,
     /// `Bm = b·A + c·A·A`, `m x m`.
     pub bm: Handle,
+    /// `A·A` (`m x m`) and `Bm·X` (`m x n`): the bf16 iteration's separately rounded terms.
+    pub bf16_terms: Option<(Handle, Handle)>,
 }
 
 impl NsWorkspace {
-    /// Allocates the scratch for an `m x m` Gram matrix.
-    pub fn new<R: Runtime>(client: &ComputeClient<R>, m: usize) -> Self {
-        let bytes = (m * m * 4).max(4);
+    /// Allocates the scratch for an `m x n` iterate in `precision`.
+    pub fn new<R: Runtime>(
+        client: &ComputeClient<R>,
+        m: usize,
+        n: usize,
+        precision: NsPrecision,
+    ) -> Self {
+        let mm = (m * m * 4).max(4);
         Self {
-            gram: client.empty(bytes),
-            bm: client.empty(bytes),
+            gram: client.empty(mm),
+            bm: client.empty(mm),
+            bf16_terms: (precision == NsPrecision::Bf16)
+                .then(|| (client.empty(mm), client.empty((m * n * 4).max(4)))),
         }
     }
 }
 
 /// One quintic Newton–Schulz step on the row-major `m x n` iterate `x` (`m <= n` is the
 /// cheap orientation, any shape works): `out = a·X + (b·A + c·A·A)·X` with `A = X·Xᵀ`,
-/// `(a, b, c)` = `coeffs`. `out` must not alias `x` or the workspace.
+/// `(a, b, c)` = `coeffs`. `out` must not alias `x` or the workspace. With
+/// [`NsPrecision::Bf16`] the workspace must have been made for it and `x` should hold `bf16`
+/// values.
+#[allow(clippy::too_many_arguments)]
 pub fn ns_step<R: Runtime>(
     client: &ComputeClient<R>,
     x: &Handle,
     m: usize,
     n: usize,
     coeffs: (f32, f32, f32),
+    precision: NsPrecision,
     ws: &NsWorkspace,
     out: &Handle,
 ) -> Result<(), KernelError> {
     let (a, b, c) = coeffs;
     check_size("gram", &ws.gram, (m * m * 4) as u64)?;
     check_size("bm", &ws.bm, (m * m * 4) as u64)?;
-    // A = X·Xᵀ
-    gemm(
-        client,
-        m,
-        m,
-        n,
-        1.0,
-        MatRef::row_major(x, n),
-        MatRef::transposed(x, n),
-        0.0,
-        None,
-        &ws.gram,
-    )?;
-    // Bm = c·A·A + b·A
-    gemm(
-        client,
-        m,
-        m,
-        m,
-        c,
-        MatRef::row_major(&ws.gram, m),
-        MatRef::row_major(&ws.gram, m),
-        b,
-        Some(&ws.gram),
-        &ws.bm,
-    )?;
-    // X' = Bm·X + a·X
-    gemm(
-        client,
-        m,
-        n,
-        m,
-        1.0,
-        MatRef::row_major(&ws.bm, m),
-        MatRef::row_major(x, n),
-        a,
-        Some(x),
-        out,
-    )
+    let xr = MatRef::row_major(x, n);
+    let gram = MatRef::row_major(&ws.gram, m);
+    let bm = MatRef::row_major(&ws.bm, m);
+    match precision {
+        NsPrecision::F32 => {
+            // A = X·Xᵀ; Bm = c·A·A + b·A; X' = Bm·X + a·X
+            let xt = MatRef::transposed(x, n);
+            gemm_impl(
+                client,
+                (m, m, n),
+                1.0,
+                xr.clone(),
+                xt,
+                0.0,
+                None,
+                &ws.gram,
+                false,
+            )?;
+            let g2 = gram.clone();
+            gemm_impl(
+                client,
+                (m, m, m),
+                c,
+                gram,
+                g2,
+                b,
+                Some(&ws.gram),
+                &ws.bm,
+                false,
+            )?;
+            gemm_impl(client, (m, n, m), 1.0, bm, xr, a, Some(x), out, false)
+        }
+        NsPrecision::Bf16 => {
+            let Some((gram2, bmx)) = &ws.bf16_terms else {
+                return Err(KernelError::Shape(
+                    "NsPrecision::Bf16 needs a workspace made for it".into(),
+                ));
+            };
+            check_size("gram2", gram2, (m * m * 4) as u64)?;
+            check_size("bmx", bmx, (m * n * 4) as u64)?;
+            let xt = MatRef::transposed(x, n);
+            gemm_impl(
+                client,
+                (m, m, n),
+                1.0,
+                xr.clone(),
+                xt,
+                0.0,
+                None,
+                &ws.gram,
+                true,
+            )?;
+            let g2 = gram.clone();
+            gemm_impl(client, (m, m, m), 1.0, gram, g2, 0.0, None, gram2, true)?;
+            axpby_bf16(client, &ws.gram, b, gram2, c, &ws.bm, m * m)?;
+            gemm_impl(client, (m, n, m), 1.0, bm, xr, 0.0, None, bmx, true)?;
+            axpby_bf16(client, x, a, bmx, 1.0, out, m * n)
+        }
+    }
+}
+
+/// `out = round_bf16(p·u + q·w)` over `len` values.
+fn axpby_bf16<R: Runtime>(
+    client: &ComputeClient<R>,
+    u: &Handle,
+    p: f32,
+    w: &Handle,
+    q: f32,
+    out: &Handle,
+    len: usize,
+) -> Result<(), KernelError> {
+    for (what, h) in [("u", u), ("w", w), ("out", out)] {
+        check_size(what, h, (len * 4) as u64)?;
+    }
+    let len32 = to_u32("len", len as u64)?;
+    // SAFETY: indices are below `len`, checked against the three handles above.
+    unsafe {
+        axpby_bf16_kernel::launch::<R>(
+            client,
+            grid_1d(len),
+            CubeDim::new_1d(UNITS_1D),
+            ArrayArg::from_raw_parts(u.clone(), len),
+            ArrayArg::from_raw_parts(w.clone(), len),
+            ArrayArg::from_raw_parts(out.clone(), len),
+            p,
+            q,
+            len32,
+        );
+    }
+    Ok(())
 }
 
 /// Muon's orthogonalisation of the row-major `rows x cols` matrix `g` into `out` (same
-/// shape), as `sshsdp_optim::newton_schulz(g, steps, NsPrecision::F32)`: `X = G / (‖G‖_F +
-/// 1e-7)`, transposed when `rows > cols`, `steps` quintic steps, transposed back.
+/// shape), as `sshsdp_optim::newton_schulz(g, steps, precision)`: `X = G / (‖G‖_F + 1e-7)`
+/// (rounded to bf16 for [`NsPrecision::Bf16`]), transposed when `rows > cols`, `steps`
+/// quintic steps, transposed back.
 pub fn newton_schulz<R: Runtime>(
     client: &ComputeClient<R>,
     g: &Handle,
     rows: usize,
     cols: usize,
     steps: usize,
+    precision: NsPrecision,
     out: &Handle,
 ) -> Result<(), KernelError> {
     let len = rows * cols;
@@ -240,11 +344,12 @@ pub fn newton_schulz<R: Runtime>(
             cols as u32,
             transposed,
             true,
+            precision == NsPrecision::Bf16,
         );
     }
-    let ws = NsWorkspace::new(client, m);
+    let ws = NsWorkspace::new(client, m, n, precision);
     for _ in 0..steps {
-        ns_step(client, &x, m, n, NS_COEFFICIENTS, &ws, &next)?;
+        ns_step(client, &x, m, n, NS_COEFFICIENTS, precision, &ws, &next)?;
         core::mem::swap(&mut x, &mut next);
     }
     // SAFETY: as above; `x` holds `m x n = len` values.
@@ -259,6 +364,7 @@ pub fn newton_schulz<R: Runtime>(
             m as u32,
             n as u32,
             transposed,
+            false,
             false,
         );
     }

@@ -8,9 +8,9 @@ use burn::optim::{AdamWConfig, SimpleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 use common::*;
 use sshsdp_kernels::{
-    adamw_reference, adamw_step, newton_schulz, ns_step, AdamWParams, NsWorkspace, NS_COEFFICIENTS,
+    adamw_reference, adamw_step, newton_schulz, ns_step, AdamWParams, NsPrecision, NsWorkspace,
+    NS_COEFFICIENTS,
 };
-use sshsdp_optim::NsPrecision;
 
 type B = NdArray<f32>;
 
@@ -68,8 +68,8 @@ fn ns_step_matches_f64_reference() {
             .collect();
         let hx = upload_f32(&c, &x);
         let out = c.empty(m * n * 4);
-        let ws = NsWorkspace::new(&c, m);
-        ns_step(&c, &hx, m, n, NS_COEFFICIENTS, &ws, &out).unwrap();
+        let ws = NsWorkspace::new(&c, m, n, NsPrecision::F32);
+        ns_step(&c, &hx, m, n, NS_COEFFICIENTS, NsPrecision::F32, &ws, &out).unwrap();
         let got = read_f32(&c, &out);
         let d = max_abs_diff(&got, &want);
         assert!(d < 1e-5, "ns_step {m}x{n}: max |diff| {d:e}");
@@ -85,14 +85,53 @@ fn newton_schulz_matches_sshsdp_optim() {
         let want = values(sshsdp_optim::newton_schulz(
             tensor(&g, rows, cols),
             5,
-            NsPrecision::F32,
+            sshsdp_optim::NsPrecision::F32,
         ));
         let hg = upload_f32(&c, &g);
         let out = c.empty(rows * cols * 4);
-        newton_schulz(&c, &hg, rows, cols, 5, &out).unwrap();
+        newton_schulz(&c, &hg, rows, cols, 5, NsPrecision::F32, &out).unwrap();
         let got = read_f32(&c, &out);
         let d = max_abs_diff(&got, &want);
         assert!(d < 1e-4, "newton_schulz {rows}x{cols}: max |diff| {d:e}");
+    }
+}
+
+#[test]
+fn newton_schulz_bf16_matches_sshsdp_optim_emulation() {
+    // NdArray has no bf16 tensors: sshsdp-optim emulates bf16 by rounding every intermediate,
+    // which is what the kernels do; differences come from summation order flipping roundings
+    let c = client();
+    let mut rng = Rng::new(0x5EED_0204);
+    for (rows, cols) in [(32, 48), (70, 33), (64, 64)] {
+        let g = rng.vec(rows * cols, |r| r.normal());
+        let want = values(sshsdp_optim::newton_schulz(
+            tensor(&g, rows, cols),
+            5,
+            sshsdp_optim::NsPrecision::Bf16,
+        ));
+        let hg = upload_f32(&c, &g);
+        let out = c.empty(rows * cols * 4);
+        newton_schulz(&c, &hg, rows, cols, 5, NsPrecision::Bf16, &out).unwrap();
+        let got = read_f32(&c, &out);
+        // every output is a bf16 value
+        assert!(
+            got.iter().all(|v| v.to_bits() & 0xFFFF == 0),
+            "{rows}x{cols}: not bf16 values"
+        );
+        let d = max_abs_diff(&got, &want);
+        let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len() as f32).sqrt();
+        assert!(
+            d < 0.05 * want.iter().fold(0f32, |a, b| a.max(b.abs())),
+            "newton_schulz bf16 {rows}x{cols}: max |diff| {d:e} (rms {rms:e})"
+        );
+        // and close to the f32 iteration
+        let f32_want = values(sshsdp_optim::newton_schulz(
+            tensor(&g, rows, cols),
+            5,
+            sshsdp_optim::NsPrecision::F32,
+        ));
+        let d32 = max_abs_diff(&got, &f32_want);
+        assert!(d32 < 0.1, "bf16 vs f32 iteration {rows}x{cols}: {d32:e}");
     }
 }
 
