@@ -3,9 +3,11 @@
 //! `sshsdp_mx::encode_tiled`.
 //!
 //! One cube (32 x 8 units) encodes one 32x32 tile at a time: coalesced loads of the tile
-//! into shared memory (zero padding outside the tensor), 64 units derive the 32 row and 32
-//! column scales, then every unit writes one row-data word and one column-data word, and
-//! 16 units the scale words.
+//! into shared memory (zero padding outside the tensor); every unit takes the four values of
+//! one row-data word and of one column-data word into registers and leaves their largest
+//! magnitudes; 64 units reduce those to the 32 row and 32 column scales; every unit encodes
+//! and writes its two words (coalesced), and 16 units the scale words. Three barriers per
+//! tile.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -29,6 +31,10 @@ pub enum InputDType {
 
 /// Stride of the shared tile (33: conflict-free row and column walks).
 const SMEM_STRIDE: u32 = 33;
+/// Stride of the groups of 8 partial maxima (9: conflict-free reads).
+const PART_STRIDE: u32 = 9;
+/// Offset of the column partial maxima (32 groups of [`PART_STRIDE`]).
+const PART_COLS: u32 = 32 * PART_STRIDE;
 
 /// `f32` bits of element `idx` of the input (`bf16` widened exactly).
 #[cube]
@@ -57,6 +63,8 @@ fn quantize_tiled_kernel(
 ) {
     let mut vals = SharedMemory::<u32>::new(32 * 33usize);
     let mut scales = SharedMemory::<u32>::new(64usize);
+    // partial maxima: rows then columns, 32 groups of 8 with stride 9
+    let mut part = SharedMemory::<u32>::new(2 * 288usize);
     let x = UNIT_POS_X;
     let y = UNIT_POS_Y;
     let u = UNIT_POS;
@@ -75,43 +83,48 @@ fn quantize_tiled_kernel(
             vals[(r * SMEM_STRIDE + x) as usize] = v;
         }
         sync_cube();
-        // 2. scales: units 0..32 the rows, 32..64 the columns
+        // 2. every unit takes the four values of its row word (row u / 8, columns
+        //    4·(u % 8)..) and of its column word (column u / 8, rows 4·(u % 8)..) into
+        //    registers and leaves their largest magnitudes (padded index: conflict-free reads)
+        let a = u / 8;
+        let b = (u % 8) * 4;
+        let ri = (a * SMEM_STRIDE + b) as usize;
+        let ci = (b * SMEM_STRIDE + a) as usize;
+        let s33 = SMEM_STRIDE as usize;
+        let r0v = vals[ri];
+        let r1v = vals[ri + 1];
+        let r2v = vals[ri + 2];
+        let r3v = vals[ri + 3];
+        let c0v = vals[ci];
+        let c1v = vals[ci + s33];
+        let c2v = vals[ci + 2 * s33];
+        let c3v = vals[ci + 3 * s33];
+        let pi = (a * PART_STRIDE + u % 8) as usize;
+        part[pi] = max(
+            max(r0v & 0x7FFF_FFFF, r1v & 0x7FFF_FFFF),
+            max(r2v & 0x7FFF_FFFF, r3v & 0x7FFF_FFFF),
+        );
+        part[pi + PART_COLS as usize] = max(
+            max(c0v & 0x7FFF_FFFF, c1v & 0x7FFF_FFFF),
+            max(c2v & 0x7FFF_FFFF, c3v & 0x7FFF_FFFF),
+        );
+        sync_cube();
+        // 3. scales: units 0..32 the rows, 32..64 the columns (8 partial maxima each)
         if u < 64 {
+            let p0 = ((u % 32) * PART_STRIDE + (u / 32) * PART_COLS) as usize;
             let mut amax = 0u32;
-            if u < 32 {
-                for i in 0..32u32 {
-                    amax = max(amax, vals[(u * SMEM_STRIDE + i) as usize] & 0x7FFF_FFFF);
-                }
-            } else {
-                for i in 0..32u32 {
-                    amax = max(
-                        amax,
-                        vals[(i * SMEM_STRIDE + u - 32) as usize] & 0x7FFF_FFFF,
-                    );
-                }
+            for i in 0..8usize {
+                amax = max(amax, part[p0 + i]);
             }
             scales[u as usize] = scale_byte(amax, rceil);
         }
         sync_cube();
-        // 3. data words: row word u (row u / 8, columns 4·(u % 8)..) and column word u
+        // 4. data words from the registers
         let base = word_offset + t * TILE_WORDS;
-        let a = u / 8;
-        let b = (u % 8) * 4;
-        let rs = scales[a as usize];
-        let ri = (a * SMEM_STRIDE + b) as usize;
-        out[(base + ROW_DATA_W + u) as usize] =
-            encode_word(vals[ri], vals[ri + 1], vals[ri + 2], vals[ri + 3], rs);
-        let cs = scales[(32 + a) as usize];
-        let ci = (b * SMEM_STRIDE + a) as usize;
-        let s33 = SMEM_STRIDE as usize;
-        out[(base + COL_DATA_W + u) as usize] = encode_word(
-            vals[ci],
-            vals[ci + s33],
-            vals[ci + 2 * s33],
-            vals[ci + 3 * s33],
-            cs,
-        );
-        // 4. scale words: units 0..8 the row scales, 8..16 the column scales
+        out[(base + ROW_DATA_W + u) as usize] = encode_word(r0v, r1v, r2v, r3v, scales[a as usize]);
+        out[(base + COL_DATA_W + u) as usize] =
+            encode_word(c0v, c1v, c2v, c3v, scales[(32 + a) as usize]);
+        // 5. scale words: units 0..8 the row scales, 8..16 the column scales
         if u < 16 {
             let s0 = (u * 4) as usize;
             let w = scales[s0]
@@ -124,7 +137,9 @@ fn quantize_tiled_kernel(
             }
             out[dst as usize] = w;
         }
-        sync_cube();
+        // no barrier needed here: the next tile's stores to `vals` follow reads that all
+        // happened before step 2's barrier, and `part`/`scales` are rewritten only after two
+        // more barriers
         t += stride;
     }
 }

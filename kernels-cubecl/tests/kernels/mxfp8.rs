@@ -1,9 +1,5 @@
 //! MXFP8 quantise / dequantise kernels against the CPU reference `sshsdp-mx`, bit for bit.
-#![cfg(feature = "wgpu")]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use half::bf16;
 use sshsdp_kernels::{dequantize_tiled, quantize_tiled, InputDType, Plane, ScaleRule};
 use sshsdp_mx::{decode_tiled, encode_tiled, tiled_bytes, ElemFormat, MxShape};

@@ -1,11 +1,7 @@
 //! The device check (`sshsdp_kernels::check`, behind the `gpu_check` binaries) at small sizes
 //! on wgpu: proves its code path and correctness checks on every CI run.
-#![cfg(feature = "wgpu")]
-
-mod common;
-
 #[test]
 fn device_check_passes_on_wgpu() {
-    let failures = sshsdp_kernels::check::run(common::client(), true, 0x5EED_0301);
+    let failures = sshsdp_kernels::check::run(crate::common::client(), true, 0x5EED_0301);
     assert_eq!(failures, 0, "gpu_check reported {failures} failed check(s)");
 }

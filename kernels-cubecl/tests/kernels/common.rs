@@ -1,6 +1,5 @@
 //! Shared test helpers: the wgpu client (failing loudly without an adapter), a seeded PRNG,
 //! upload/download of `u32`/`f32` buffers.
-#![allow(dead_code)]
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;

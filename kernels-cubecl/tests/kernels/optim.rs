@@ -1,12 +1,8 @@
 //! Newton–Schulz and AdamW kernels against `sshsdp-optim` / burn-optim on the CPU.
-#![cfg(feature = "wgpu")]
-
-mod common;
-
+use crate::common::*;
 use burn::backend::NdArray;
 use burn::optim::{AdamWConfig, SimpleOptimizer};
 use burn::tensor::{Tensor, TensorData};
-use common::*;
 use sshsdp_kernels::{
     adamw_reference, adamw_step, newton_schulz, ns_step, AdamWParams, NsPrecision, NsWorkspace,
     NS_COEFFICIENTS,
