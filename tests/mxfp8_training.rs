@@ -75,6 +75,7 @@ fn train(
     format: RuntimeFormat,
     opt: Opt,
     steps: usize,
+    reshard: bool,
 ) -> Vec<Run> {
     let world = mesh.world_size();
     let config = ThreadsConfig {
@@ -86,6 +87,7 @@ fn train(
         let config = HsdpConfig::new(mesh)
             .with_sharding(sharding)
             .with_format(format)
+            .with_reshard_after_forward(reshard)
             .with_bucket_elements(20_000);
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let mut adamw = ShardedOptimizer::new(AdamWConfig::new().build(), device);
@@ -148,6 +150,7 @@ fn mxfp8_training_tracks_bf16_within_two_percent() {
             format,
             Opt::AdamW,
             STEPS,
+            false,
         )
     };
     let (mx, bf) = (run(RuntimeFormat::Mxfp8), run(RuntimeFormat::Bf16));
@@ -195,6 +198,7 @@ fn mxfp8_trains_the_same_at_every_world_size_with_muon() {
         RuntimeFormat::Mxfp8,
         Opt::Muon,
         STEPS,
+        false,
     ));
     assert!(one[STEPS - 1] < one[0], "{one:?}");
     for (mesh, sharding) in [
@@ -210,6 +214,7 @@ fn mxfp8_trains_the_same_at_every_world_size_with_muon() {
             RuntimeFormat::Mxfp8,
             Opt::Muon,
             STEPS,
+            false,
         ));
         for (step, (a, b)) in losses.iter().zip(&one).enumerate() {
             assert!(
@@ -218,4 +223,34 @@ fn mxfp8_trains_the_same_at_every_world_size_with_muon() {
             );
         }
     }
+}
+
+/// Resharding after forward, each pass gathers only the plane it decodes (and the bf16 runs):
+/// about half of bf16's bytes, and exactly the same training as keeping both planes resident.
+#[test]
+fn mxfp8_with_resharding_gathers_one_plane_per_pass() {
+    const STEPS: usize = 4;
+    let init = init();
+    let mesh = Mesh::flat(2).unwrap();
+    let run = |format, reshard| {
+        train(
+            &init,
+            mesh,
+            Sharding::Hierarchical,
+            format,
+            Opt::Muon,
+            STEPS,
+            reshard,
+        )
+    };
+    let per_pass = run(RuntimeFormat::Mxfp8, true);
+    let resident = run(RuntimeFormat::Mxfp8, false);
+    let bf16 = run(RuntimeFormat::Bf16, true);
+    for (a, b) in per_pass.iter().zip(&resident) {
+        assert_eq!(a.losses, b.losses);
+    }
+    let ratio = per_pass[0].counters.gathered_bytes as f64 / bf16[0].counters.gathered_bytes as f64;
+    eprintln!("gathered bytes per step with resharding, MXFP8/bf16: {ratio:.3}");
+    assert!((0.45..0.6).contains(&ratio), "MXFP8/bf16 = {ratio}");
+    assert!(per_pass[0].counters.backward_gathers > 0);
 }

@@ -4,6 +4,7 @@
 use sshsdp_comm::hierarchy::{self, MeshComms};
 use sshsdp_comm::{Collective, CommError, CommResult, Element, ReduceOp};
 use sshsdp_plan::Sharding;
+use std::ops::Range;
 
 use crate::storage::Elems;
 
@@ -16,7 +17,13 @@ pub(crate) trait MeshComm: Send {
     fn world_size(&self) -> usize;
     /// All-gather of runtime shards over the shard group into the full bucket (under DDP the
     /// runtime shard is the whole bucket: a copy).
-    fn gather_bucket(&self, sharding: Sharding, shard: &Elems, full: &mut Elems) -> CommResult<()>;
+    fn gather_bucket(
+        &self,
+        sharding: Sharding,
+        shard: &Elems,
+        part: Range<usize>,
+        full: &mut Elems,
+    ) -> CommResult<()>;
     /// World-averaged gradient of this rank's piece from a full-bucket gradient.
     fn reduce_gradient(
         &self,
@@ -44,11 +51,17 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
         self.world.size()
     }
 
-    fn gather_bucket(&self, sharding: Sharding, shard: &Elems, full: &mut Elems) -> CommResult<()> {
+    fn gather_bucket(
+        &self,
+        sharding: Sharding,
+        shard: &Elems,
+        part: Range<usize>,
+        full: &mut Elems,
+    ) -> CommResult<()> {
         match (shard, full) {
-            (Elems::F32(s), Elems::F32(f)) => gather_typed(self, sharding, s, f),
-            (Elems::Bf16(s), Elems::Bf16(f)) => gather_typed(self, sharding, s, f),
-            (Elems::U8(s), Elems::U8(f)) => gather_typed(self, sharding, s, f),
+            (Elems::F32(s), Elems::F32(f)) => gather_typed(self, sharding, &s[part], f),
+            (Elems::Bf16(s), Elems::Bf16(f)) => gather_typed(self, sharding, &s[part], f),
+            (Elems::U8(s), Elems::U8(f)) => gather_typed(self, sharding, &s[part], f),
             _ => Err(mixed_formats()),
         }
     }

@@ -9,20 +9,26 @@
 //! * **Banded** (MXFP8 runtime format): pieces are cut so that each re-derives its runtime bytes
 //!   from its own master elements alone — MXFP8's column-wise blocks span 32 rows, which a flat
 //!   element split would cut. An MXFP8 matrix `[rows, cols]` (its 2-D view) is a run of *bands*
-//!   of 32 rows (one tile row), each encoded in `sshsdp-mx`'s tiled layout (row and column
-//!   planes with their E8M0 scales, 2112 bytes per 32×32 tile); a parameter that fell back to
-//!   bf16 (see [`sshsdp_plan::Plan::fallbacks`]) is a run of little-endian bf16 elements. The
-//!   bucket's runtime bytes are these runs in bucket order, cut into pieces at the ideal
-//!   positions `i · total / pieces` moved to the nearest band edge (any element edge in bf16),
-//!   so pieces differ by at most one band and most matrices stay whole in one piece (which
-//!   keeps Muon's orthogonalisation local). Every piece is padded to the largest piece, in
-//!   bytes and in elements. A band's tiles are exactly the matrix's tiles, so the bytes equal
-//!   encoding the whole matrix, at any world size. The gathered bytes are decoded into a fresh
-//!   f32 buffer holding the parameters one after the other (the CPU analogue of dequantising
-//!   in a GEMM's load stage), in the plane the phase needs ([`Phase`]).
+//!   of 32 rows, each encoded as `sshsdp-mx`'s row-wise plane (blocks of 32 along columns, data
+//!   then E8M0 scales) and column-wise plane (blocks of 32 along rows); a parameter that fell
+//!   back to bf16 (see [`sshsdp_plan::Plan::fallbacks`]) is a run of little-endian bf16
+//!   elements. The bucket is cut into pieces at the ideal positions `i · total / pieces` moved
+//!   to the nearest band edge (any element edge in bf16), so pieces differ by at most one band
+//!   and most matrices stay whole in one piece (which keeps Muon's orthogonalisation local).
+//!   A piece's bytes are three sections, each padded to the largest piece's: row planes, bf16
+//!   runs, column planes. Forward decodes the column planes and bf16, backward the row planes
+//!   and bf16 ([`Phase`]), so with resharding after forward each pass gathers only its own
+//!   sections ([`Sections`]: about half of bf16's bytes); otherwise the whole piece is gathered
+//!   once and kept. A band's blocks are exactly the matrix's blocks, so the values equal
+//!   encoding the whole matrix at any world size. Gathered bytes are decoded into a fresh f32
+//!   buffer holding the parameters one after the other (the CPU analogue of dequantising in a
+//!   GEMM's load stage).
+
+use std::ops::Range;
 
 use half::bf16;
-use sshsdp_mx::{ElemFormat, MxShape, Plane, ScaleRule, TILE, TILE_BYTES};
+
+use sshsdp_mx::{round_up32, ElemFormat, MxShape, ScaleRule, TILE};
 use sshsdp_plan::{Plan, RuntimeFormat};
 
 use crate::storage::Elems;
@@ -43,15 +49,6 @@ pub(crate) enum Phase {
     Forward,
     /// Backward pass.
     Backward,
-}
-
-impl Phase {
-    fn mx_plane(self) -> Plane {
-        match self {
-            Phase::Forward => Plane::Col,
-            Phase::Backward => Plane::Row,
-        }
-    }
 }
 
 /// A run of elements shared by a parameter (row-major) and its bucket's element space.
@@ -75,11 +72,12 @@ enum Codec {
 }
 
 impl Codec {
-    /// Runtime bytes of one atom (the finest cut): a band, or one bf16 element.
+    /// Runtime bytes of one atom (the finest cut): a full band's two planes (32 rows, each
+    /// block of 32 bytes with its scale byte), or one bf16 element.
     fn atom_units(self) -> usize {
         match self {
             Codec::Bf16 => 2,
-            Codec::Mx { cols } => cols.div_ceil(TILE) * TILE_BYTES,
+            Codec::Mx { cols } => 33 * (round_up32(cols) + cols),
         }
     }
 
@@ -102,10 +100,43 @@ struct Chunk {
     elems: std::ops::Range<usize>,
     /// Offset in the piece's elements.
     elem_offset: usize,
-    /// Offset in the piece's runtime bytes.
-    unit_offset: usize,
-    /// Runtime bytes.
-    units: usize,
+    /// Bytes in the piece's row-plane, bf16 and column-plane sections (empty where unused).
+    parts: [Range<usize>; 3],
+}
+
+/// A piece's runtime bytes are three sections: row-wise planes (backward), bf16 runs (both
+/// passes) and column-wise planes (forward), so a pass can gather only what it decodes.
+const ROW: usize = 0;
+const BF16: usize = 1;
+const COL: usize = 2;
+
+/// Which sections of every piece a gather moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Sections {
+    /// The whole piece (both planes).
+    All,
+    /// What forward decodes: bf16 runs and column-wise planes.
+    Forward,
+    /// What backward decodes: row-wise planes and bf16 runs.
+    Backward,
+}
+
+impl Sections {
+    /// The sections one pass decodes.
+    pub fn of(phase: Phase) -> Self {
+        match phase {
+            Phase::Forward => Sections::Forward,
+            Phase::Backward => Sections::Backward,
+        }
+    }
+
+    fn holds(self, section: usize) -> bool {
+        match self {
+            Sections::All => true,
+            Sections::Forward => section != ROW,
+            Sections::Backward => section != COL,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -123,6 +154,8 @@ pub(crate) struct BucketLayout {
     pieces: usize,
     piece_elems: usize,
     piece_units: usize,
+    /// Sizes of the row, bf16 and column sections of every piece (banded layout only).
+    sections: [usize; 3],
     compute_elems: usize,
     params: Vec<ParamLayout>,
     /// Each piece's chunks (banded layout only).
@@ -158,6 +191,7 @@ impl BucketLayout {
                 pieces,
                 piece_elems,
                 piece_units: piece_elems,
+                sections: [0, piece_elems, 0],
                 compute_elems: pieces * piece_elems,
                 params,
                 chunks: Vec::new(),
@@ -208,10 +242,10 @@ impl BucketLayout {
         };
         let cuts: Vec<usize> = (0..=pieces).map(|i| cut(i * total / pieces)).collect();
         let mut chunks = vec![Vec::new(); pieces];
-        let (mut piece_units, mut piece_elems) = (0usize, 0usize);
+        let (mut sections, mut piece_elems) = ([0usize; 3], 0usize);
         for (piece, list) in chunks.iter_mut().enumerate() {
             let (lo, hi) = (cuts[piece], cuts[piece + 1]);
-            let (mut elem_offset, mut unit_offset) = (0usize, 0usize);
+            let (mut elem_offset, mut used) = (0usize, [0usize; 3]);
             for (member, &(codec, atoms, first, numel)) in runs.iter().enumerate() {
                 let atom = codec.atom_units();
                 let a0 = (lo.max(first) - first).div_ceil(atom).min(atoms);
@@ -220,19 +254,27 @@ impl BucketLayout {
                     continue;
                 }
                 let elems = codec.atom_elems(numel, a0, a1);
-                let units = (a1 - a0) * atom;
+                let mut sizes = [0usize; 3];
+                match codec {
+                    Codec::Bf16 => sizes[BF16] = 2 * elems.len(),
+                    Codec::Mx { cols } => {
+                        let shape = MxShape::new(elems.len() / cols, cols);
+                        sizes[ROW] = shape.row_data_bytes() + shape.row_scale_bytes();
+                        sizes[COL] = shape.col_data_bytes() + shape.col_scale_bytes();
+                    }
+                }
+                let parts = std::array::from_fn(|i| used[i]..used[i] + sizes[i]);
+                (0..3).for_each(|i| used[i] += sizes[i]);
                 list.push(Chunk {
                     member,
                     codec,
                     elems: elems.clone(),
                     elem_offset,
-                    unit_offset,
-                    units,
+                    parts,
                 });
                 elem_offset += elems.len();
-                unit_offset += units;
             }
-            piece_units = piece_units.max(unit_offset);
+            (0..3).for_each(|i| sections[i] = sections[i].max(used[i]));
             piece_elems = piece_elems.max(elem_offset);
         }
         for (piece, list) in chunks.iter().enumerate() {
@@ -248,11 +290,26 @@ impl BucketLayout {
             format,
             pieces,
             piece_elems,
-            piece_units,
+            piece_units: sections.iter().sum(),
+            sections,
             compute_elems: compute,
             params,
             chunks,
         })
+    }
+
+    /// The bytes of a piece that `which` moves.
+    pub fn section_range(&self, which: Sections) -> Range<usize> {
+        match which {
+            Sections::All => 0..self.piece_units,
+            Sections::Forward => self.sections[ROW]..self.piece_units,
+            Sections::Backward => 0..self.sections[ROW] + self.sections[BF16],
+        }
+    }
+
+    /// Where section `i` starts in a piece.
+    fn section_start(&self, i: usize) -> usize {
+        self.sections[..i].iter().sum()
     }
 
     /// fp32 elements of one piece (master weights and gradients).
@@ -265,9 +322,9 @@ impl BucketLayout {
         self.pieces * self.piece_elems
     }
 
-    /// Runtime units of the whole bucket (what an all-gather returns).
-    pub fn bucket_units(&self) -> usize {
-        self.pieces * self.piece_units
+    /// Runtime units of the whole bucket that a gather of `which` returns.
+    pub fn gathered_units(&self, which: Sections) -> usize {
+        self.pieces * self.section_range(which).len()
     }
 
     /// Where member `k`'s elements sit in the bucket's element space.
@@ -359,11 +416,13 @@ impl BucketLayout {
     /// Encodes piece `p`'s chunks (banded layout) from its fp32 elements.
     fn encode_piece(&self, p: usize, master: &[f32], out: &mut [u8]) -> Result<(), HsdpError> {
         out.fill(0);
+        let (row_start, bf16_start, col_start) = (0, self.sections[ROW], self.section_start(COL));
+        let err = |e: sshsdp_mx::MxError| HsdpError::Failed(format!("MXFP8 encode: {e}"));
         for c in &self.chunks[p] {
             let src = &master[c.elem_offset..c.elem_offset + c.elems.len()];
-            let dst = &mut out[c.unit_offset..c.unit_offset + c.units];
             match c.codec {
                 Codec::Bf16 => {
+                    let dst = &mut out[bf16_start + c.parts[BF16].start..][..c.parts[BF16].len()];
                     for (d, &v) in dst.chunks_exact_mut(2).zip(src) {
                         d.copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes());
                     }
@@ -371,8 +430,12 @@ impl BucketLayout {
                 Codec::Mx { cols } => {
                     let shape = MxShape::new(src.len() / cols, cols);
                     let (fmt, rule) = MX_FORMAT;
-                    sshsdp_mx::encode_tiled(src, shape, fmt, rule, dst)
-                        .map_err(|e| HsdpError::Failed(format!("MXFP8 encode: {e}")))?;
+                    let row = &mut out[row_start + c.parts[ROW].start..][..c.parts[ROW].len()];
+                    let (data, scales) = row.split_at_mut(shape.row_data_bytes());
+                    sshsdp_mx::encode_rows(src, shape, fmt, rule, data, scales).map_err(err)?;
+                    let col = &mut out[col_start + c.parts[COL].start..][..c.parts[COL].len()];
+                    let (data, scales) = col.split_at_mut(shape.col_data_bytes());
+                    sshsdp_mx::encode_cols(src, shape, fmt, rule, data, scales).map_err(err)?;
                 }
             }
         }
@@ -385,44 +448,66 @@ impl BucketLayout {
     pub fn to_compute(
         &self,
         full: Elems,
+        which: Sections,
         phase: Phase,
     ) -> Result<(Vec<f32>, Option<Elems>), HsdpError> {
         match full {
             Elems::F32(v) => Ok((v, None)),
             Elems::Bf16(v) => Ok((v.iter().map(|x| x.to_f32()).collect(), None)),
             Elems::U8(bytes) => {
-                let compute = self.decode(&bytes, phase)?;
-                Ok((compute, self.has_planes().then_some(Elems::U8(bytes))))
+                let compute = self.decode(&bytes, which, phase)?;
+                let keep = self.has_planes() && which == Sections::All;
+                Ok((compute, keep.then_some(Elems::U8(bytes))))
             }
         }
     }
 
-    /// Decodes a gathered banded bucket for `phase`.
-    pub fn decode(&self, bytes: &[u8], phase: Phase) -> Result<Vec<f32>, HsdpError> {
-        if bytes.len() != self.bucket_units() {
+    /// Decodes a gathered banded bucket holding sections `which` of every piece, for `phase`.
+    pub fn decode(
+        &self,
+        bytes: &[u8],
+        which: Sections,
+        phase: Phase,
+    ) -> Result<Vec<f32>, HsdpError> {
+        let plane = match phase {
+            Phase::Forward => COL,
+            Phase::Backward => ROW,
+        };
+        if bytes.len() != self.gathered_units(which) || !which.holds(plane) {
             return Err(HsdpError::Failed(format!(
-                "a gathered MXFP8 bucket has {} bytes, its layout {}",
+                "a gathered MXFP8 bucket of {} bytes ({which:?}) cannot be decoded for {phase:?}",
                 bytes.len(),
-                self.bucket_units()
             )));
         }
+        let range = self.section_range(which);
+        let at = |section: usize, part: &Range<usize>| {
+            self.section_start(section) - range.start + part.start
+        };
         let mut out = vec![0f32; self.compute_elems];
         for (p, list) in self.chunks.iter().enumerate() {
-            let piece = &bytes[p * self.piece_units..(p + 1) * self.piece_units];
+            let piece = &bytes[p * range.len()..(p + 1) * range.len()];
             for c in list {
-                let src = &piece[c.unit_offset..c.unit_offset + c.units];
-                let at = self.params[c.member].compute_start + c.elems.start;
-                let dst = &mut out[at..at + c.elems.len()];
+                let first = self.params[c.member].compute_start + c.elems.start;
+                let dst = &mut out[first..first + c.elems.len()];
                 match c.codec {
                     Codec::Bf16 => {
+                        let src = &piece[at(BF16, &c.parts[BF16])..][..c.parts[BF16].len()];
                         for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
                             *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
                         }
                     }
                     Codec::Mx { cols } => {
                         let shape = MxShape::new(c.elems.len() / cols, cols);
-                        sshsdp_mx::decode_tiled(src, shape, MX_FORMAT.0, phase.mx_plane(), dst)
-                            .map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
+                        let src = &piece[at(plane, &c.parts[plane])..][..c.parts[plane].len()];
+                        let fmt = MX_FORMAT.0;
+                        let decoded = if plane == ROW {
+                            let (data, scales) = src.split_at(shape.row_data_bytes());
+                            sshsdp_mx::decode_rows(data, scales, shape, fmt, dst)
+                        } else {
+                            let (data, scales) = src.split_at(shape.col_data_bytes());
+                            sshsdp_mx::decode_cols(data, scales, shape, fmt, dst)
+                        };
+                        decoded.map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
                     }
                 }
             }
@@ -447,6 +532,7 @@ impl BucketLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sshsdp_mx::{Plane, TILE_BYTES};
     use sshsdp_plan::{DType, Mesh, ParamSpec, PlanConfig, Role, Sharding};
 
     fn plan(world: usize, format: RuntimeFormat) -> Plan {
@@ -483,7 +569,15 @@ mod tests {
             let Elems::U8(bytes) = layout.encode(0, space).unwrap() else {
                 panic!("MXFP8 buckets hold bytes")
             };
-            let compute = layout.decode(&bytes, phase).unwrap();
+            let compute = layout.decode(&bytes, Sections::All, phase).unwrap();
+            // A pass's own sections decode to the same values.
+            let range = layout.section_range(Sections::of(phase));
+            let part: Vec<u8> = bytes
+                .chunks(layout.piece_units)
+                .flat_map(|piece| piece[range.clone()].to_vec())
+                .collect();
+            let own = layout.decode(&part, Sections::of(phase), phase).unwrap();
+            assert_eq!(own, compute);
             for (k, p) in members.iter().enumerate() {
                 let at = layout.compute_start(k);
                 out.push(compute[at..at + p.spec.numel() as usize].to_vec());
@@ -577,8 +671,13 @@ mod tests {
         let plan = Plan::build(specs, Mesh::flat(4).unwrap(), config).unwrap();
         assert_eq!(plan.buckets().len(), 1);
         let layout = BucketLayout::build(&plan, 0).unwrap();
-        let band = 3 * TILE_BYTES;
-        let total: usize = layout.chunks.iter().flatten().map(|c| c.units).sum();
+        let band = Codec::Mx { cols: 96 }.atom_units();
+        let total: usize = layout
+            .chunks
+            .iter()
+            .flatten()
+            .map(|c| c.parts.iter().map(|r| r.len()).sum::<usize>())
+            .sum();
         assert!(
             layout.piece_units <= total / 4 + band,
             "{} vs {total}",

@@ -28,7 +28,7 @@ use sshsdp_plan::Plan;
 use crate::comm::MeshComm;
 use crate::config::CopyMode;
 use crate::error::HsdpError;
-use crate::layout::{BucketLayout, Phase, Segment};
+use crate::layout::{BucketLayout, Phase, Sections, Segment};
 use crate::storage::Elems;
 use crate::views::{bucket_views, with_f32_values, Member};
 use crate::worker::{Reply, Worker};
@@ -107,7 +107,8 @@ struct BucketState<B: Backend> {
     /// fp32 master weights of this rank's piece when the runtime format is not f32.
     master: Option<Vec<f32>>,
     resident: Option<Resident<B>>,
-    prefetch: Option<Reply<Elems>>,
+    /// A gather queued ahead of use, and the sections it moves.
+    prefetch: Option<(Reply<Elems>, Sections)>,
     grad_full: Vec<f32>,
     pending: usize,
     reductions: Vec<Reply>,
@@ -249,6 +250,20 @@ impl<B: Backend> Runtime<B> {
         }
     }
 
+    /// What a gather of bucket `b` for `phase` moves: with MXFP8 and resharding after forward
+    /// (and one piece per runtime shard), only the plane that pass decodes — half the bytes;
+    /// otherwise the whole shard, kept resident for both passes.
+    fn sections(&self, b: usize, phase: Phase) -> Sections {
+        let per_pass = self.reshard_after_forward
+            && self.layouts[b].has_planes()
+            && self.plan.pieces_per_shard() == 1;
+        if per_pass {
+            Sections::of(phase)
+        } else {
+            Sections::All
+        }
+    }
+
     /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.
     pub(crate) fn view(&self, index: usize) -> B::FloatTensorPrimitive {
         let p = &self.plan.params()[index];
@@ -262,14 +277,22 @@ impl<B: Backend> Runtime<B> {
         let stale = st.buckets[b]
             .resident
             .as_ref()
-            .is_some_and(|r| r.gathered.is_some() && r.phase != phase);
+            .is_some_and(|r| r.phase != phase && self.layouts[b].has_planes());
         if stale {
-            // MXFP8: the other pass's plane, decoded from the kept runtime bytes.
+            // MXFP8: the other pass's plane, decoded from the kept runtime bytes or gathered.
             let r = st.buckets[b].resident.take().expect("resident");
             st.resident_bytes -= r.bytes;
-            let gathered = r.gathered.expect("kept");
-            if let Err(e) = self.install(&mut st, b, gathered) {
-                st.failure = Some(e.to_string());
+            let ok = match r.gathered {
+                Some(gathered) => match self.install(&mut st, b, gathered, Sections::All) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        st.failure = Some(e.to_string());
+                        false
+                    }
+                },
+                None => self.make_resident(&mut st, b),
+            };
+            if !ok {
                 return B::float_zeros(shape, &self.device, burn_backend::FloatDType::F32);
             }
         }
@@ -291,12 +314,21 @@ impl<B: Backend> Runtime<B> {
         if st.failure.is_some() {
             return false;
         }
+        let which = self.sections(b, Self::phase(st));
         let reply = match st.buckets[b].prefetch.take() {
-            Some(reply) => {
+            Some((reply, queued)) if queued == which => {
                 st.counters.prefetched += 1;
                 reply
             }
-            None => self.start_gather(st, b),
+            Some((reply, _)) => {
+                // Queued for the other pass (every rank queued it): complete it, gather again.
+                if let Err(e) = reply.wait() {
+                    st.failure = Some(e.to_string());
+                    return false;
+                }
+                self.start_gather(st, b, which)
+            }
+            None => self.start_gather(st, b, which),
         };
         let full = match reply.wait() {
             Ok(full) => full,
@@ -305,8 +337,8 @@ impl<B: Backend> Runtime<B> {
                 return false;
             }
         };
-        self.count_gather(st, b, &full);
-        if let Err(e) = self.install(st, b, full) {
+        self.count_gather(st, &full);
+        if let Err(e) = self.install(st, b, full, which) {
             st.failure = Some(e.to_string());
             return false;
         }
@@ -359,13 +391,14 @@ impl<B: Backend> Runtime<B> {
             next
         };
         if st.buckets[next].resident.is_none() && st.buckets[next].prefetch.is_none() {
-            let reply = self.start_gather(st, next);
-            st.buckets[next].prefetch = Some(reply);
+            let which = self.sections(next, Self::phase(st));
+            let reply = self.start_gather(st, next, which);
+            st.buckets[next].prefetch = Some((reply, which));
         }
     }
 
-    /// Queues the all-gather of bucket `b`'s runtime shards.
-    fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply<Elems> {
+    /// Queues the all-gather of sections `which` of bucket `b`'s runtime shards.
+    fn start_gather(&self, st: &mut State<B>, b: usize, which: Sections) -> Reply<Elems> {
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
         let input = match self.copy_mode {
@@ -376,27 +409,42 @@ impl<B: Backend> Runtime<B> {
                 Arc::new((*st.buckets[b].shard).clone())
             }
         };
-        self.worker.gather(input, self.layouts[b].bucket_units())
+        let layout = &self.layouts[b];
+        // The whole shard (one or more pieces), or one pass's sections of its single piece.
+        let part = match which {
+            Sections::All => 0..input.len(),
+            _ => layout.section_range(which),
+        };
+        self.worker
+            .gather(input, part, layout.gathered_units(which))
     }
 
-    /// Counts the bytes of a completed gather of bucket `b`.
-    fn count_gather(&self, st: &mut State<B>, b: usize, full: &Elems) {
+    /// Counts the bytes of a completed gather.
+    fn count_gather(&self, st: &mut State<B>, full: &Elems) {
         if self.plan.config().sharding == sshsdp_plan::Sharding::Ddp {
             // Replicated parameters are copied into a fresh tensor after each update.
             st.counters.param_bytes_copied += full.bytes();
         } else {
             st.counters.gathers += 1;
-            st.counters.gathered_bytes += full.bytes() - st.buckets[b].shard.bytes();
+            // Every rank's part but our own.
+            let shards = self.plan.runtime_shards() as u64;
+            st.counters.gathered_bytes += full.bytes() - full.bytes() / shards;
         }
     }
 
     /// Makes the gathered runtime units `full` bucket `b`'s resident parameters, decoded for
     /// the current pass.
-    fn install(&self, st: &mut State<B>, b: usize, full: Elems) -> Result<(), HsdpError> {
+    fn install(
+        &self,
+        st: &mut State<B>,
+        b: usize,
+        full: Elems,
+        which: Sections,
+    ) -> Result<(), HsdpError> {
         let layout = &self.layouts[b];
         let decodes = !matches!(full, Elems::F32(_));
         let phase = Self::phase(st);
-        let (compute, gathered) = layout.to_compute(full, phase)?;
+        let (compute, gathered) = layout.to_compute(full, which, phase)?;
         if decodes {
             st.counters.decoded_bytes += 4 * compute.len() as u64;
         }
@@ -637,7 +685,7 @@ impl<B: Backend> Runtime<B> {
         }
         // A prefetch this step did not use still completed on every rank: drop its result.
         for b in 0..st.buckets.len() {
-            if let Some(reply) = st.buckets[b].prefetch.take() {
+            if let Some((reply, _)) = st.buckets[b].prefetch.take() {
                 if let Err(e) = reply.wait() {
                     st.failure = Some(e.to_string());
                     return Err(e.into());

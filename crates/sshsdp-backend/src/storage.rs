@@ -32,6 +32,15 @@ impl Elems {
         }
     }
 
+    /// Number of units.
+    pub fn len(&self) -> usize {
+        match self {
+            Elems::F32(v) => v.len(),
+            Elems::Bf16(v) => v.len(),
+            Elems::U8(v) => v.len(),
+        }
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
         match self {

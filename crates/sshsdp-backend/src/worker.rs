@@ -8,6 +8,7 @@
 //! order on every rank — and executed here, independent of what the model thread is waiting on.
 //! Reductions are fire-and-forget (they overlap the rest of backward); gathers are waited for.
 
+use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -22,6 +23,7 @@ use crate::storage::Elems;
 enum Request {
     Gather {
         shard: Arc<Elems>,
+        part: Range<usize>,
         full_len: usize,
         reply: Sender<CommResult<Elems>>,
     },
@@ -83,10 +85,12 @@ impl Worker {
         Reply(rx)
     }
 
-    /// All-gather of a bucket's runtime shards into a new full buffer.
-    pub fn gather(&self, shard: Arc<Elems>, full_len: usize) -> Reply<Elems> {
+    /// All-gather of part `part` of every rank's runtime shard (the whole shard, or the
+    /// sections one pass decodes) into a new buffer of `full_len` units.
+    pub fn gather(&self, shard: Arc<Elems>, part: Range<usize>, full_len: usize) -> Reply<Elems> {
         self.send(|reply| Request::Gather {
             shard,
+            part,
             full_len,
             reply,
         })
@@ -128,12 +132,13 @@ fn serve(comm: Box<dyn MeshComm>, sharding: Sharding, rx: Receiver<Request>) {
         match request {
             Request::Gather {
                 shard,
+                part,
                 full_len,
                 reply,
             } => {
                 let r = run(&mut failed, || {
                     let mut full = shard.zeros_like(full_len);
-                    comm.gather_bucket(sharding, &shard, &mut full)?;
+                    comm.gather_bucket(sharding, &shard, part, &mut full)?;
                     Ok(full)
                 });
                 // Release our reference before replying, so the runtime owns the shard alone
