@@ -90,7 +90,7 @@ impl AdamWParams {
 
 /// The fused kernel: grid-stride over `len` elements, the same operation order as Burn's
 /// tensor ops.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn adamw_kernel(
     param: &mut Array<f32>,
@@ -146,7 +146,7 @@ pub fn adamw_step<R: Runtime>(
     let cubes = (len as u64).div_ceil(256).clamp(1, 65_535) as u32;
     // SAFETY: every index is below `len`, checked against all four handles above.
     unsafe {
-        adamw_kernel::launch::<R>(
+        adamw_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(cubes, 1, 1),
             CubeDim::new_1d(256),

@@ -13,7 +13,7 @@ use cubecl::server::Handle;
 use sshsdp_mx::{decode_tiled, par::encode_tiled_par, tiled_bytes, ElemFormat, MxShape};
 
 /// Word copy, the bandwidth reference (grid-stride).
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn copy_kernel(src: &Array<u32>, dst: &mut Array<u32>, len: u32) {
     let mut i = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
     let stride = CUBE_COUNT as u32 * CUBE_DIM;
@@ -181,7 +181,7 @@ fn quantize<R: Runtime>(ck: &mut Check<R>, rng: &mut Rng, (rows, cols): (usize, 
     let dst = c.empty(rows * cols * 4);
     let cubes = words.div_ceil(256).clamp(1, 65_535);
     let t_copy = ck.time(|| unsafe {
-        copy_kernel::launch::<R>(
+        copy_kernel::launch_unchecked::<R>(
             &c,
             CubeCount::Static(cubes, 1, 1),
             CubeDim::new_1d(256),

@@ -17,7 +17,7 @@ use crate::quantize::tile_grid;
 
 /// The dequantise kernel: tiles `CUBE_POS, CUBE_POS + CUBE_COUNT, ...` of `n_tiles`; the
 /// output holds `f32` bits.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn dequantize_tiled_kernel(
     src: &Array<u32>,
@@ -96,7 +96,7 @@ pub fn dequantize_tiled<R: Runtime>(
     // SAFETY: lengths are the handles' sizes in words; indices stay below `src_words` and
     // `rows * cols`, both checked above.
     unsafe {
-        dequantize_tiled_kernel::launch::<R>(
+        dequantize_tiled_kernel::launch_unchecked::<R>(
             client,
             count,
             dim,

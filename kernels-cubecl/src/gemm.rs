@@ -153,7 +153,7 @@ pub(crate) fn store_plain(acc: &Array<f32>, c: &mut Array<f32>, m: u32, n: u32) 
 }
 
 /// The strided `f32` GEMM kernel (see the module docs).
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn gemm_kernel(
     a: &Array<f32>,
@@ -289,7 +289,7 @@ pub(crate) fn gemm_impl<R: Runtime>(
     let count = CubeCount::Static((n as u32).div_ceil(BN), (m as u32).div_ceil(BM), 1);
     // SAFETY: every index is below the view spans and `m * n`, checked above.
     unsafe {
-        gemm_kernel::launch::<R>(
+        gemm_kernel::launch_unchecked::<R>(
             client,
             count,
             CubeDim::new_2d(UNITS, UNITS),

@@ -68,7 +68,7 @@ fn load_mx(
 }
 
 /// The MXFP8 matmul kernel (see the module docs).
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn mx_matmul_kernel(
     a: &Array<u32>,
@@ -141,7 +141,7 @@ pub fn mx_matmul<R: Runtime>(
     let count = CubeCount::Static((n as u32).div_ceil(BN), (m as u32).div_ceil(BM), 1);
     // SAFETY: tile indices stay inside the two tiled layouts and `m * n`, checked above.
     unsafe {
-        mx_matmul_kernel::launch::<R>(
+        mx_matmul_kernel::launch_unchecked::<R>(
             client,
             count,
             CubeDim::new_2d(UNITS, UNITS),

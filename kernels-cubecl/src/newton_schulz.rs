@@ -26,7 +26,7 @@ const UNITS_1D: u32 = 256;
 
 /// Partial sums of squares: cube `p` sums elements `p·256 + u (+ 65536·i)` into
 /// `partial[p]` with a shared-memory tree.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn sum_squares_kernel(x: &Array<f32>, partial: &mut Array<f32>, len: u32) {
     let mut tree = SharedMemory::<f32>::new(256usize);
     let u = UNIT_POS;
@@ -54,7 +54,7 @@ fn sum_squares_kernel(x: &Array<f32>, partial: &mut Array<f32>, len: u32) {
 }
 
 /// `norm[0] = sqrt(Σ partial) + eps` (one cube).
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn finish_norm_kernel(partial: &Array<f32>, norm: &mut Array<f32>, eps: f32) {
     let mut tree = SharedMemory::<f32>::new(256usize);
     let u = UNIT_POS;
@@ -75,7 +75,7 @@ fn finish_norm_kernel(partial: &Array<f32>, norm: &mut Array<f32>, eps: f32) {
 
 /// `dst = src / norm[0]` (when `divide`), rounded to bf16 values (when `round`), transposed
 /// (`dst[j·rows + i] = src[i·cols + j]`) when `transpose`.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn scale_transpose_kernel(
     src: &Array<f32>,
     norm: &Array<f32>,
@@ -107,7 +107,7 @@ fn scale_transpose_kernel(
 }
 
 /// `out = p·u + q·w`, rounded to `bf16` values (the combinations of the bf16 iteration).
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn axpby_bf16_kernel(
     u: &Array<f32>,
     w: &Array<f32>,
@@ -266,7 +266,7 @@ fn axpby_bf16<R: Runtime>(
     let len32 = to_u32("len", len as u64)?;
     // SAFETY: indices are below `len`, checked against the three handles above.
     unsafe {
-        axpby_bf16_kernel::launch::<R>(
+        axpby_bf16_kernel::launch_unchecked::<R>(
             client,
             grid_1d(len),
             CubeDim::new_1d(UNITS_1D),
@@ -317,7 +317,7 @@ pub fn newton_schulz<R: Runtime>(
     // SAFETY (all launches below): indices are below `len` (checked against every handle
     // above or freshly allocated with `len` values), `REDUCE_CUBES` and 1.
     unsafe {
-        sum_squares_kernel::launch::<R>(
+        sum_squares_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(REDUCE_CUBES, 1, 1),
             dim,
@@ -325,7 +325,7 @@ pub fn newton_schulz<R: Runtime>(
             ArrayArg::from_raw_parts(partial.clone(), REDUCE_CUBES as usize),
             len32,
         );
-        finish_norm_kernel::launch::<R>(
+        finish_norm_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(1, 1, 1),
             dim,
@@ -333,7 +333,7 @@ pub fn newton_schulz<R: Runtime>(
             ArrayArg::from_raw_parts(norm.clone(), 1),
             NS_EPS,
         );
-        scale_transpose_kernel::launch::<R>(
+        scale_transpose_kernel::launch_unchecked::<R>(
             client,
             grid_1d(len),
             dim,
@@ -354,7 +354,7 @@ pub fn newton_schulz<R: Runtime>(
     }
     // SAFETY: as above; `x` holds `m x n = len` values.
     unsafe {
-        scale_transpose_kernel::launch::<R>(
+        scale_transpose_kernel::launch_unchecked::<R>(
             client,
             grid_1d(len),
             dim,

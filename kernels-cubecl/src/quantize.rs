@@ -48,7 +48,7 @@ pub(crate) fn load_bits(input: &Array<u32>, idx: u32, #[comptime] bf16: bool) ->
 }
 
 /// The quantise kernel: tiles `CUBE_POS, CUBE_POS + CUBE_COUNT, ...` of `n_tiles`.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn quantize_tiled_kernel(
     input: &Array<u32>,
@@ -194,7 +194,7 @@ pub fn quantize_tiled<R: Runtime>(
     // used); every index the kernel forms is below the input's words or
     // `word_offset + out_words`, both checked above.
     unsafe {
-        quantize_tiled_kernel::launch::<R>(
+        quantize_tiled_kernel::launch_unchecked::<R>(
             client,
             count,
             dim,
