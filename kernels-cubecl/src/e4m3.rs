@@ -1,9 +1,16 @@
-//! E4M3 elements and E8M0 scales as integer bit operations on `u32` (no fp8 types, no float
-//! rounding modes, no denormal behaviour of the device involved), so the results equal the
-//! CPU reference `sshsdp-mx` bit for bit on every runtime, WGSL included.
+//! E4M3 elements and E8M0 scales as bit operations on `u32` (no fp8 types, no denormal
+//! behaviour of the device involved), so the results equal the CPU reference `sshsdp-mx` bit
+//! for bit on every runtime, WGSL included: exact integer encode/decode, plus a float encoder
+//! ([`encode_e4m3_fast`]) used only for the scales where it is provably exact.
+//!
+//! Also the `bf16` rounding of the bf16-storage Newton–Schulz iteration ([`round_bf16`]).
 //!
 //! Bytes travel in `u32` words, four per word, little endian (byte `i` of a buffer is bits
 //! `8·(i % 4)..` of word `i / 4`), which is the byte layout of `sshsdp-mx`'s buffers.
+
+// The expand modules `#[cube]` generates for public functions have no docs (every item
+// written here has).
+#![allow(missing_docs)]
 
 use cubecl::prelude::*;
 
@@ -175,4 +182,15 @@ pub fn encode_word(v0: u32, v1: u32, v2: u32, v3: u32, s: u32) -> u32 {
 #[cube]
 pub fn byte_of(word: u32, i: u32) -> u32 {
     (word >> (i * 8)) & 0xFF
+}
+
+/// Rounds `v` to the nearest `bf16` value (ties to even), kept as `f32` (NaN stays NaN).
+#[cube]
+pub fn round_bf16(v: f32) -> f32 {
+    let b = u32::reinterpret(v);
+    let mut r = (b + 0x7FFFu32 + ((b >> 16) & 1u32)) & 0xFFFF_0000u32;
+    if (b & 0x7FFF_FFFFu32) > 0x7F80_0000u32 {
+        r = (b | 0x0040_0000u32) & 0xFFFF_0000u32;
+    }
+    f32::reinterpret(r)
 }

@@ -9,6 +9,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use crate::e4m3::round_bf16;
 use crate::error::{check_size, to_u32, KernelError};
 
 /// Output rows per cube.
@@ -83,17 +84,6 @@ pub(crate) fn load_strided(
         }
         dst[(kk * SMEM_LD + rr) as usize] = v;
     }
-}
-
-/// Rounds `v` to the nearest `bf16` value (ties to even), kept as `f32` (NaN stays NaN).
-#[cube]
-pub fn round_bf16(v: f32) -> f32 {
-    let b = u32::reinterpret(v);
-    let mut r = (b + 0x7FFFu32 + ((b >> 16) & 1u32)) & 0xFFFF_0000u32;
-    if (b & 0x7FFF_FFFFu32) > 0x7F80_0000u32 {
-        r = (b | 0x0040_0000u32) & 0xFFFF_0000u32;
-    }
-    f32::reinterpret(r)
 }
 
 /// Writes the 4 x 4 accumulators: `c = alpha · acc (+ beta · d)`, inside `m x n` only,

@@ -37,6 +37,8 @@
 //! [`check`] is the device check behind the `gpu_check` (CUDA) and `gpu_check_wgpu` binaries
 //! and `scripts/gpu_check.sh`.
 
+#![warn(missing_docs)]
+
 mod adamw;
 pub mod check;
 mod dequantize;
@@ -50,8 +52,9 @@ mod quantize;
 
 pub use adamw::{adamw_reference, adamw_step, AdamWFactors, AdamWParams};
 pub use dequantize::dequantize_tiled;
+pub use e4m3::round_bf16;
 pub use error::KernelError;
-pub use gemm::{gemm, round_bf16, MatRef};
+pub use gemm::{gemm, MatRef};
 pub use matmul::mx_matmul;
 pub use newton_schulz::{
     newton_schulz, ns_step, NsPrecision, NsWorkspace, NS_COEFFICIENTS, NS_EPS,

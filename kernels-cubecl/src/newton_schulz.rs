@@ -11,8 +11,9 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use crate::e4m3::round_bf16;
 use crate::error::{check_size, to_u32, KernelError};
-use crate::gemm::{gemm_impl, round_bf16, MatRef};
+use crate::gemm::{gemm_impl, MatRef};
 
 /// Quintic Newton–Schulz coefficients `(a, b, c)` (the same as `sshsdp_optim`).
 pub const NS_COEFFICIENTS: (f32, f32, f32) = (3.4445, -4.7750, 2.0315);
