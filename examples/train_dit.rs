@@ -291,7 +291,7 @@ fn write_pgm(path: &Path, groups: &[&[f32]]) -> std::io::Result<()> {
 fn setup() -> Result<Option<(DitTask, Args)>, String> {
     let (mut width, mut layers, mut heads, mut batch, mut sample_steps) = (128, 4, 4, 8, 25);
     let defaults = Defaults {
-        steps: 300,
+        steps: 250,
         lr: 2e-3,
         warmup: 20,
         eval_every: 25,
