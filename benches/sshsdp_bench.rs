@@ -96,6 +96,9 @@ struct Row {
     projection: Option<(bool, u64, u64)>,
 }
 
+/// A table row: world, mode, measurement (or why there is none), baseline step seconds.
+type TableRow = (usize, &'static str, Result<Row, String>, Option<f64>);
+
 /// A configuration of the sharded runs.
 struct Mode {
     name: &'static str,
@@ -328,7 +331,7 @@ fn main() {
     let (mm_one, mm_all) = matmul_ceiling(BATCH * SEQ, D, 4 * D, cores);
     let ceiling = mm_one.max(mm_all) * 1e9;
 
-    let mut rows: Vec<(usize, &str, Result<Row, String>, Option<f64>)> = Vec::new();
+    let mut rows: Vec<TableRow> = Vec::new();
     eprintln!("world 1: plain Burn");
     let plain_row = plain(&init, steps);
     rows.push((1, "plain Burn", Ok(plain_row), None));
