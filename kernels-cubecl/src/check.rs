@@ -467,20 +467,35 @@ pub fn run<R: Runtime>(client: ComputeClient<R>, small: bool, seed: u64) -> usiz
 }
 
 /// Creates a client on `device`, turning the runtime's panic when there is no device into
-/// an error message.
+/// an error message (the first panic message seen, on any thread).
 pub fn try_client<R: Runtime>(device: &R::Device) -> Result<ComputeClient<R>, String> {
+    use std::sync::{Arc, Mutex};
+    let first: Arc<Mutex<Option<String>>> = Arc::default();
+    let seen = first.clone();
     let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
+    std::panic::set_hook(Box::new(move |info| {
+        let mut slot = seen.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            let msg = info
+                .payload()
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            *slot = Some(msg);
+        }
+    }));
     let client = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let c = R::client(device);
         sync(&c);
         c
     }));
     std::panic::set_hook(hook);
-    client.map_err(|e| {
-        e.downcast_ref::<String>()
-            .cloned()
-            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+    client.map_err(|_| {
+        first
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
             .unwrap_or_else(|| "runtime initialisation panicked".into())
     })
 }
