@@ -3,14 +3,15 @@
 //! (NaN bits included, as an x86 CPU produces them).
 //!
 //! One cube (32 x 8 units) per tile at a time: the plane's 264 words are staged in shared
-//! memory, then each unit decodes four elements of one tile column and writes them with
+//! memory, then each unit decodes four elements of one tile column (one float product for
+//! most scales, the exact integer decoder for the extreme ones) and writes them with
 //! coalesced row-major stores.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use sshsdp_mx::{MxShape, Plane};
 
-use crate::e4m3::{byte_of, decode_e4m3};
+use crate::e4m3::{byte_of, decode_e4m3, decode_e4m3_fast, FAST_DECODE_MAX, FAST_DECODE_MIN};
 use crate::error::{check_size, to_u32, KernelError};
 use crate::layout::{COL_DATA_W, ROW_DATA_W, TILE_WORDS};
 use crate::quantize::tile_grid;
@@ -18,7 +19,7 @@ use crate::quantize::tile_grid;
 /// The dequantise kernel: tiles `CUBE_POS, CUBE_POS + CUBE_COUNT, ...` of `n_tiles`; the
 /// output holds `f32` bits.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::manual_range_contains)]
 fn dequantize_tiled_kernel(
     src: &Array<u32>,
     out: &mut Array<u32>,
@@ -59,7 +60,13 @@ fn dequantize_tiled_kernel(
                 let byte_idx = blk * 32 + pos;
                 let b = byte_of(plane[(byte_idx / 4) as usize], byte_idx % 4);
                 let s = byte_of(plane[(256 + blk / 4) as usize], blk % 4);
-                out[((r0 + r) * cols + c0 + x) as usize] = decode_e4m3(b, s);
+                let fast = s >= FAST_DECODE_MIN && s <= FAST_DECODE_MAX;
+                let bits = if fast {
+                    decode_e4m3_fast(b, s)
+                } else {
+                    decode_e4m3(b, s)
+                };
+                out[((r0 + r) * cols + c0 + x) as usize] = bits;
             }
         }
         sync_cube();

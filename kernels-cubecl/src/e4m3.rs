@@ -135,6 +135,31 @@ pub fn decode_e4m3(b: u32, s: u32) -> u32 {
     bits
 }
 
+/// Smallest scale byte for which [`decode_e4m3_fast`] is exact on every device: from it on
+/// every nonzero product is a normal `f32` (`2^-9 · 2^(s - 127) >= 2^-126`).
+pub const FAST_DECODE_MIN: u32 = 10;
+/// Largest scale byte for which [`decode_e4m3_fast`] is exact: every product is finite
+/// (`448 · 2^(s - 127) < 2^128`).
+pub const FAST_DECODE_MAX: u32 = 246;
+
+/// [`decode_e4m3`] with one float product (about half the operations), for scale bytes
+/// `FAST_DECODE_MIN..=FAST_DECODE_MAX`; NaN elements as in [`decode_e4m3`].
+#[cube]
+pub fn decode_e4m3_fast(b: u32, s: u32) -> u32 {
+    let sign = (b & 0x80) << 24;
+    let mag = b & 0x7F;
+    // E4M3 value: normal ones rebias the exponent (7 -> 127), subnormal ones are m · 2^-9
+    let mut v = f32::reinterpret((mag << 20) + (120u32 << 23));
+    if mag < 8 {
+        v = f32::cast_from(mag) * 0.001953125f32;
+    }
+    let mut bits = u32::reinterpret(v * f32::reinterpret(s << 23)) | sign;
+    if mag == 0x7F {
+        bits = F32_QNAN | sign;
+    }
+    bits
+}
+
 /// Smallest scale byte for which [`encode_e4m3_fast`] is exact on every device: below it an
 /// `f32` subnormal input could encode to a nonzero byte, and devices may flush subnormals.
 pub const FAST_MIN_SCALE: u32 = 12;
