@@ -27,7 +27,7 @@
 //! tile, both planes; `G`: one fp32 element per tile-padded element, bf16 fallbacks one per
 //! element, rounded up to whole pieces). The MXFP8 runtime cuts pieces at 32-row band edges and
 //! pads every piece to the largest, so its buckets can be a little larger than the plan's
-//! (0.4 % at world 4 on `sshsdp-bench`'s GPT): pass the runtime's own sizes to
+//! (+0.3 % at world 2 and +1.4 % at world 4 on `sshsdp-bench`'s GPT): pass the runtime's own sizes to
 //! [`StepTraffic::from_buckets`] for exact numbers. Gradient clipping's one-float all-reduce is
 //! ignored.
 //!
