@@ -28,9 +28,9 @@
 //! element, rounded up to whole pieces). The MXFP8 runtime cuts pieces at 32-row band edges and
 //! pads every piece to the largest, so its buckets can be a little larger than the plan's
 //! (+0.3 % at world 2 and +1.4 % at world 4 on `sshsdp-bench`'s GPT): pass the runtime's own
-//! sizes to [`StepTraffic::from_buckets`] for exact numbers. With resharding after forward the MXFP8
-//! runtime gathers only the plane each pass needs (about half the bytes), which this model does
-//! not capture yet: its MXFP8 gathers are an upper bound. Gradient clipping's one-float
+//! sizes to [`StepTraffic::from_buckets`] for exact numbers. With resharding after forward the
+//! MXFP8 runtime gathers only the plane each pass needs (about half the bytes), which this model
+//! does not capture yet: its MXFP8 gathers are an upper bound. Gradient clipping's one-float
 //! all-reduce is ignored.
 //!
 //! [`StepTraffic::gathered_bytes`] and [`StepTraffic::reduced_bytes`] use the runtime counters'
