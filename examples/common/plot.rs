@@ -221,6 +221,16 @@ impl Chart {
             }
             legend.push((series.color.clone(), false, series.name.clone()));
         }
+        // The legend sits top right on a light panel, over anything drawn there.
+        if !legend.is_empty() {
+            let _ = writeln!(
+                s,
+                r##"<rect x="{:.1}" y="{:.1}" width="296" height="{:.1}" fill="white" fill-opacity="0.85" stroke="#ccc"/>"##,
+                left + pw - 306.0,
+                top + 4.0,
+                16.0 * legend.len() as f64 + 4.0
+            );
+        }
         for (i, (color, dashed, text)) in legend.iter().enumerate() {
             let y = top + 14.0 + 16.0 * i as f64;
             let x = left + pw - 300.0;
