@@ -25,7 +25,7 @@ use std::process::ExitCode;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use common::{parse_args, parse_num, Args, Defaults, Device, Eval, Rng, Task, B, COMMON_USAGE};
+use common::{parse_args, parse_num, Args, Defaults, Device, Eval, Rng, Task, B};
 use sshsdp::models::{Dit, DitConfig};
 
 const USAGE: &str = "\
@@ -335,34 +335,21 @@ fn setup() -> Result<Option<(DitTask, Args)>, String> {
 }
 
 fn main() -> ExitCode {
-    let (task, args) = match setup() {
-        Ok(Some(x)) => x,
-        Ok(None) => {
-            println!("{USAGE}\n{COMMON_USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!(
-        "clips: {FRAMES} frames of {SIDE}x{SIDE}, {PATCH}x{PATCH} patches: {} tokens of {} values",
-        task.config.tokens(),
-        task.config.patch_dim()
-    );
-    match common::run(&task, &args) {
-        Ok(Some(report)) => {
+    common::main(
+        USAGE,
+        setup,
+        |task: &DitTask| {
+            println!(
+                "clips: {FRAMES} frames of {SIDE}x{SIDE}, {PATCH}x{PATCH} patches: {} tokens of {} values",
+                task.config.tokens(),
+                task.config.patch_dim()
+            )
+        },
+        |task, report| {
             if !report.finish.is_empty() {
                 println!("{}", report.finish);
             }
-            common::print_report(&report, task.baseline().as_ref());
-            ExitCode::SUCCESS
-        }
-        Ok(None) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+            common::print_report(report, task.baseline().as_ref());
+        },
+    )
 }

@@ -32,7 +32,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{parse_args, parse_num, Args, Defaults, Device, Eval, Rng, Task, B, COMMON_USAGE};
+use common::{parse_args, parse_num, Args, Defaults, Device, Eval, Rng, Task, B};
 use sshsdp::models::{Gpt, GptConfig};
 
 const USAGE: &str = "\
@@ -277,45 +277,32 @@ fn setup() -> Result<Option<(GptTask, Args)>, String> {
 }
 
 fn main() -> ExitCode {
-    let (task, args) = match setup() {
-        Ok(Some(x)) => x,
-        Ok(None) => {
-            println!("{USAGE}\n{COMMON_USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!(
-        "corpus: {} training + {} held-out bytes; byte unigram entropy {:.3} nats",
-        task.train.len(),
-        task.held_out.len(),
-        task.entropy
-    );
-    match common::run(&task, &args) {
-        Ok(Some(report)) => {
+    common::main(
+        USAGE,
+        setup,
+        |task: &GptTask| {
+            println!(
+                "corpus: {} training + {} held-out bytes; byte unigram entropy {:.3} nats",
+                task.train.len(),
+                task.held_out.len(),
+                task.entropy
+            )
+        },
+        |task, report| {
             if !report.finish.is_empty() {
                 println!(
                     "--- sample (temperature {}) ---\n{}\n---",
                     task.temperature, report.finish
                 );
             }
-            common::print_report(&report, task.baseline().as_ref());
+            common::print_report(report, task.baseline().as_ref());
             let below = task.entropy - report.final_loss as f64;
             println!(
                 "final train loss {:.3} nats/byte vs byte unigram entropy {:.3}: {:.3} below",
                 report.final_loss, task.entropy, below
             );
-            ExitCode::SUCCESS
-        }
-        Ok(None) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+        },
+    )
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
@@ -890,4 +891,38 @@ pub fn print_report(report: &Report, baseline: Option<&(f64, String)>) {
         report.csv.display(),
         report.svg.display()
     );
+}
+
+/// An example's whole `main`: `setup` parses the command line (`Ok(None)` after `--help`,
+/// which prints `usage`), `banner` describes the data, [`run`] trains, and `finish` prints what
+/// is particular to the example after the common report. Errors print one line and exit 1.
+pub fn main<T: Task>(
+    usage: &str,
+    setup: impl FnOnce() -> Result<Option<(T, Args)>, String>,
+    banner: impl FnOnce(&T),
+    finish: impl FnOnce(&T, &Report),
+) -> ExitCode {
+    let (task, args) = match setup() {
+        Ok(Some(x)) => x,
+        Ok(None) => {
+            println!("{usage}\n{COMMON_USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    banner(&task);
+    match run(&task, &args) {
+        Ok(Some(report)) => {
+            finish(&task, &report);
+            ExitCode::SUCCESS
+        }
+        Ok(None) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -499,3 +499,38 @@ pub fn try_client<R: Runtime>(device: &R::Device) -> Result<ComputeClient<R>, St
             .unwrap_or_else(|| "runtime initialisation panicked".into())
     })
 }
+
+/// The `gpu_check` binaries' whole `main` on runtime `R`: parses `--small` and `--seed N`
+/// (default: the clock), runs [`run`] on the default device and maps the outcome to the exit
+/// status (0 all passed, 1 a check failed, 2 no device: `no_device` says what is missing).
+pub fn main<R: Runtime>(no_device: &str) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let args: Vec<String> = std::env::args().collect();
+    let small = args.iter().any(|a| a == "--small");
+    let seed = args
+        .iter()
+        .position(|a| a == "--seed")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    match try_client::<R>(&Default::default()) {
+        Err(why) => {
+            eprintln!("gpu_check: {no_device}\n  ({why})");
+            ExitCode::from(2)
+        }
+        Ok(client) => match run(client, small, seed) {
+            0 => {
+                println!("gpu_check: all checks passed");
+                ExitCode::SUCCESS
+            }
+            n => {
+                println!("gpu_check: {n} check(s) FAILED");
+                ExitCode::from(1)
+            }
+        },
+    }
+}
