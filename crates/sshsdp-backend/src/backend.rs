@@ -121,7 +121,11 @@ impl<B: Backend> DistributedBackend for Hsdp<B> {
         registry::begin_backward::<B>(&params);
     }
 
-    fn submit_sync_collective(_device: &Self::Device) {}
+    fn submit_sync_collective(_device: &Self::Device) {
+        // Called by Autodiff at the end of a backward with routed gradients, on its thread,
+        // after Burn released its graph locks.
+        registry::end_backward();
+    }
 
     fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
         // SAFETY: Autodiff hands us a pointer to the gradient it just registered and does not

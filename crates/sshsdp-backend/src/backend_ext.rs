@@ -3,12 +3,15 @@
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;
+use std::sync::Arc;
+
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::BackendTypes;
 
+use crate::runtime::LeafRearm;
 use crate::tensor::HsdpFloat;
 use crate::Hsdp;
 
@@ -28,6 +31,15 @@ pub trait ShardableBackend: Backend {
         tensor: Tensor<Self, D>,
         id: DistributedParamId,
     ) -> Tensor<Self, D>;
+
+    /// How to register the autodiff leaf `tensor` (a marked parameter) again after a backward
+    /// consumed it: Burn drops a graph's nodes, leaves included, once backward has run through
+    /// them, so without this a second backward over the same module (gradient accumulation)
+    /// would never see the parameter. `None` for backends without autodiff.
+    fn leaf_rearm(
+        tensor: &FloatTensor<Self>,
+        id: DistributedParamId,
+    ) -> Option<LeafRearm<Self::Inner>>;
 }
 
 impl<B: Backend> ShardableBackend for Hsdp<B> {
@@ -48,6 +60,10 @@ impl<B: Backend> ShardableBackend for Hsdp<B> {
         // Without autodiff there are no gradients to route.
         tensor
     }
+
+    fn leaf_rearm(_tensor: &FloatTensor<Self>, _id: DistributedParamId) -> Option<LeafRearm<B>> {
+        None
+    }
 }
 
 impl<B: Backend, C: CheckpointStrategy> ShardableBackend for Autodiff<Hsdp<B>, C> {
@@ -66,5 +82,19 @@ impl<B: Backend, C: CheckpointStrategy> ShardableBackend for Autodiff<Hsdp<B>, C
         id: DistributedParamId,
     ) -> Tensor<Self, D> {
         tensor.set_distributed(id)
+    }
+
+    fn leaf_rearm(tensor: &FloatTensor<Self>, id: DistributedParamId) -> Option<LeafRearm<B>> {
+        // The leaf's identity is its node and reference count; the primitive is handed in at
+        // re-arm time, so the runtime holding this closure holds no handle to itself.
+        let (node, rc) = (tensor.node.clone(), tensor.rc.clone());
+        Some(Arc::new(move |primitive: HsdpFloat<B>| {
+            let mut leaf = <Self as AutodiffBackend>::from_inner(primitive);
+            leaf.node = node.clone();
+            leaf.rc = rc.clone();
+            // A new root step for the same node id: the next forward's ops find the leaf in a
+            // graph again, exactly as after `require_grad` + `set_distributed`.
+            let _ = leaf.grad_distributed(id);
+        }))
     }
 }

@@ -1,29 +1,17 @@
-//! Global-norm gradient clipping across shards: each rank sums the squares of its pieces'
-//! gradients, one all-reduce over the update group (whose pieces make up every bucket once)
-//! gives the global squared norm, and every rank scales by the same factor.
+//! Global-norm gradient clipping across shards. The norm itself is measured by the runtime at
+//! every update (each rank's sum of squares in f64, gathered over the update group, whose pieces
+//! make up every bucket once; see [`UpdateGroup::grad_norm`]), so every rank scales by the same
+//! factor and clipping costs no collective of its own.
 
-use crate::runtime::{Piece, UpdateGroup};
-use crate::HsdpError;
+use crate::runtime::UpdateGroup;
 
-/// The L2 norm of the whole model's gradient (padding gradients are zero).
-pub fn global_grad_norm(pieces: &[Piece<'_>], group: &UpdateGroup<'_>) -> Result<f64, HsdpError> {
-    let local: f64 = pieces
-        .iter()
-        .flat_map(|p| p.grad.iter())
-        .map(|&g| f64::from(g) * f64::from(g))
-        .sum();
-    // f32 on the wire: the sum is exact enough for a clipping threshold.
-    let total = group.all_reduce_sum(vec![local as f32])?;
-    Ok(f64::from(total[0]).sqrt())
-}
-
-/// Optional global-norm clipping, remembering the last norm it measured: what the sharded and
+/// Optional global-norm clipping, remembering the last norm it saw: what the sharded and
 /// single-device optimizers hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GradClip {
     /// Clip the global gradient norm to this value (`None`: no clipping).
     pub max_norm: Option<f64>,
-    /// The global norm before clipping at the last step (when clipping is on).
+    /// The global norm before clipping at the last step.
     pub last_norm: Option<f64>,
 }
 
@@ -36,35 +24,34 @@ impl GradClip {
         }
     }
 
-    /// The factor for this step's gradients (1 without clipping), measuring the global norm
-    /// over the update group when clipping is on.
-    pub fn factor(
-        &mut self,
-        pieces: &[Piece<'_>],
-        group: &UpdateGroup<'_>,
-    ) -> Result<f64, HsdpError> {
-        match self.max_norm {
-            Some(_) => Ok(self.factor_for(global_grad_norm(pieces, group)?)),
-            None => Ok(1.0),
-        }
+    /// The factor for this update's gradients (1 without clipping), from the global norm the
+    /// runtime measured over the update group.
+    pub fn factor(&mut self, group: &UpdateGroup<'_>) -> f64 {
+        self.factor_for(group.grad_norm())
     }
 
-    /// The factor for a gradient of global norm `norm` (computed by the caller).
+    /// The factor for a gradient of global norm `norm` (computed by the caller); remembers
+    /// `norm` as the last one.
     pub fn factor_for(&mut self, norm: f64) -> f64 {
+        self.last_norm = Some(norm);
         match self.max_norm {
-            Some(max_norm) => {
-                self.last_norm = Some(norm);
-                clip_factor(norm, max_norm)
-            }
+            Some(max_norm) => clip_factor(norm, max_norm),
             None => 1.0,
         }
     }
 }
 
-/// The factor that scales a gradient of norm `norm` down to at most `max_norm` (1 when it is
-/// already within it), as `torch.nn.utils.clip_grad_norm_` computes it.
+/// The factor that scales a gradient of norm `norm` down to at most `max_norm`, as
+/// `torch.nn.utils.clip_grad_norm_` computes it: `max_norm / (norm + 1e-6)`, at most 1. A NaN
+/// norm gives NaN (never a silent 1) and an infinite one 0: callers must not apply either (the
+/// sharded runtime never hands a non-finite gradient to an optimizer).
 pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {
-    (max_norm / (norm + 1e-6)).min(1.0)
+    let factor = max_norm / (norm + 1e-6);
+    if factor >= 1.0 {
+        1.0
+    } else {
+        factor
+    }
 }
 
 #[cfg(test)]
@@ -75,5 +62,11 @@ mod tests {
     fn clip_factor_scales_only_large_norms() {
         assert_eq!(clip_factor(0.5, 1.0), 1.0);
         assert!((clip_factor(4.0, 1.0) - 0.25).abs() < 1e-6);
+    }
+
+    #[test]
+    fn clip_factor_never_hides_a_non_finite_norm() {
+        assert!(clip_factor(f64::NAN, 1.0).is_nan());
+        assert_eq!(clip_factor(f64::INFINITY, 1.0), 0.0);
     }
 }

@@ -1,5 +1,10 @@
 //! The communication a runtime needs, as an object-safe trait over a mesh's communicators, so
 //! the runtime and its tensors need no engine type parameter.
+//!
+//! Every method belongs to one of the worker's two lanes (see `worker.rs`): the *shard lane*
+//! (bucket gathers, the shard-group stage of gradient reductions) or the *replica lane* (the
+//! replica-group stage of reductions, runtime-shard rebuilds, the update group's exchanges).
+//! Each lane owns its own set of communicators ([`MeshComm::duplicate`]).
 
 use sshsdp_comm::hierarchy::{self, MeshComms};
 use sshsdp_comm::{Collective, CommError, CommResult, Element, ReduceOp};
@@ -15,8 +20,11 @@ pub(crate) trait MeshComm: Send {
     fn world_rank(&self) -> usize;
     /// World size.
     fn world_size(&self) -> usize;
-    /// All-gather of runtime shards over the shard group into the full bucket (under DDP the
-    /// runtime shard is the whole bucket: a copy).
+    /// Independent communicators over the same mesh (collective over the world), for a second
+    /// thread running collectives of its own.
+    fn duplicate(&self) -> CommResult<Box<dyn MeshComm>>;
+    /// Shard lane. All-gather of runtime shards over the shard group into the full bucket
+    /// (under DDP the runtime shard is the whole bucket: a copy).
     fn gather_bucket(
         &self,
         sharding: Sharding,
@@ -24,31 +32,52 @@ pub(crate) trait MeshComm: Send {
         part: Range<usize>,
         full: &mut Elems,
     ) -> CommResult<()>;
-    /// World-averaged gradient of this rank's piece from a full-bucket gradient.
-    fn reduce_gradient(
+    /// Shard lane. First stage of a gradient reduction: a full-bucket gradient becomes the
+    /// shard group's average of this rank's 1/S shard (under DDP the whole bucket, unchanged).
+    fn reduce_within_shard_group(&self, sharding: Sharding, full: Vec<f32>)
+        -> CommResult<Vec<f32>>;
+    /// Replica lane. Second stage: the first stage's result becomes the world-averaged gradient
+    /// of this rank's piece (`piece_len` elements), across the replica group (the world under
+    /// DDP).
+    fn reduce_across_replicas(
         &self,
         sharding: Sharding,
-        full: &[f32],
-        piece: &mut [f32],
-    ) -> CommResult<()>;
-    /// After the update: rebuild the runtime shard from the replica group's pieces.
+        shard: Vec<f32>,
+        piece_len: usize,
+    ) -> CommResult<Vec<f32>>;
+    /// Replica lane. After the update: rebuild the runtime shard from the replica group's
+    /// pieces.
     fn rebuild_shard(&self, sharding: Sharding, shard: &mut Elems) -> CommResult<()>;
-    /// Sum over the update group (the ranks whose pieces make up a bucket: the world when
-    /// hierarchical, the shard group under HSDP, this rank alone under DDP).
+    /// Replica lane. Sum over the update group (the ranks whose pieces make up a bucket: the
+    /// world when hierarchical, the shard group under HSDP, this rank alone under DDP).
     fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()>;
-    /// Broadcast from world rank 0.
+    /// Replica lane. All-gather of equal byte strings over the update group, in rank order
+    /// (under DDP `recv` is `send`).
+    fn all_gather_update_group_bytes(
+        &self,
+        sharding: Sharding,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> CommResult<()>;
+    /// Ranks in the update group.
+    fn update_group_size(&self, sharding: Sharding) -> usize;
+    /// Broadcast from world rank 0 (registration, before the lanes start).
     fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()>;
-    /// All-gather of equal byte strings over the world.
+    /// All-gather of equal byte strings over the world (registration, before the lanes start).
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()>;
 }
 
-impl<C: Collective + Send> MeshComm for MeshComms<C> {
+impl<C: Collective + Send + 'static> MeshComm for MeshComms<C> {
     fn world_rank(&self) -> usize {
         self.world.rank()
     }
 
     fn world_size(&self) -> usize {
         self.world.size()
+    }
+
+    fn duplicate(&self) -> CommResult<Box<dyn MeshComm>> {
+        Ok(Box::new(MeshComms::duplicate(self)?))
     }
 
     fn gather_bucket(
@@ -66,21 +95,40 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
         }
     }
 
-    fn reduce_gradient(
+    fn reduce_within_shard_group(
         &self,
         sharding: Sharding,
-        full: &[f32],
-        piece: &mut [f32],
-    ) -> CommResult<()> {
+        full: Vec<f32>,
+    ) -> CommResult<Vec<f32>> {
+        match sharding {
+            Sharding::Hierarchical | Sharding::Hsdp => {
+                let mut shard = vec![0f32; full.len() / self.shards()];
+                hierarchy::reduce_within_shard_group(self, &full, &mut shard)?;
+                Ok(shard)
+            }
+            Sharding::Ddp => Ok(full),
+        }
+    }
+
+    fn reduce_across_replicas(
+        &self,
+        sharding: Sharding,
+        mut shard: Vec<f32>,
+        piece_len: usize,
+    ) -> CommResult<Vec<f32>> {
         match sharding {
             Sharding::Hierarchical => {
-                let mut scratch = vec![0f32; piece.len() * self.replicas()];
-                hierarchy::reduce_gradients_hierarchical(self, full, &mut scratch, piece)
+                let mut piece = vec![0f32; piece_len];
+                hierarchy::reduce_across_replicas_hierarchical(self, &shard, &mut piece)?;
+                Ok(piece)
             }
-            Sharding::Hsdp => hierarchy::reduce_gradients_hsdp(self, full, piece),
+            Sharding::Hsdp => {
+                hierarchy::reduce_across_replicas_hsdp(self, &mut shard)?;
+                Ok(shard)
+            }
             Sharding::Ddp => {
-                piece.copy_from_slice(full);
-                self.world.all_reduce(piece, ReduceOp::Avg)
+                self.world.all_reduce(&mut shard, ReduceOp::Avg)?;
+                Ok(shard)
             }
         }
     }
@@ -102,6 +150,30 @@ impl<C: Collective + Send> MeshComm for MeshComms<C> {
             Sharding::Hierarchical => self.world.all_reduce(buf, ReduceOp::Sum),
             Sharding::Hsdp => self.shard_group.all_reduce(buf, ReduceOp::Sum),
             Sharding::Ddp => Ok(()),
+        }
+    }
+
+    fn all_gather_update_group_bytes(
+        &self,
+        sharding: Sharding,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> CommResult<()> {
+        match sharding {
+            Sharding::Hierarchical => self.world.all_gather(send, recv),
+            Sharding::Hsdp => self.shard_group.all_gather(send, recv),
+            Sharding::Ddp => {
+                recv.copy_from_slice(send);
+                Ok(())
+            }
+        }
+    }
+
+    fn update_group_size(&self, sharding: Sharding) -> usize {
+        match sharding {
+            Sharding::Hierarchical => self.world.size(),
+            Sharding::Hsdp => self.shard_group.size(),
+            Sharding::Ddp => 1,
         }
     }
 

@@ -16,6 +16,21 @@ pub enum CopyMode {
     Fsdp2Style,
 }
 
+/// What an update does when the global gradient norm is not finite (a NaN or infinite gradient
+/// element on any rank). Every rank measures the same norm (summed in f64 over the update group),
+/// so every rank takes the same branch and the ranks stay in step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NonFinitePolicy {
+    /// The update returns [`HsdpError::NonFiniteGradient`] on every rank and applies nothing
+    /// (the default: a NaN is a bug to look at, not a value to train on).
+    #[default]
+    Error,
+    /// The update is skipped on every rank (the gradients are dropped, the weights and optimizer
+    /// state stay as they were) and counted in `Counters::skipped_steps`; training goes on. What
+    /// mixed-precision loss scalers do with an overflowing step.
+    SkipStep,
+}
+
 /// How to shard a model.
 ///
 /// By default a bucket gathered in forward stays resident through backward and is released by
@@ -27,10 +42,11 @@ pub enum CopyMode {
 /// parameter *handles* its backward needs (`linear`, `layer_norm`, …), so releasing really
 /// frees the gathered buffers.
 ///
-/// Backward gathers run inside Burn's autodiff, which holds its graph lock during backward and
-/// locks every graph of the process after it; collectives are requested from every rank's
-/// model thread in the same order and run on the communication thread, so a rank waiting for a
-/// gather never waits for a peer's model thread to move past that lock.
+/// Backward gathers run inside Burn's autodiff, which holds its graph lock during backward and,
+/// after any backward, locks every graph of the process in turn. They run on a communication
+/// lane of their own that never waits behind replica-group work, so a rank blocked inside
+/// backward waits only for shard-group peers in the same step (the argument is written out in
+/// `worker.rs`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct HsdpConfig {
     /// The rank mesh; must cover the communicator's world.
@@ -41,6 +57,8 @@ pub struct HsdpConfig {
     pub copy_mode: CopyMode,
     /// Release gathered buckets after their forward use and gather them again in backward.
     pub reshard_after_forward: bool,
+    /// What an update does with a non-finite gradient (default: an error on every rank).
+    pub non_finite: NonFinitePolicy,
 }
 
 impl HsdpConfig {
@@ -52,7 +70,14 @@ impl HsdpConfig {
             plan: PlanConfig::default().with_format(RuntimeFormat::F32),
             copy_mode: CopyMode::ZeroCopy,
             reshard_after_forward: false,
+            non_finite: NonFinitePolicy::Error,
         }
+    }
+
+    /// The same config with another policy for non-finite gradients.
+    pub fn with_non_finite_policy(mut self, policy: NonFinitePolicy) -> Self {
+        self.non_finite = policy;
+        self
     }
 
     /// The same config with resharding after forward on or off (see the type's docs).

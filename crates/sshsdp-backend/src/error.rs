@@ -22,6 +22,15 @@ pub enum HsdpError {
     /// A feature the decorator does not support yet.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// The global gradient norm was NaN or infinite: nothing was applied, on any rank (see
+    /// `NonFinitePolicy`). The runtime stays usable; the next step can go on.
+    #[error(
+        "the gradient is not finite (global norm {norm}): the update was not applied on any rank"
+    )]
+    NonFiniteGradient {
+        /// The global gradient norm measured (NaN or infinite).
+        norm: f64,
+    },
     /// An earlier failure left the runtime unusable.
     #[error("the runtime failed earlier: {0}")]
     Failed(String),

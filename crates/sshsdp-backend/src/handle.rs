@@ -90,6 +90,12 @@ impl<B: Backend> HsdpRuntime<B> {
         }
     }
 
+    /// The global gradient norm measured by the last update (`None` before the first): the L2
+    /// norm of the world-averaged gradient, summed in f64, the same on every rank.
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.runtime.last_grad_norm()
+    }
+
     /// Bytes moved and copied since the last call.
     pub fn take_counters(&self) -> Counters {
         self.runtime.take_counters()

@@ -8,7 +8,7 @@
 //! for batch in data {
 //!     let loss = model.forward(batch);
 //!     let _ = loss.backward();          // gradients are reduce-scattered as they become final
-//!     optim.step(&runtime, lr)?;        // each rank steps its pieces; runtime shards rebuilt
+//!     model = optim.step(lr, model, &runtime)?; // each rank steps its pieces; shards rebuilt
 //! }
 //! ```
 //!
@@ -40,12 +40,12 @@ mod worker;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
-pub use clip::{clip_factor, global_grad_norm, GradClip};
-pub use config::{CopyMode, HsdpConfig};
+pub use clip::{clip_factor, GradClip};
+pub use config::{CopyMode, HsdpConfig, NonFinitePolicy};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use layout::Segment;
 pub use optim::{step_slice, ShardedOptimizer, Slice};
-pub use runtime::{Counters, Piece, UpdateGroup};
+pub use runtime::{Counters, LeafRearm, Piece, UpdateGroup};
 pub use shard::{named_params, refresh_leaves, shard, NamedParam};
 pub use tensor::{HsdpFloat, ParamHandle};

@@ -14,7 +14,6 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use crate::clip::GradClip;
-use crate::shard::refresh_leaves;
 use crate::{HsdpError, HsdpRuntime, ShardableBackend};
 
 /// A Burn element-wise optimizer over sharded pieces.
@@ -61,14 +60,15 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         &self.device
     }
 
-    /// The global gradient norm before clipping at the last step (when clipping is on).
+    /// The global gradient norm (before clipping) at the last step.
     pub fn last_grad_norm(&self) -> Option<f64> {
         self.clip.last_norm
     }
 
     /// One optimizer step with learning rate `lr` on every piece of `runtime` that has a
-    /// gradient; returns `module` with fresh autodiff leaves over the updated storage (as Burn's
-    /// own optimizers return a new module).
+    /// gradient; returns `module`, whose parameters now read the updated storage (as Burn's own
+    /// optimizers return the module). Fails on every rank alike, e.g. with
+    /// [`HsdpError::NonFiniteGradient`] (nothing applied; see [`crate::NonFinitePolicy`]).
     pub fn step<AB, M>(
         &mut self,
         lr: f64,
@@ -80,12 +80,12 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         M: Module<AB>,
     {
         self.step_pieces(runtime, lr)?;
-        Ok(refresh_leaves(module))
+        Ok(module)
     }
 
     fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {
         runtime.update_pieces(|pieces, group| {
-            let scale = self.clip.factor(pieces, group)?;
+            let scale = self.clip.factor(group);
             for piece in pieces.iter_mut() {
                 self.step_piece(lr, scale, piece.bucket, piece.master, piece.grad)?;
             }

@@ -6,6 +6,7 @@
 //! rank thread, or per sharded model) coexist, each with its own ids.
 
 use std::any::Any;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -42,6 +43,12 @@ pub(crate) fn register<B: Backend>(runtime: &Arc<Runtime<B>>) -> Vec<Distributed
         .collect()
 }
 
+thread_local! {
+    /// What the backward running on this thread consumed: per runtime, the leaves to register
+    /// again once it is over.
+    static CONSUMED: RefCell<Vec<Box<dyn FnOnce()>>> = const { RefCell::new(Vec::new()) };
+}
+
 fn lookup<B: Backend>(id: &DistributedParamId) -> Option<(Arc<Runtime<B>>, usize)> {
     let map = map().lock().unwrap_or_else(|p| p.into_inner());
     let (weak, index) = map.get(id)?;
@@ -65,6 +72,20 @@ pub(crate) fn begin_backward<B: Backend>(params: &[DistributedParams]) {
     }
     for (runtime, indices) in by_runtime {
         runtime.begin_backward(&indices);
+        CONSUMED.with(|c| {
+            c.borrow_mut()
+                .push(Box::new(move || runtime.rearm_leaves(&indices)))
+        });
+    }
+}
+
+/// End of a backward pass on this thread (Burn has released its graph locks): registers the
+/// parameter leaves it consumed again, so the module can run the next forward and backward as
+/// it is.
+pub(crate) fn end_backward() {
+    let consumed = CONSUMED.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    for rearm in consumed {
+        rearm();
     }
 }
 

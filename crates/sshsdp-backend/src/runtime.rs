@@ -26,10 +26,11 @@ use burn_backend::{read_sync, Backend, Shape, TensorData};
 use sshsdp_plan::Plan;
 
 use crate::comm::MeshComm;
-use crate::config::CopyMode;
+use crate::config::{CopyMode, HsdpConfig, NonFinitePolicy};
 use crate::error::HsdpError;
 use crate::layout::{BucketLayout, Phase, Sections, Segment};
 use crate::storage::Elems;
+use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::views::{bucket_views, with_f32_values, Member};
 use crate::worker::{Reply, Worker};
 
@@ -55,7 +56,14 @@ pub struct Counters {
     /// Bytes of compute-dtype (f32) parameters produced by widening (bf16) or decoding (MXFP8)
     /// gathered buckets; 0 for f32 runtime parameters.
     pub decoded_bytes: u64,
+    /// Updates skipped because the gradient was not finite ([`NonFinitePolicy::SkipStep`]).
+    pub skipped_steps: u64,
 }
+
+/// Re-registers a parameter's autodiff leaf in a fresh graph, given the parameter's primitive:
+/// how the runtime keeps leaves that a backward consumed usable by the next forward (see
+/// [`crate::ShardableBackend::leaf_rearm`]).
+pub type LeafRearm<B> = Arc<dyn Fn(HsdpFloat<B>) + Send + Sync>;
 
 /// One bucket's piece on this rank during an update.
 pub struct Piece<'a> {
@@ -76,6 +84,7 @@ pub struct Piece<'a> {
 pub struct UpdateGroup<'a> {
     worker: &'a Worker,
     piece: usize,
+    grad_norm: f64,
 }
 
 impl UpdateGroup<'_> {
@@ -87,6 +96,13 @@ impl UpdateGroup<'_> {
     /// This rank's piece index (what the plan's `ns_owner` refers to).
     pub fn piece(&self) -> usize {
         self.piece
+    }
+
+    /// The L2 norm of the whole model's world-averaged gradient (every piece of the update
+    /// group, summed in f64; the same on every rank). Always finite here: a non-finite gradient
+    /// never reaches an optimizer (see [`NonFinitePolicy`]). 0 when handing out masters only.
+    pub fn grad_norm(&self) -> f64 {
+        self.grad_norm
     }
 }
 
@@ -127,6 +143,8 @@ struct State<B: Backend> {
     resident_bytes: u64,
     failure: Option<String>,
     counters: Counters,
+    /// The global gradient norm of the last update.
+    last_grad_norm: Option<f64>,
 }
 
 impl<B: Backend> State<B> {
@@ -148,9 +166,13 @@ pub struct Runtime<B: Backend> {
     layouts: Vec<BucketLayout>,
     copy_mode: CopyMode,
     reshard_after_forward: bool,
+    non_finite: NonFinitePolicy,
     state: Mutex<State<B>>,
     worker: Worker,
     ids: OnceLock<Vec<DistributedParamId>>,
+    /// Per parameter, how to re-register its current autodiff leaf (`None` without autodiff or
+    /// gradient). Kept apart from `state`: re-registering takes Burn's graph locks.
+    leaves: Mutex<Vec<Option<LeafRearm<B>>>>,
 }
 
 impl<B: Backend> Runtime<B> {
@@ -160,8 +182,7 @@ impl<B: Backend> Runtime<B> {
         comm: Box<dyn MeshComm>,
         layouts: Vec<BucketLayout>,
         shards: Vec<Vec<f32>>,
-        copy_mode: CopyMode,
-        reshard_after_forward: bool,
+        config: &HsdpConfig,
     ) -> Result<Self, HsdpError> {
         let rank = comm.world_rank();
         let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
@@ -189,16 +210,19 @@ impl<B: Backend> Runtime<B> {
                 grad_piece: Vec::new(),
             })
             .collect();
-        let worker = Worker::start(comm, plan.config().sharding, rank);
+        let worker = Worker::start(comm, plan.config().sharding, rank)?;
+        let leaves = Mutex::new(vec![None; plan.params().len()]);
         Ok(Self {
             plan,
             device,
             piece_in_shard,
             world_rank: rank,
             layouts,
-            copy_mode,
-            reshard_after_forward,
+            copy_mode: config.copy_mode,
+            reshard_after_forward: config.reshard_after_forward,
+            non_finite: config.non_finite,
             worker,
+            leaves,
             state: Mutex::new(State {
                 buckets,
                 order: Vec::new(),
@@ -207,6 +231,7 @@ impl<B: Backend> Runtime<B> {
                 resident_bytes: 0,
                 failure: None,
                 counters: Counters::default(),
+                last_grad_norm: None,
             }),
             ids: OnceLock::new(),
         })
@@ -224,6 +249,34 @@ impl<B: Backend> Runtime<B> {
     /// The gradient-routing id of parameter `index`.
     pub(crate) fn id(&self, index: usize) -> DistributedParamId {
         self.ids.get().expect("ids are set at registration")[index]
+    }
+
+    /// Records how to re-register parameter `index`'s current autodiff leaf.
+    pub(crate) fn set_leaf(&self, index: usize, rearm: Option<LeafRearm<B>>) {
+        self.leaves.lock().unwrap_or_else(|p| p.into_inner())[index] = rearm;
+    }
+
+    /// After a backward that consumed the leaves of parameters `indices` (Burn removes a
+    /// graph's nodes, leaves included, once it has run backward through them): registers each
+    /// leaf again, so the module's parameters take part in the next backward as they are — a
+    /// second micro-batch of gradient accumulation routes its gradients like the first.
+    /// Called on the backward's thread after Burn released its graph locks.
+    pub(crate) fn rearm_leaves(self: &Arc<Self>, indices: &[usize]) {
+        let rearms: Vec<(usize, LeafRearm<B>)> = {
+            let leaves = self.leaves.lock().unwrap_or_else(|p| p.into_inner());
+            indices
+                .iter()
+                .filter_map(|&i| leaves[i].clone().map(|r| (i, r)))
+                .collect()
+        };
+        for (index, rearm) in rearms {
+            let p = &self.plan.params()[index];
+            rearm(HsdpFloat::Param(ParamHandle {
+                runtime: self.clone(),
+                index,
+                shape: Shape::from(p.spec.shape.clone()),
+            }));
+        }
     }
 
     /// The plan this runtime follows.
@@ -624,6 +677,26 @@ impl<B: Backend> Runtime<B> {
                 .filter(|(_, g)| !g.is_empty())
                 .collect()
         };
+        let grad_norm = if all_buckets {
+            0.0
+        } else {
+            let norm = self.global_grad_norm(&mut st, &grads)?;
+            st.last_grad_norm = Some(norm);
+            if !norm.is_finite() {
+                // Every rank measured the same norm: every rank drops this step's gradients
+                // and applies nothing, so masters and runtime shards stay as they were.
+                drop(grads);
+                self.end_step(&mut st)?;
+                return match self.non_finite {
+                    NonFinitePolicy::Error => Err(HsdpError::NonFiniteGradient { norm }),
+                    NonFinitePolicy::SkipStep => {
+                        st.counters.skipped_steps += 1;
+                        Ok(())
+                    }
+                };
+            }
+            norm
+        };
         let ranges: Vec<Range<usize>> = (0..st.buckets.len())
             .map(|b| {
                 let pe = self.piece_elems(b);
@@ -659,6 +732,7 @@ impl<B: Backend> Runtime<B> {
             let group = UpdateGroup {
                 worker: &self.worker,
                 piece,
+                grad_norm,
             };
             step(&mut pieces, &group)?;
         }
@@ -683,6 +757,45 @@ impl<B: Backend> Runtime<B> {
                 }
             }
         }
+        self.end_step(&mut st)
+    }
+
+    /// The L2 norm of the world-averaged gradient, from this rank's pieces `grads`: each rank's
+    /// sum of squares in f64, all-gathered over the update group (whose pieces make up every
+    /// bucket once) and summed in rank order, so every rank gets bitwise the same norm. NaN or
+    /// infinite when any gradient element is (squares of finite f32 values cannot overflow f64).
+    fn global_grad_norm(
+        &self,
+        st: &mut State<B>,
+        grads: &[(usize, Vec<f32>)],
+    ) -> Result<f64, HsdpError> {
+        let local: f64 = grads
+            .iter()
+            .flat_map(|(_, g)| g.iter())
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum();
+        let all = match self
+            .worker
+            .gather_bytes(local.to_le_bytes().to_vec())
+            .wait()
+        {
+            Ok(all) => all,
+            Err(e) => {
+                st.failure = Some(e.to_string());
+                return Err(e.into());
+            }
+        };
+        let total: f64 = all
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .sum();
+        Ok(total.sqrt())
+    }
+
+    /// Closes a step (applied or not): completes the gathers prefetched for a use that did not
+    /// come, releases every gathered bucket (the next forward gathers the current values) and
+    /// keeps this step's order of use for the next step's prefetch.
+    fn end_step(&self, st: &mut State<B>) -> Result<(), HsdpError> {
         // A prefetch this step did not use still completed on every rank: drop its result.
         for b in 0..st.buckets.len() {
             if let Some((reply, _)) = st.buckets[b].prefetch.take() {
@@ -696,6 +809,11 @@ impl<B: Backend> Runtime<B> {
         st.recorded = std::mem::take(&mut st.order);
         st.in_backward = false;
         Ok(())
+    }
+
+    /// The global gradient norm measured by the last update (`None` before the first).
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.lock().last_grad_norm
     }
 
     /// The counters since the last call, reset to zero.

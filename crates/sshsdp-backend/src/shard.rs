@@ -143,21 +143,30 @@ fn leaf<B: ShardableBackend, const D: usize>(
     require_grad: bool,
 ) -> Tensor<B, D> {
     let id = primitive.param().map(|h| h.runtime.id(h.index));
+    let handle = primitive.param().cloned();
     let tensor = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(B::from_hsdp(primitive)));
-    match (require_grad, id) {
-        (true, Some(id)) => B::mark_distributed(tensor.require_grad(), id),
-        (true, None) => tensor.require_grad(),
-        (false, _) => tensor,
+    match (require_grad, id, handle) {
+        (true, Some(id), Some(handle)) => {
+            let tensor = B::mark_distributed(tensor.require_grad(), id);
+            let rearm = match tensor.clone().into_primitive() {
+                TensorPrimitive::Float(leaf) => B::leaf_rearm(&leaf, id),
+                TensorPrimitive::QFloat(_) => None,
+            };
+            handle.runtime.set_leaf(handle.index, rearm);
+            tensor
+        }
+        (true, _, _) => tensor.require_grad(),
+        (false, _, _) => tensor,
     }
 }
 
 /// Gives every parameter a fresh autodiff leaf around the same storage.
 ///
-/// Burn's autodiff consumes a graph's nodes, leaves included, in backward; Burn's own
-/// optimizers therefore return new parameter tensors every step. Sharded parameters keep their
-/// storage, so after each step the module gets new leaves over the same handles
-/// ([`crate::ShardedOptimizer::step`] does it). With gradient accumulation, call it after each
-/// micro-batch's backward as well, so the next backward routes its gradients to the runtime.
+/// Not needed in a training loop: Burn's autodiff consumes a graph's nodes, leaves included,
+/// in backward, and the runtime registers the consumed parameter leaves again at the end of
+/// every backward (see [`crate::ShardableBackend::leaf_rearm`]), so a module runs any number of
+/// forward/backward passes — gradient accumulation included — as it is. Kept for callers that
+/// want new leaves (new autodiff node ids) for their own reasons.
 pub fn refresh_leaves<B: ShardableBackend, M: Module<B>>(module: M) -> M {
     struct Refresher;
     impl<B: ShardableBackend> ModuleMapper<B> for Refresher {
@@ -232,8 +241,7 @@ where
         Box::new(comm),
         layouts,
         shards,
-        config.copy_mode,
-        config.reshard_after_forward,
+        &config,
     )?);
     runtime.set_ids(registry::register(&runtime));
     let mut swapper = Swapper::<B> {

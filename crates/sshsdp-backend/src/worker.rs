@@ -1,16 +1,54 @@
-//! The runtime's communication thread: it owns the rank's communicators and runs its
-//! collectives in the order they were requested.
+//! The runtime's communication threads — two *lanes*, each owning its own communicators — and
+//! why gathers can never deadlock against Burn's autodiff locks.
 //!
-//! Why a thread: Burn's autodiff runs backward holding its graph's lock, and after a backward
-//! every rank's thread locks *every* graph of the process to clean up. A rank that blocked in a
-//! collective inside backward (a gradient reduction, a re-gather) while a peer thread waited for
-//! that lock would deadlock. Requests are therefore queued from the model's thread — in the same
-//! order on every rank — and executed here, independent of what the model thread is waiting on.
-//! Reductions are fire-and-forget (they overlap the rest of backward); gathers are waited for.
+//! # The lanes
+//! * **Shard lane**: bucket all-gathers and the shard-group stage of gradient reductions
+//!   (reduce-scatter within the shard group). Every request enters here, from the model thread,
+//!   in program order — the same order on every rank.
+//! * **Replica lane**: the replica-group stage of reductions (all-reduce or reduce-scatter across
+//!   replicas; the world all-reduce under DDP), runtime-shard rebuilds and the update group's
+//!   exchanges (gradient norm, Muon). It is fed only by the shard lane, which forwards each of
+//!   these in the order it met them, without waiting for any of them.
+//!
+//! # Why a rank inside backward cannot deadlock
+//! Burn's autodiff holds a graph's lock for the whole of that graph's backward, and after *every*
+//! backward (even an unrelated `x.sum().backward()`) the thread that ran it locks every graph of
+//! the process in turn (`cleanup_orphaned_entries`). Ranks of the threads engine (or one
+//! process driving several GPUs) share that lock set, so:
+//!
+//! 1. Inside backward a model thread waits only for **gathers** (re-gathers after resharding,
+//!    their prefetches). Gradient reductions are queued and never waited for there; the update,
+//!    which waits for reductions, rebuilds and exchanges, runs outside backward.
+//! 2. A gather runs on the shard lane, whose requests are the same sequence on every rank of the
+//!    shard group, and the shard lane never waits for the replica lane (it hands the second
+//!    stage over and moves on). So the k-th gather completes once every rank of the shard group
+//!    has *requested* its k-th shard-lane collective — nothing queued on the replica lane, and
+//!    no lagging replica, stands in front of it. (With one FIFO queue it waited behind a replica
+//!    all-reduce whose peer, one step behind, was stuck in `cleanup_orphaned_entries` on this
+//!    rank's graph lock: a cycle.)
+//! 3. A shard-group peer requests that gather in its own forward or backward of the same step,
+//!    and it is past its previous backward's clean-up: our forward's gathers of this step
+//!    completed, which needed its requests from this step's forward. Between its forward and its
+//!    backward it takes no graph lock of ours (forward registers nodes in its own graph only),
+//!    and in its own backward it waits, by 1–2, only for gathers of the shard group.
+//!
+//! So the only waits inside backward are on shard-group peers that are themselves in a forward
+//! or backward of the same step and need nothing from us but requests they are about to make.
+//! The one assumption: no *other* backward runs on a rank between its forward and its backward
+//! (a training loop's micro-batch is forward, then backward). The replica lane's waits happen
+//! in the update, where no graph lock is held, so a replica that lags (sleeping, evaluating,
+//! running another backward) only delays the update, never deadlocks it.
+//!
+//! This holds for any engine whose communicators progress independently on different threads
+//! (threads; MPI initialised with `MPI_THREAD_MULTIPLE`; NCCL with a stream per
+//! communicator); under MPI each rank is a process of its own, whose graph locks no peer shares.
+//!
+//! After a failure no further collective is attempted on either lane (peers would not match it)
+//! and every later request gets the first error at once.
 
 use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use sshsdp_comm::{CommError, CommResult};
@@ -19,7 +57,7 @@ use sshsdp_plan::Sharding;
 use crate::comm::MeshComm;
 use crate::storage::Elems;
 
-/// One collective for the worker.
+/// A request of the model thread; it enters the shard lane.
 enum Request {
     Gather {
         shard: Arc<Elems>,
@@ -32,6 +70,18 @@ enum Request {
         piece_len: usize,
         reply: Sender<CommResult<Vec<f32>>>,
     },
+    /// Work of the replica lane, forwarded in order.
+    Replica(ReplicaRequest),
+}
+
+/// Work of the replica lane.
+enum ReplicaRequest {
+    /// The second stage of a reduction whose first stage ran on the shard lane.
+    FinishReduce {
+        shard: CommResult<Vec<f32>>,
+        piece_len: usize,
+        reply: Sender<CommResult<Vec<f32>>>,
+    },
     Rebuild {
         shard: Elems,
         reply: Sender<CommResult<Elems>>,
@@ -39,6 +89,10 @@ enum Request {
     AllReduce {
         buf: Vec<f32>,
         reply: Sender<CommResult<Vec<f32>>>,
+    },
+    GatherBytes {
+        send: Vec<u8>,
+        reply: Sender<CommResult<Vec<u8>>>,
     },
 }
 
@@ -56,24 +110,42 @@ impl<T> Reply<T> {
     }
 }
 
-/// Handle to the communication thread.
+/// The first failure of either lane: once set, no lane attempts another collective.
+type Failure = Arc<Mutex<Option<CommError>>>;
+
+/// Handle to the two communication lanes.
 pub(crate) struct Worker {
     tx: Option<Sender<Request>>,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl Worker {
-    /// Starts the thread; it owns `comm` from now on.
-    pub fn start(comm: Box<dyn MeshComm>, sharding: Sharding, rank: usize) -> Self {
+    /// Starts both lanes: the shard lane owns `comm`, the replica lane a duplicate of it (made
+    /// here: a collective over the world).
+    pub fn start(comm: Box<dyn MeshComm>, sharding: Sharding, rank: usize) -> CommResult<Self> {
+        let replica_comm = comm.duplicate()?;
+        let failure = Failure::default();
         let (tx, rx) = channel::<Request>();
-        let thread = std::thread::Builder::new()
-            .name(format!("hsdp-comm-{rank}"))
-            .spawn(move || serve(comm, sharding, rx))
-            .expect("spawn the communication thread");
-        Self {
+        let (replica_tx, replica_rx) = channel::<ReplicaRequest>();
+        let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(body)
+                .map_err(|e| CommError::Engine(format!("spawning a communication thread: {e}")))
+        };
+        let shard_failure = failure.clone();
+        let shard_lane = spawn(
+            format!("hsdp-shard-{rank}"),
+            Box::new(move || serve_shard_lane(comm, sharding, rx, replica_tx, shard_failure)),
+        )?;
+        let replica_lane = spawn(
+            format!("hsdp-replica-{rank}"),
+            Box::new(move || serve_replica_lane(replica_comm, sharding, replica_rx, failure)),
+        )?;
+        Ok(Self {
             tx: Some(tx),
-            thread: Some(thread),
-        }
+            threads: vec![shard_lane, replica_lane],
+        })
     }
 
     fn send<T>(&self, make: impl FnOnce(Sender<CommResult<T>>) -> Request) -> Reply<T> {
@@ -108,26 +180,37 @@ impl Worker {
     /// Sum of `buf` over the update group (the optimizer's exchanges, e.g. Muon's split
     /// matrices).
     pub fn all_reduce(&self, buf: Vec<f32>) -> Reply {
-        self.send(|reply| Request::AllReduce { buf, reply })
+        self.send(|reply| Request::Replica(ReplicaRequest::AllReduce { buf, reply }))
+    }
+
+    /// Every update-group rank's `send` (equal lengths), in rank order.
+    pub fn gather_bytes(&self, send: Vec<u8>) -> Reply<Vec<u8>> {
+        self.send(|reply| Request::Replica(ReplicaRequest::GatherBytes { send, reply }))
     }
 
     /// Rebuild of a runtime shard from the replica group's updated pieces.
     pub fn rebuild(&self, shard: Elems) -> Reply<Elems> {
-        self.send(|reply| Request::Rebuild { shard, reply })
+        self.send(|reply| Request::Replica(ReplicaRequest::Rebuild { shard, reply }))
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // Closing the shard lane's queue stops it, which closes the replica lane's.
         self.tx.take();
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
 }
 
-fn serve(comm: Box<dyn MeshComm>, sharding: Sharding, rx: Receiver<Request>) {
-    let mut failed: Option<CommError> = None;
+fn serve_shard_lane(
+    comm: Box<dyn MeshComm>,
+    sharding: Sharding,
+    rx: Receiver<Request>,
+    replica: Sender<ReplicaRequest>,
+    failure: Failure,
+) {
     for request in rx {
         match request {
             Request::Gather {
@@ -136,7 +219,7 @@ fn serve(comm: Box<dyn MeshComm>, sharding: Sharding, rx: Receiver<Request>) {
                 full_len,
                 reply,
             } => {
-                let r = run(&mut failed, || {
+                let r = run(&failure, || {
                     let mut full = shard.zeros_like(full_len);
                     comm.gather_bucket(sharding, &shard, part, &mut full)?;
                     Ok(full)
@@ -151,22 +234,57 @@ fn serve(comm: Box<dyn MeshComm>, sharding: Sharding, rx: Receiver<Request>) {
                 piece_len,
                 reply,
             } => {
-                let r = run(&mut failed, || {
-                    let mut piece = vec![0f32; piece_len];
-                    comm.reduce_gradient(sharding, &full, &mut piece)?;
-                    Ok(piece)
+                let shard = run(&failure, || comm.reduce_within_shard_group(sharding, full));
+                let _ = replica.send(ReplicaRequest::FinishReduce {
+                    shard,
+                    piece_len,
+                    reply,
+                });
+            }
+            Request::Replica(work) => {
+                let _ = replica.send(work);
+            }
+        }
+    }
+}
+
+fn serve_replica_lane(
+    comm: Box<dyn MeshComm>,
+    sharding: Sharding,
+    rx: Receiver<ReplicaRequest>,
+    failure: Failure,
+) {
+    for request in rx {
+        match request {
+            ReplicaRequest::FinishReduce {
+                shard,
+                piece_len,
+                reply,
+            } => {
+                let r = shard.and_then(|shard| {
+                    run(&failure, || {
+                        comm.reduce_across_replicas(sharding, shard, piece_len)
+                    })
                 });
                 let _ = reply.send(r);
             }
-            Request::AllReduce { mut buf, reply } => {
-                let r = run(&mut failed, || {
+            ReplicaRequest::AllReduce { mut buf, reply } => {
+                let r = run(&failure, || {
                     comm.all_reduce_update_group(sharding, &mut buf)?;
                     Ok(buf)
                 });
                 let _ = reply.send(r);
             }
-            Request::Rebuild { mut shard, reply } => {
-                let r = run(&mut failed, || {
+            ReplicaRequest::GatherBytes { send, reply } => {
+                let r = run(&failure, || {
+                    let mut recv = vec![0u8; send.len() * comm.update_group_size(sharding)];
+                    comm.all_gather_update_group_bytes(sharding, &send, &mut recv)?;
+                    Ok(recv)
+                });
+                let _ = reply.send(r);
+            }
+            ReplicaRequest::Rebuild { mut shard, reply } => {
+                let r = run(&failure, || {
                     comm.rebuild_shard(sharding, &mut shard)?;
                     Ok(shard)
                 });
@@ -176,15 +294,19 @@ fn serve(comm: Box<dyn MeshComm>, sharding: Sharding, rx: Receiver<Request>) {
     }
 }
 
-/// Runs one collective unless an earlier one failed: after a failure no further collective is
-/// attempted (peers would not match it) and every later request gets the first error at once.
-fn run<T>(failed: &mut Option<CommError>, f: impl FnOnce() -> CommResult<T>) -> CommResult<T> {
-    if let Some(e) = failed {
+/// Runs one collective unless an earlier one (on either lane) failed: after a failure no
+/// further collective is attempted (peers would not match it) and every later request gets the
+/// first error at once.
+fn run<T>(failure: &Failure, f: impl FnOnce() -> CommResult<T>) -> CommResult<T> {
+    if let Some(e) = failure.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
         return Err(e.clone());
     }
     let r = f();
     if let Err(e) = &r {
-        *failed = Some(e.clone());
+        failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(|| e.clone());
     }
     r
 }

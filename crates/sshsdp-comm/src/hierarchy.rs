@@ -48,6 +48,17 @@ impl<C: Collective> MeshComms<C> {
         })
     }
 
+    /// A second set of communicators over the same mesh, independent of these (a duplicate of
+    /// `world`, split again): two threads can each run collectives on one set without their
+    /// calls pairing with each other's. Collective over `world`.
+    pub fn duplicate(&self) -> CommResult<Self> {
+        Self::new(
+            self.world.split(0, self.world.rank())?,
+            self.replicas,
+            self.shards,
+        )
+    }
+
     /// Number of replicas.
     pub fn replicas(&self) -> usize {
         self.replicas
@@ -75,41 +86,67 @@ fn check_len(what: &str, got: usize, want: usize) -> CommResult<()> {
 }
 
 /// HSDP gradient reduction: `grad` (a full bucket, `S · shard` elements) becomes this rank's
-/// world-averaged 1/S shard in `shard_out`.
+/// world-averaged 1/S shard in `shard_out`: [`reduce_within_shard_group`], then
+/// [`reduce_across_replicas_hsdp`].
 pub fn reduce_gradients_hsdp<C: Collective, T: Reducible>(
     mesh: &MeshComms<C>,
     grad: &[T],
     shard_out: &mut [T],
 ) -> CommResult<()> {
-    check_len("HSDP gradient", grad.len(), shard_out.len() * mesh.shards)?;
-    mesh.shard_group
-        .reduce_scatter(grad, shard_out, ReduceOp::Avg)?;
-    mesh.replica_group.all_reduce(shard_out, ReduceOp::Avg)
+    reduce_within_shard_group(mesh, grad, shard_out)?;
+    reduce_across_replicas_hsdp(mesh, shard_out)
 }
 
 /// Hierarchical gradient reduction: `grad` (a full bucket, `R · S · piece` elements) becomes
 /// this rank's world-averaged piece in `piece_out`; `scratch` holds the intermediate 1/S shard
-/// (`R · piece` elements).
+/// (`R · piece` elements): [`reduce_within_shard_group`], then
+/// [`reduce_across_replicas_hierarchical`].
 pub fn reduce_gradients_hierarchical<C: Collective, T: Reducible>(
     mesh: &MeshComms<C>,
     grad: &[T],
     scratch: &mut [T],
     piece_out: &mut [T],
 ) -> CommResult<()> {
+    reduce_within_shard_group(mesh, grad, scratch)?;
+    reduce_across_replicas_hierarchical(mesh, scratch, piece_out)
+}
+
+/// First stage of both gradient paths: `grad` (a full bucket, `S · shard` elements) becomes
+/// the shard group's average of this rank's 1/S shard in `shard_out` (reduce-scatter).
+pub fn reduce_within_shard_group<C: Collective, T: Reducible>(
+    mesh: &MeshComms<C>,
+    grad: &[T],
+    shard_out: &mut [T],
+) -> CommResult<()> {
+    check_len("gradient", grad.len(), shard_out.len() * mesh.shards)?;
+    mesh.shard_group
+        .reduce_scatter(grad, shard_out, ReduceOp::Avg)
+}
+
+/// Second stage under HSDP: the shard-group average `shard` becomes the world average
+/// (all-reduce across the replica group, in place).
+pub fn reduce_across_replicas_hsdp<C: Collective, T: Reducible>(
+    mesh: &MeshComms<C>,
+    shard: &mut [T],
+) -> CommResult<()> {
+    mesh.replica_group.all_reduce(shard, ReduceOp::Avg)
+}
+
+/// Second stage when hierarchical: the shard-group average `shard` (`R · piece` elements)
+/// becomes this rank's world-averaged piece in `piece_out` (reduce-scatter across the replica
+/// group).
+pub fn reduce_across_replicas_hierarchical<C: Collective, T: Reducible>(
+    mesh: &MeshComms<C>,
+    shard: &[T],
+    piece_out: &mut [T],
+) -> CommResult<()> {
     check_len(
-        "hierarchical scratch",
-        scratch.len(),
+        "hierarchical shard",
+        shard.len(),
         piece_out.len() * mesh.replicas,
     )?;
-    check_len(
-        "hierarchical gradient",
-        grad.len(),
-        scratch.len() * mesh.shards,
-    )?;
-    mesh.shard_group
-        .reduce_scatter(grad, scratch, ReduceOp::Avg)?;
     mesh.replica_group
-        .reduce_scatter(scratch, piece_out, ReduceOp::Avg)
+        .reduce_scatter(shard, piece_out, ReduceOp::Avg)
 }
 
 /// After the update: `shard_buf` (`R · piece` elements) holds this rank's re-derived piece at

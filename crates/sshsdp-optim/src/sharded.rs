@@ -24,9 +24,7 @@ use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{
-    refresh_leaves, step_slice, GradClip, HsdpError, HsdpRuntime, ShardableBackend, Slice,
-};
+use sshsdp_backend::{step_slice, GradClip, HsdpError, HsdpRuntime, ShardableBackend, Slice};
 use sshsdp_plan::Role;
 
 use crate::checkpoint::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
@@ -70,14 +68,14 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         }
     }
 
-    /// Clips the global gradient norm (over all shards, one all-reduce) to `max_norm` before
-    /// each step.
+    /// Clips the global gradient norm (over all shards, measured by the runtime) to `max_norm`
+    /// before each step.
     pub fn with_grad_clipping(mut self, max_norm: f64) -> Self {
         self.clip = GradClip::new(Some(max_norm));
         self
     }
 
-    /// The global gradient norm before clipping at the last step (when clipping is on).
+    /// The global gradient norm (before clipping) at the last step.
     pub fn last_grad_norm(&self) -> Option<f64> {
         self.clip.last_norm
     }
@@ -92,7 +90,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         self.last
     }
 
-    /// One step with learning rate `lr` (both optimizers); returns `module` with fresh leaves.
+    /// One step with learning rate `lr` (both optimizers); returns `module`, whose parameters
+    /// now read the updated storage.
     pub fn step<AB, M>(
         &mut self,
         lr: f64,
@@ -110,7 +109,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             );
             let plan = runtime.plan();
             let mut stats = MuonStepStats::default();
-            let scale = self.clip.factor(pieces, group)? as f32;
+            let scale = self.clip.factor(group) as f32;
             let scaled: Vec<Option<Vec<f32>>> = pieces
                 .iter()
                 .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
@@ -182,7 +181,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             self.last = stats;
             Ok(())
         })?;
-        Ok(refresh_leaves(module))
+        Ok(module)
     }
 
     /// The element-wise optimizer on one slice (gradient already clipped).
