@@ -1,5 +1,5 @@
 //! MXFP8 runtime parameters: a small GPT whose matrices are held, gathered and computed from as
-//! MXFP8 (E4M3 elements, E8M0 scales per 32 values, both planes in 32×32 tiles) while its fp32
+//! MXFP8 (E4M3 elements, E8M0 scales per 32 values, both planes of 32-row bands) while its fp32
 //! masters are stepped, trains like the bf16 run and the same at every world size.
 
 use std::time::Duration;
@@ -163,7 +163,7 @@ fn mxfp8_training_tracks_bf16_within_two_percent() {
     );
     assert!((m - b).abs() <= 0.02 * b, "MXFP8 {m} vs bf16 {b}");
     assert!(m < 0.75 * mx_losses[0], "did not learn: {mx_losses:?}");
-    // Every tile-aligned matrix (embeddings included) is MXFP8; vectors and the 16-row position
+    // Every block-aligned matrix (embeddings included) is MXFP8; vectors and the 16-row position
     // table fell back to bf16, each reported.
     let params = named_params(&init).unwrap();
     let aligned = params
@@ -184,7 +184,7 @@ fn mxfp8_training_tracks_bf16_within_two_percent() {
     assert!(mx[0].shard_bytes > 0 && mx[0].counters.param_bytes_copied == 0);
 }
 
-/// Bands of whole tile rows encode to the same bytes at every world size, so distributed Muon
+/// Bands of 32 rows encode to the same bytes at every world size, so distributed Muon
 /// over MXFP8 runtime parameters follows the same losses at world 1, 2, 4 and over 2×2 meshes
 /// (up to gradient reduction order).
 #[test]

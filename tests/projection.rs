@@ -1,7 +1,8 @@
 //! The projection (`sshsdp::plan::projection`) against real runs: a small GPT trained on the
-//! threads engine at world 2 and 4, flat and on 2×2 meshes (hierarchical, HSDP, DDP), f32 and
-//! bf16, with and without resharding after forward, and with distributed Muon. The bytes the
-//! projection predicts from the plan must equal the runtime's counters of every step exactly.
+//! threads engine at world 2 and 4, flat and on 2×2 meshes (hierarchical, HSDP, DDP), f32, bf16
+//! and MXFP8, with and without resharding after forward, and with distributed Muon. The bytes
+//! the projection predicts from the plan must equal the runtime's counters of every step
+//! exactly.
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::AdamWConfig;
@@ -158,4 +159,20 @@ fn muon_exchange() {
         false,
         true,
     );
+}
+
+/// MXFP8 (banded planes, bf16 fallbacks): the plan's layout is the runtime's, so the projection
+/// is exact here too — at world 2 and 4, with each pass gathering only its own plane
+/// (resharding), both planes kept, a 2×2 mesh whose runtime shards hold two pieces, and Muon's
+/// exchange of the matrices the bands split.
+#[test]
+fn mxfp8_exactly() {
+    let (mx, hier) = (RuntimeFormat::Mxfp8, Sharding::Hierarchical);
+    for world in [2, 4] {
+        for reshard in [false, true] {
+            check(Mesh::flat(world).unwrap(), hier, mx, reshard, false);
+        }
+    }
+    check(Mesh::new(2, 2).unwrap(), hier, mx, true, false);
+    check(Mesh::flat(4).unwrap(), hier, mx, false, true);
 }

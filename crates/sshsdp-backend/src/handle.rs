@@ -69,27 +69,6 @@ impl<B: Backend> HsdpRuntime<B> {
         self.runtime.master_pieces(f)
     }
 
-    /// Where parameter `index` (an index into `plan().params()`) sits in its bucket's fp32
-    /// element space, the space of pieces' `start` and length: one segment in the f32/bf16
-    /// runtime formats, one per piece holding a band or chunk of it in MXFP8.
-    pub fn param_segments(&self, index: usize) -> &[crate::Segment] {
-        self.runtime.param_segments(index)
-    }
-
-    /// Whether parameter `index` is spread over more than one piece (so no single rank holds
-    /// the whole of it).
-    pub fn param_is_split(&self, index: usize) -> bool {
-        let b = self.runtime.plan().params()[index].bucket;
-        let piece_elems = self.runtime.piece_elems_of(b).max(1);
-        let segments = self.param_segments(index);
-        match (segments.first(), segments.last()) {
-            (Some(first), Some(last)) => {
-                first.bucket / piece_elems != (last.bucket + last.len - 1) / piece_elems
-            }
-            _ => false,
-        }
-    }
-
     /// The global gradient norm measured by the last update (`None` before the first): the L2
     /// norm of the world-averaged gradient, summed in f64, the same on every rank.
     pub fn last_grad_norm(&self) -> Option<f64> {

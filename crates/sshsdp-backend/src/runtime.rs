@@ -9,9 +9,9 @@
 //! them after each update.
 //!
 //! Where parameters sit in a bucket's fp32 element space (masters, gradients) and in its runtime
-//! units, and how those are encoded and decoded, is the bucket's [`BucketLayout`]: linear for
-//! f32/bf16, banded for MXFP8 (whose gathered bytes are kept while resident, since forward and
-//! backward decode different planes).
+//! units is the plan's layout ([`sshsdp_plan::Bucket`]); the bucket's [`BucketCodec`] encodes
+//! and decodes by it: linear for f32/bf16, banded for MXFP8 (whose gathered bytes are kept while
+//! resident, since forward and backward decode different planes).
 //!
 //! Errors inside ops (a failed gather during forward or backward) cannot be returned through
 //! Burn's op signatures: the runtime records the failure, hands out zeros from then on (no
@@ -23,12 +23,12 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use burn_backend::distributed::DistributedParamId;
 
 use burn_backend::{read_sync, Backend, Shape, TensorData};
-use sshsdp_plan::Plan;
+use sshsdp_plan::{Part, Plan};
 
+use crate::codec::{BucketCodec, Phase};
 use crate::comm::MeshComm;
 use crate::config::{CopyMode, HsdpConfig, NonFinitePolicy};
 use crate::error::HsdpError;
-use crate::layout::{BucketLayout, Phase, Sections, Segment};
 use crate::storage::Elems;
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::views::{bucket_views, with_f32_values, Member};
@@ -69,8 +69,8 @@ pub type LeafRearm<B> = Arc<dyn Fn(HsdpFloat<B>) + Send + Sync>;
 pub struct Piece<'a> {
     /// The bucket.
     pub bucket: usize,
-    /// Position of the piece's first element in the bucket's element space (see
-    /// [`crate::HsdpRuntime::param_segments`] for where parameters sit in it).
+    /// Position of the piece's first element in the bucket's element space (the plan's update
+    /// views of the piece say where parameters sit in it).
     pub start: usize,
     /// fp32 master weights of the piece (padding elements included), updated in place.
     pub master: &'a mut [f32],
@@ -124,7 +124,7 @@ struct BucketState<B: Backend> {
     master: Option<Vec<f32>>,
     resident: Option<Resident<B>>,
     /// A gather queued ahead of use, and the sections it moves.
-    prefetch: Option<(Reply<Elems>, Sections)>,
+    prefetch: Option<(Reply<Elems>, Part)>,
     grad_full: Vec<f32>,
     pending: usize,
     reductions: Vec<Reply>,
@@ -163,7 +163,7 @@ pub struct Runtime<B: Backend> {
     device: B::Device,
     piece_in_shard: usize,
     world_rank: usize,
-    layouts: Vec<BucketLayout>,
+    codecs: Vec<BucketCodec>,
     copy_mode: CopyMode,
     reshard_after_forward: bool,
     non_finite: NonFinitePolicy,
@@ -180,7 +180,7 @@ impl<B: Backend> Runtime<B> {
         plan: Plan,
         device: B::Device,
         comm: Box<dyn MeshComm>,
-        layouts: Vec<BucketLayout>,
+        codecs: Vec<BucketCodec>,
         shards: Vec<Vec<f32>>,
         config: &HsdpConfig,
     ) -> Result<Self, HsdpError> {
@@ -190,12 +190,12 @@ impl<B: Backend> Runtime<B> {
         let format = plan.config().runtime_format;
         let buckets = shards
             .into_iter()
-            .zip(&layouts)
-            .map(|(shard, layout)| {
-                let pe = layout.piece_elems();
+            .zip(&codecs)
+            .map(|(shard, codec)| {
+                let pe = codec.piece_elems();
                 let master = (format != sshsdp_plan::RuntimeFormat::F32)
                     .then(|| shard[piece_in_shard * pe..(piece_in_shard + 1) * pe].to_vec());
-                Ok((layout.encode(first_piece, shard)?, master))
+                Ok((codec.encode(first_piece, shard)?, master))
             })
             .collect::<Result<Vec<_>, HsdpError>>()?
             .into_iter()
@@ -217,7 +217,7 @@ impl<B: Backend> Runtime<B> {
             device,
             piece_in_shard,
             world_rank: rank,
-            layouts,
+            codecs,
             copy_mode: config.copy_mode,
             reshard_after_forward: config.reshard_after_forward,
             non_finite: config.non_finite,
@@ -286,12 +286,7 @@ impl<B: Backend> Runtime<B> {
 
     /// fp32 elements of one piece of bucket `b`.
     fn piece_elems(&self, b: usize) -> usize {
-        self.layouts[b].piece_elems()
-    }
-
-    /// fp32 elements of one piece of bucket `b` (the unit of pieces' `start`).
-    pub fn piece_elems_of(&self, b: usize) -> usize {
-        self.piece_elems(b)
+        self.codecs[b].piece_elems()
     }
 
     /// The pass parameters are materialised for now.
@@ -306,14 +301,14 @@ impl<B: Backend> Runtime<B> {
     /// What a gather of bucket `b` for `phase` moves: with MXFP8 and resharding after forward
     /// (and one piece per runtime shard), only the plane that pass decodes — half the bytes;
     /// otherwise the whole shard, kept resident for both passes.
-    fn sections(&self, b: usize, phase: Phase) -> Sections {
+    fn sections(&self, b: usize, phase: Phase) -> Part {
         let per_pass = self.reshard_after_forward
-            && self.layouts[b].has_planes()
+            && self.codecs[b].has_planes()
             && self.plan.pieces_per_shard() == 1;
         if per_pass {
-            Sections::of(phase)
+            phase.part()
         } else {
-            Sections::All
+            Part::All
         }
     }
 
@@ -330,13 +325,13 @@ impl<B: Backend> Runtime<B> {
         let stale = st.buckets[b]
             .resident
             .as_ref()
-            .is_some_and(|r| r.phase != phase && self.layouts[b].has_planes());
+            .is_some_and(|r| r.phase != phase && self.codecs[b].has_planes());
         if stale {
             // MXFP8: the other pass's plane, decoded from the kept runtime bytes or gathered.
             let r = st.buckets[b].resident.take().expect("resident");
             st.resident_bytes -= r.bytes;
             let ok = match r.gathered {
-                Some(gathered) => match self.install(&mut st, b, gathered, Sections::All) {
+                Some(gathered) => match self.install(&mut st, b, gathered, Part::All) {
                     Ok(()) => true,
                     Err(e) => {
                         st.failure = Some(e.to_string());
@@ -451,7 +446,7 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Queues the all-gather of sections `which` of bucket `b`'s runtime shards.
-    fn start_gather(&self, st: &mut State<B>, b: usize, which: Sections) -> Reply<Elems> {
+    fn start_gather(&self, st: &mut State<B>, b: usize, which: Part) -> Reply<Elems> {
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
         let input = match self.copy_mode {
@@ -462,14 +457,13 @@ impl<B: Backend> Runtime<B> {
                 Arc::new((*st.buckets[b].shard).clone())
             }
         };
-        let layout = &self.layouts[b];
+        let codec = &self.codecs[b];
         // The whole shard (one or more pieces), or one pass's sections of its single piece.
         let part = match which {
-            Sections::All => 0..input.len(),
-            _ => layout.section_range(which),
+            Part::All => 0..input.len(),
+            _ => codec.part_range(which),
         };
-        self.worker
-            .gather(input, part, layout.gathered_units(which))
+        self.worker.gather(input, part, codec.gathered_units(which))
     }
 
     /// Counts the bytes of a completed gather.
@@ -492,12 +486,12 @@ impl<B: Backend> Runtime<B> {
         st: &mut State<B>,
         b: usize,
         full: Elems,
-        which: Sections,
+        which: Part,
     ) -> Result<(), HsdpError> {
-        let layout = &self.layouts[b];
+        let codec = &self.codecs[b];
         let decodes = !matches!(full, Elems::F32(_));
         let phase = Self::phase(st);
-        let (compute, gathered) = layout.to_compute(full, which, phase)?;
+        let (compute, gathered) = codec.to_compute(full, which, phase)?;
         if decodes {
             st.counters.decoded_bytes += 4 * compute.len() as u64;
         }
@@ -506,22 +500,22 @@ impl<B: Backend> Runtime<B> {
             CopyMode::ZeroCopy => {
                 // The compute buffer becomes the bucket's storage (a move, not a copy); each
                 // parameter is a view into it.
-                let members: Vec<Member> = (0..layout.len())
+                let members: Vec<Member> = (0..codec.len())
                     .map(|k| Member {
-                        start: layout.compute_start(k),
-                        shape: layout.shape(k).to_vec(),
+                        start: codec.compute_start(k),
+                        shape: codec.shape(k).to_vec(),
                     })
                     .collect();
                 bucket_views::<B>(compute, &members, &self.device)
             }
-            CopyMode::Fsdp2Style => (0..layout.len())
+            CopyMode::Fsdp2Style => (0..codec.len())
                 // Copy-out: each parameter gets a tensor of its own.
                 .map(|k| {
-                    let start = layout.compute_start(k);
-                    let numel = layout.shape(k).iter().product::<usize>();
+                    let start = codec.compute_start(k);
+                    let numel = codec.shape(k).iter().product::<usize>();
                     let values = compute[start..start + numel].to_vec();
                     st.counters.param_bytes_copied += 4 * values.len() as u64;
-                    let data = TensorData::new(values, layout.shape(k).to_vec());
+                    let data = TensorData::new(values, codec.shape(k).to_vec());
                     B::float_from_data(data, &self.device)
                 })
                 .collect(),
@@ -565,15 +559,15 @@ impl<B: Backend> Runtime<B> {
     pub(crate) fn submit_gradient(&self, index: usize, grad: B::FloatTensorPrimitive) {
         let p = &self.plan.params()[index];
         let b = p.bucket;
-        let layout = &self.layouts[b];
+        let codec = &self.codecs[b];
         let k = index - self.plan.buckets()[b].params.start;
         let accumulated = with_f32_values::<B, _>(grad, |values| {
             let mut st = self.lock();
             let bucket = &mut st.buckets[b];
             if bucket.grad_full.is_empty() {
-                bucket.grad_full = vec![0f32; layout.bucket_elems()];
+                bucket.grad_full = vec![0f32; codec.bucket_elems()];
             }
-            layout.accumulate(k, values, &mut bucket.grad_full);
+            codec.accumulate(k, values, &mut bucket.grad_full);
             st.counters.grad_bytes_copied += 4 * values.len() as u64;
             st
         });
@@ -741,7 +735,7 @@ impl<B: Backend> Runtime<B> {
             let bucket = &mut st.buckets[b];
             let shard = Arc::make_mut(&mut bucket.shard);
             if let Some(master) = &bucket.master {
-                self.layouts[b].rederive(shard, self.piece_in_shard, piece, master)?;
+                self.codecs[b].rederive(shard, self.piece_in_shard, piece, master)?;
             }
             let empty = Arc::new(shard.zeros_like(0));
             let shard = std::mem::replace(&mut bucket.shard, empty);
@@ -837,13 +831,6 @@ impl<B: Backend> Runtime<B> {
     /// This rank's index in the world.
     pub fn world_rank(&self) -> usize {
         self.world_rank
-    }
-
-    /// Where parameter `index`'s elements sit in its bucket's element space: one segment in the
-    /// f32/bf16 runtime formats, one per piece holding a part of it in MXFP8.
-    pub fn param_segments(&self, index: usize) -> &[Segment] {
-        let b = self.plan.params()[index].bucket;
-        self.layouts[b].segments(index - self.plan.buckets()[b].params.start)
     }
 
     /// Bytes of this rank's persistent runtime shards.

@@ -16,8 +16,8 @@ use sshsdp_comm::Collective;
 use sshsdp_plan::{DType, ParamSpec, Plan};
 
 use crate::backend_ext::ShardableBackend;
+use crate::codec::BucketCodec;
 use crate::comm::MeshComm;
-use crate::layout::BucketLayout;
 use crate::runtime::Runtime;
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::{registry, HsdpConfig, HsdpError, HsdpRuntime};
@@ -215,15 +215,15 @@ where
     let rank = comm.world_rank();
     let shard_index = plan.runtime_shard_of(rank)?;
     let mut shards = Vec::with_capacity(plan.buckets().len());
-    let layouts = (0..plan.buckets().len())
-        .map(|b| BucketLayout::build(&plan, b))
-        .collect::<Result<Vec<_>, _>>()?;
+    let codecs: Vec<BucketCodec> = (0..plan.buckets().len())
+        .map(|b| BucketCodec::new(&plan, b))
+        .collect();
     // The bucket's fp32 element space; the runtime keeps this rank's piece as its fp32 master
     // weights and encodes its runtime shard from it.
-    for (bucket, layout) in plan.buckets().iter().zip(&layouts) {
-        let mut full = vec![0f32; layout.bucket_elems()];
+    for (bucket, codec) in plan.buckets().iter().zip(&codecs) {
+        let mut full = vec![0f32; codec.bucket_elems()];
         for (k, p) in plan.params()[bucket.params.clone()].iter().enumerate() {
-            layout.place(k, values[p.spec.path.as_str()], &mut full);
+            codec.place(k, values[p.spec.path.as_str()], &mut full);
         }
         comm.broadcast_world(&mut full)?;
         let shard_len = full.len() / plan.runtime_shards();
@@ -239,7 +239,7 @@ where
         plan,
         device.clone(),
         Box::new(comm),
-        layouts,
+        codecs,
         shards,
         &config,
     )?);

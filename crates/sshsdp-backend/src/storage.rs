@@ -3,11 +3,11 @@
 //! * `F32`: the runtime elements *are* the fp32 master weights of this rank's piece (updated in
 //!   place) and the gathered buffer becomes the compute tensor as it is.
 //! * `Bf16`: half the bytes in storage and on the wire; the fp32 masters are kept apart.
-//! * `U8`: MXFP8 bytes (tiled E4M3 planes and E8M0 scales) and the little-endian bf16 bytes of
+//! * `U8`: MXFP8 bytes (E4M3 row- and column-wise planes of 32-row bands, E8M0 scales) and the little-endian bf16 bytes of
 //!   parameters that fell back from MXFP8; the fp32 masters are kept apart.
 //!
 //! Where a parameter sits in these units and how they are encoded from the masters and decoded
-//! for compute is the bucket's [`crate::layout::BucketLayout`].
+//! for compute is the plan's layout, read by the bucket's [`crate::codec::BucketCodec`].
 
 use half::bf16;
 

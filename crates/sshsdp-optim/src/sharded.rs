@@ -118,7 +118,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             let mut split_offset = HashMap::new();
             let mut split_len = 0usize;
             for (i, p) in plan.params().iter().enumerate() {
-                if p.spec.role == Role::Matrix && runtime.param_is_split(i) {
+                if p.spec.role == Role::Matrix && p.split {
                     split_offset.insert(i, split_len);
                     split_len += p.spec.numel() as usize;
                 }

@@ -1,10 +1,8 @@
 //! Update units: the part of one parameter that lies in one of this rank's pieces.
 //!
-//! A piece is a contiguous run of a bucket's element space; a parameter sits in it as one or more
-//! segments (one in the f32/bf16 runtime formats, one band or chunk per piece in MXFP8), each a
-//! contiguous run of the parameter, so a piece holds at most one contiguous slice of each
-//! parameter per segment. These slices are what optimizers step (element-wise rules) or exchange
-//! (Muon's split matrices).
+//! A piece is a contiguous run of a bucket's element space; the plan's update views say which
+//! contiguous run of which parameter sits where in it. These slices are what optimizers step
+//! (element-wise rules) or exchange (Muon's split matrices).
 
 use std::ops::Range;
 
@@ -30,7 +28,7 @@ pub struct UpdateUnit {
 }
 
 /// The units of the pieces `(bucket, first element, length)`, piece by piece in parameter
-/// order.
+/// order: the plan's update views of each piece.
 pub fn units_of<B: Backend>(
     runtime: &HsdpRuntime<B>,
     pieces: impl IntoIterator<Item = (usize, usize, usize)>,
@@ -38,24 +36,21 @@ pub fn units_of<B: Backend>(
     let plan = runtime.plan();
     let mut units = Vec::new();
     for (piece, (bucket, start, len)) in pieces.into_iter().enumerate() {
-        let end = start + len;
-        for param in plan.buckets()[bucket].params.clone() {
-            for segment in runtime.param_segments(param) {
-                let lo = segment.bucket.max(start);
-                let hi = (segment.bucket + segment.len).min(end);
-                if lo >= hi {
-                    continue;
-                }
-                let in_param = segment.param + lo - segment.bucket;
-                units.push(UpdateUnit {
-                    param,
-                    piece,
-                    bucket,
-                    in_piece: lo - start..hi - start,
-                    in_param: in_param..in_param + (hi - lo),
-                    role: plan.params()[param].spec.role,
-                });
-            }
+        let b = &plan.buckets()[bucket];
+        let piece_elements = b.piece_elements as usize;
+        let index = start / piece_elements.max(1);
+        debug_assert_eq!(len, piece_elements);
+        for view in &b.views[index] {
+            let at = view.master_offset as usize;
+            let first = view.elements.start as usize;
+            units.push(UpdateUnit {
+                param: view.param,
+                piece,
+                bucket,
+                in_piece: at..at + view.len() as usize,
+                in_param: first..first + view.len() as usize,
+                role: plan.params()[view.param].spec.role,
+            });
         }
     }
     units

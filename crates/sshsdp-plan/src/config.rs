@@ -55,7 +55,7 @@ pub struct PlanConfig {
     pub align_bytes: u64,
     /// Where update parameters live.
     pub sharding: Sharding,
-    /// Largest tile-padding overhead MXFP8 may add to a parameter before it falls back to
+    /// Largest block-padding overhead MXFP8 may add to a parameter before it falls back to
     /// bf16 (padded / real − 1). Default 0.125.
     pub mx_max_padding: f64,
     /// Buckets gathered ahead of the one in use (memory accounting of gathered buffers).

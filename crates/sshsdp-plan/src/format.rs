@@ -1,16 +1,20 @@
-//! Runtime formats and how many bucket bytes a parameter takes in each.
+//! Runtime formats and the byte sizes of a parameter's encoding in each.
 //!
 //! * `F32` / `Bf16`: the parameter's elements in row-major order, 4 or 2 bytes each.
-//! * `Mxfp8`: the parameter's 2-D view `[rows, cols]` is zero-padded to multiples of 32 and cut
-//!   into 32×32 tiles in row-major tile order. Each tile takes [`MX_TILE_BYTES`] = 2112 bytes:
-//!   row-wise plane data (1024, blocks along columns, for the forward GEMM), its 32 E8M0 scales,
-//!   column-wise plane data (1024, the tile transposed, blocks along rows, for the dgrad GEMM)
-//!   and its 32 scales. The codec for this layout lives in `sshsdp-mx` (`encode_tiles`); the
-//!   constants here must agree with it (a facade test checks).
+//! * `Mxfp8`: the parameter's 2-D view `[rows, cols]` (its last dimension is `cols`) as a run of
+//!   **bands** of [`MX_BAND`] = 32 rows (the last one may be shorter). A band is encoded as two
+//!   planes (OCP MX, E4M3 elements with one E8M0 scale per block of 32):
+//!   the *row-wise* plane (blocks of 32 along columns: `rows · cols_p` data bytes and
+//!   `rows · cols_p / 32` scales, `cols_p` = `cols` rounded up to 32), which backward's
+//!   `dy · Wᵀ` consumes, and the *column-wise* plane (blocks of 32 along rows, stored transposed:
+//!   `cols · rows_p` data bytes and `cols · rows_p / 32` scales), which forward's `x · W`
+//!   consumes. These are exactly `sshsdp-mx`'s `encode_rows` / `encode_cols` of the band, and a
+//!   band's blocks are exactly the whole matrix's blocks, so the encoded values do not depend on
+//!   where a matrix is cut into bands (a facade test checks the sizes against `sshsdp-mx`).
 //!
-//!   Tiling both planes per 32×32 tile is what lets the *owner of a tile range* re-derive both
-//!   planes from its own fp32 master elements — a column-wise block needs 32 rows, which a
-//!   row-major split of the matrix would cut.
+//!   Cutting at band edges is what lets the owner of a run of bands re-derive both planes from
+//!   its own fp32 master rows: a column-wise block needs 32 rows, which any finer cut would
+//!   split.
 
 use serde::{Deserialize, Serialize};
 
@@ -18,10 +22,8 @@ use crate::ParamSpec;
 
 /// Elements per MX scaling block.
 pub const MX_BLOCK: u64 = 32;
-/// Side of an MX tile (32×32 elements).
-pub const MX_TILE: u64 = 32;
-/// Bytes of one MXFP8 tile: 1024 + 32 (row plane) + 1024 + 32 (column plane).
-pub const MX_TILE_BYTES: u64 = 2 * (MX_TILE * MX_TILE + MX_TILE);
+/// Rows of an MXFP8 band: the height of a column-wise block, the finest cut of an MXFP8 matrix.
+pub const MX_BAND: u64 = 32;
 
 /// Format of the runtime parameters that kernels consume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -30,12 +32,12 @@ pub enum RuntimeFormat {
     F32,
     /// bfloat16.
     Bf16,
-    /// MXFP8 (E4M3 elements, E8M0 scales) in the tiled two-plane layout above.
+    /// MXFP8 (E4M3 elements, E8M0 scales), row-wise and column-wise planes of 32-row bands.
     Mxfp8,
 }
 
 impl RuntimeFormat {
-    /// Bytes one element takes for the linear formats; `None` for tiled MXFP8.
+    /// Bytes one element takes for the linear formats; `None` for MXFP8.
     pub fn element_bytes(self) -> Option<u64> {
         match self {
             RuntimeFormat::F32 => Some(4),
@@ -45,69 +47,39 @@ impl RuntimeFormat {
     }
 }
 
-/// The tile grid of a parameter in MXFP8: its 2-D view and the number of 32×32 tiles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MxGrid {
-    /// Rows of the 2-D view.
-    pub rows: u64,
-    /// Columns of the 2-D view (the contiguous dimension).
-    pub cols: u64,
+/// Bytes of the row-wise plane (data and scales) of a `rows × cols` run of an MXFP8 matrix.
+pub fn mx_row_plane_bytes(rows: u64, cols: u64) -> u64 {
+    let cols_p = cols.next_multiple_of(MX_BLOCK);
+    rows * cols_p + rows * (cols_p / MX_BLOCK)
 }
 
-impl MxGrid {
-    /// The grid of a spec's 2-D view.
-    pub fn of(spec: &ParamSpec) -> Self {
-        let (rows, cols) = spec.matrix_dims();
-        Self { rows, cols }
-    }
-
-    /// Tile rows (`ceil(rows / 32)`).
-    pub fn tile_rows(&self) -> u64 {
-        self.rows.div_ceil(MX_TILE)
-    }
-
-    /// Tile columns (`ceil(cols / 32)`).
-    pub fn tile_cols(&self) -> u64 {
-        self.cols.div_ceil(MX_TILE)
-    }
-
-    /// Number of tiles.
-    pub fn tiles(&self) -> u64 {
-        self.tile_rows() * self.tile_cols()
-    }
-
-    /// Padded element count (`tiles · 1024`).
-    pub fn padded_elements(&self) -> u64 {
-        self.tiles() * MX_TILE * MX_TILE
-    }
-
-    /// Real (unpadded) elements held by tiles `[0, tile)` in row-major tile order.
-    pub fn elements_before(&self, tile: u64) -> u64 {
-        let tc = self.tile_cols();
-        let (full_rows, rest) = (tile / tc, tile % tc);
-        let above = (full_rows * MX_TILE).min(self.rows) * self.cols;
-        let height = self.rows.saturating_sub(full_rows * MX_TILE).min(MX_TILE);
-        above + height * (rest * MX_TILE).min(self.cols)
-    }
-
-    /// Real elements held by tiles `[start, end)`.
-    pub fn elements_in(&self, start: u64, end: u64) -> u64 {
-        self.elements_before(end) - self.elements_before(start)
-    }
+/// Bytes of the column-wise plane (data and scales) of a `rows × cols` run of an MXFP8 matrix.
+pub fn mx_col_plane_bytes(rows: u64, cols: u64) -> u64 {
+    let rows_p = rows.next_multiple_of(MX_BLOCK);
+    cols * rows_p + cols * (rows_p / MX_BLOCK)
 }
 
-/// Bytes a parameter takes in the bucket buffer in `format`.
-pub fn region_bytes(spec: &ParamSpec, format: RuntimeFormat) -> u64 {
+/// Bytes of both planes of one full band of a matrix with `cols` columns.
+pub fn mx_band_bytes(cols: u64) -> u64 {
+    mx_row_plane_bytes(MX_BAND, cols) + mx_col_plane_bytes(MX_BAND, cols)
+}
+
+/// Bytes a parameter's runtime encoding takes in `format` (both planes for MXFP8).
+pub fn encoded_bytes(spec: &ParamSpec, format: RuntimeFormat) -> u64 {
     match format.element_bytes() {
         Some(size) => spec.numel() * size,
-        None => MxGrid::of(spec).tiles() * MX_TILE_BYTES,
+        None => {
+            let (rows, cols) = spec.matrix_dims();
+            mx_row_plane_bytes(rows, cols) + mx_col_plane_bytes(rows, cols)
+        }
     }
 }
 
 /// The format a parameter gets when `requested` is asked for, and why it fell back if it did.
 ///
-/// MXFP8 needs a parameter with at least two dimensions whose tile padding stays within
-/// `mx_max_padding` (padded / real − 1); other parameters fall back to bf16.
+/// MXFP8 needs a parameter with at least two dimensions whose block padding stays within
+/// `mx_max_padding`: the larger plane's padded elements (`rows · cols_p` or `rows_p · cols`)
+/// over the real ones, minus one. Other parameters fall back to bf16.
 pub fn resolve_format(
     spec: &ParamSpec,
     requested: RuntimeFormat,
@@ -125,15 +97,15 @@ pub fn resolve_format(
             )),
         );
     }
-    let grid = MxGrid::of(spec);
-    let overhead = grid.padded_elements() as f64 / spec.numel() as f64 - 1.0;
+    let (rows, cols) = spec.matrix_dims();
+    let padded =
+        (rows * cols.next_multiple_of(MX_BLOCK)).max(rows.next_multiple_of(MX_BLOCK) * cols);
+    let overhead = padded as f64 / spec.numel() as f64 - 1.0;
     if overhead > mx_max_padding {
         return (
             RuntimeFormat::Bf16,
             Some(format!(
-                "{}x{} pads to {:.1}% more elements in 32x32 tiles (limit {:.1}%)",
-                grid.rows,
-                grid.cols,
+                "{rows}x{cols} pads to {:.1}% more elements in blocks of 32 (limit {:.1}%)",
                 overhead * 100.0,
                 mx_max_padding * 100.0
             )),
@@ -146,22 +118,6 @@ pub fn resolve_format(
 mod tests {
     use super::*;
     use crate::DType;
-
-    #[test]
-    fn tile_prefix_counts_real_elements() {
-        for (rows, cols) in [(1, 1), (33, 7), (64, 65), (100, 100), (32, 32), (5, 200)] {
-            let grid = MxGrid { rows, cols };
-            let mut count = 0;
-            for t in 0..grid.tiles() {
-                assert_eq!(grid.elements_before(t), count, "{rows}x{cols} tile {t}");
-                let (tr, tc) = (t / grid.tile_cols(), t % grid.tile_cols());
-                let h = (rows - tr * 32).min(32);
-                let w = (cols - tc * 32).min(32);
-                count += h * w;
-            }
-            assert_eq!(grid.elements_before(grid.tiles()), rows * cols);
-        }
-    }
 
     #[test]
     fn mx_falls_back_for_vectors_and_thin_matrices() {
@@ -179,11 +135,25 @@ mod tests {
             resolve_format(&m, RuntimeFormat::Mxfp8, 0.125),
             (RuntimeFormat::Mxfp8, None)
         );
-        assert_eq!(
-            region_bytes(&m, RuntimeFormat::Mxfp8),
-            8 * 16 * MX_TILE_BYTES
-        );
-        assert_eq!(region_bytes(&m, RuntimeFormat::Bf16), 256 * 512 * 2);
-        assert_eq!(MX_TILE_BYTES, 2112);
+        // 256 x 512: both planes hold every element once plus one scale per 32.
+        assert_eq!(encoded_bytes(&m, RuntimeFormat::Mxfp8), 2 * 33 * 256 * 16);
+        assert_eq!(encoded_bytes(&m, RuntimeFormat::Bf16), 256 * 512 * 2);
+        assert_eq!(mx_band_bytes(96), 33 * (96 + 96));
+    }
+
+    #[test]
+    fn band_sizes_add_up_to_the_matrix() {
+        for (rows, cols) in [(1, 1), (33, 7), (64, 65), (100, 100), (32, 32), (70, 200)] {
+            let full = mx_row_plane_bytes(rows, cols);
+            let bands: u64 = (0..rows.div_ceil(MX_BAND))
+                .map(|i| mx_row_plane_bytes((rows - i * MX_BAND).min(MX_BAND), cols))
+                .sum();
+            assert_eq!(bands, full, "row planes of {rows}x{cols}");
+            let full = mx_col_plane_bytes(rows, cols);
+            let bands: u64 = (0..rows.div_ceil(MX_BAND))
+                .map(|i| mx_col_plane_bytes((rows - i * MX_BAND).min(MX_BAND), cols))
+                .sum();
+            assert_eq!(bands, full, "column planes of {rows}x{cols}");
+        }
     }
 }

@@ -5,12 +5,15 @@
 //!
 //! * **buckets** — parameters grouped in execution order up to a size target; one bucket is
 //!   one collective;
-//! * the **runtime layout** — each parameter's region (f32, bf16 or tiled MXFP8, see
-//!   [`format`]) at an aligned offset in its bucket's buffer. The buffer is cut into equal
-//!   **pieces**, one per rank of the update group; a runtime shard is a run of consecutive
-//!   pieces (all-gathered over the shard group);
-//! * the **update layout** — each piece owns the fp32 master elements whose runtime bytes lie in
-//!   it ([`UpdateView`]), so the owner re-derives its runtime bytes in place;
+//! * the **runtime layout**, the one every part of the system reads (runtime storage, gathers,
+//!   gradients, optimizers, checkpoints, projection) — each bucket's buffer cut into equal
+//!   **pieces**, one per rank of the update group, with the exact bytes each piece stores and
+//!   gathers: f32/bf16 elements linearly, MXFP8 as row-wise plane | bf16 | column-wise plane
+//!   sections of 32-row bands (see [`format`] and [`Bucket`]); a runtime shard is a run of
+//!   consecutive pieces (all-gathered over the shard group);
+//! * the **update layout** — each piece owns the fp32 master elements whose runtime bytes it
+//!   holds ([`UpdateView`]: a contiguous run of one parameter), so the owner re-derives its own
+//!   runtime bytes in place;
 //! * **Newton–Schulz owners** — each `Matrix` is orthogonalised on exactly one piece: the one
 //!   holding it whole when there is one, otherwise the least-loaded piece (LPT by the
 //!   iteration's FLOPs, [`newton_schulz_cost`]);
@@ -34,15 +37,16 @@ mod plan;
 pub mod presets;
 pub mod projection;
 mod spec;
-mod views;
 
 pub use config::{OptimizerFootprint, PlanConfig, Sharding};
 pub use error::PlanError;
-pub use format::{resolve_format, MxGrid, RuntimeFormat, MX_BLOCK, MX_TILE, MX_TILE_BYTES};
-pub use layout::{Bucket, PlannedParam};
+pub use format::{
+    encoded_bytes, mx_band_bytes, mx_col_plane_bytes, mx_row_plane_bytes, resolve_format,
+    RuntimeFormat, MX_BAND, MX_BLOCK,
+};
+pub use layout::{Bucket, Encoding, Part, PlannedParam, Section, UpdateView};
 pub use memory::{MemoryReport, RankMemory};
 pub use mesh::Mesh;
 pub use owners::newton_schulz_cost;
 pub use plan::{Fallback, Fingerprint, Plan, PlanStats, PLAN_VERSION};
 pub use spec::{DType, ParamSpec, Role, RoleRule};
-pub use views::{Selection, SplitTile, UpdateView};

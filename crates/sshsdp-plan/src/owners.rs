@@ -1,6 +1,6 @@
 //! Newton–Schulz owners for `Matrix` parameters (owner-compute Muon).
 //!
-//! A matrix whose region lies inside one piece is owned by that piece: its update is already
+//! A matrix that lies inside one piece is owned by that piece: its update is already
 //! whole there and needs no gather. Every other matrix is assigned greedily, largest
 //! Newton–Schulz cost first, to the least-loaded piece (LPT scheduling, within 4/3 of optimal),
 //! ties broken by the lowest piece index so every rank computes the same owners.
@@ -33,16 +33,18 @@ pub(crate) fn param_cost(p: &PlannedParam) -> u128 {
 pub(crate) fn assign(params: &mut [PlannedParam], buckets: &[Bucket], pieces: usize) -> Vec<u128> {
     let mut load = vec![0u128; pieces];
     let mut floating = Vec::new();
-    for (index, p) in params.iter_mut().enumerate() {
+    for v in buckets.iter().flat_map(|b| b.views.iter().flatten()) {
+        let p = &mut params[v.param];
         if p.spec.role != Role::Matrix {
             continue;
         }
         if p.split {
-            floating.push(index);
+            if v.elements.start == 0 {
+                floating.push(v.param);
+            }
         } else {
-            let piece = p.piece_span(buckets[p.bucket].piece_bytes).start;
-            p.ns_owner = Some(piece);
-            load[piece] += param_cost(p);
+            p.ns_owner = Some(v.piece);
+            load[v.piece] += param_cost(p);
         }
     }
     floating.sort_by_key(|&i| (Reverse(param_cost(&params[i])), i));

@@ -7,15 +7,14 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::layout::{self, Bucket, PlannedParam};
+use crate::layout::{self, Bucket, PlannedParam, UpdateView};
 use crate::memory::{MemoryReport, RankMemory};
 use crate::mesh::check_index;
 use crate::owners;
-use crate::views::{self, SplitTile, UpdateView};
 use crate::{format, spec, Mesh, ParamSpec, PlanConfig, PlanError, Role, Sharding};
 
 /// Version of the plan algorithm and its serialized form; part of the fingerprint.
-pub const PLAN_VERSION: u32 = 1;
+pub const PLAN_VERSION: u32 = 2;
 
 /// SHA-256 of a plan's canonical serialization: equal on every rank that planned the same
 /// model the same way.
@@ -232,29 +231,33 @@ impl Plan {
         Ok(self.piece_of(rank)? / self.pieces_per_shard())
     }
 
-    /// The update views of `piece` in bucket `b`.
-    pub fn piece_views(&self, b: usize, piece: usize) -> Result<Vec<UpdateView>, PlanError> {
+    /// The update views of `piece` in bucket `b`: the parts of its parameters that piece holds,
+    /// in parameter order.
+    pub fn piece_views(&self, b: usize, piece: usize) -> Result<&[UpdateView], PlanError> {
         check_index("bucket", b, self.buckets.len())?;
         check_index("piece", piece, self.pieces)?;
-        Ok(views::piece_views(&self.params, b, &self.buckets[b], piece))
+        Ok(&self.buckets[b].views[piece])
     }
 
-    /// All update views of `rank`, bucket by bucket.
-    pub fn update_views(&self, rank: usize) -> Result<Vec<UpdateView>, PlanError> {
+    /// All update views of `rank`'s piece, bucket by bucket.
+    pub fn update_views(&self, rank: usize) -> Result<Vec<&UpdateView>, PlanError> {
         let piece = self.piece_of(rank)?;
-        Ok((0..self.buckets.len())
-            .flat_map(|b| views::piece_views(&self.params, b, &self.buckets[b], piece))
+        Ok(self
+            .buckets
+            .iter()
+            .flat_map(|b| b.views[piece].iter())
             .collect())
     }
 
-    /// MXFP8 tiles of bucket `b` cut by a piece boundary.
-    pub fn split_tiles(&self, b: usize) -> Result<Vec<SplitTile>, PlanError> {
-        check_index("bucket", b, self.buckets.len())?;
-        Ok(views::split_tiles(
-            &self.params,
-            &self.buckets[b],
-            self.pieces,
-        ))
+    /// The views of parameter `index`, piece by piece (one unless the parameter is split).
+    pub fn param_views(&self, index: usize) -> Result<Vec<&UpdateView>, PlanError> {
+        check_index("parameter", index, self.params.len())?;
+        Ok(self.buckets[self.params[index].bucket]
+            .views
+            .iter()
+            .flatten()
+            .filter(|v| v.param == index)
+            .collect())
     }
 
     /// Newton–Schulz cost assigned to each piece.
@@ -264,7 +267,7 @@ impl Plan {
 
     /// Summary numbers: sizes, padding, splits and owner balance.
     pub fn stats(&self) -> PlanStats {
-        let region_bytes: u64 = self.params.iter().map(|p| p.bytes).sum();
+        let region_bytes: u64 = self.params.iter().map(|p| p.runtime_bytes).sum();
         let buffer_bytes: u64 = (0..self.buckets.len()).map(|b| self.buffer_bytes(b)).sum();
         let costs: Vec<u128> = self.params.iter().map(owners::param_cost).collect();
         let total_cost: u128 = costs.iter().sum();
@@ -282,18 +285,15 @@ impl Plan {
             padding_bytes: buffer_bytes - region_bytes,
             matrices: matrices.clone().count(),
             split_matrices: matrices.clone().filter(|p| p.split).count(),
-            split_matrices_owned_locally: matrices
-                .filter(|p| {
-                    p.split
-                        && p.ns_owner.is_some_and(|o| {
-                            p.piece_span(self.buckets[p.bucket].piece_bytes)
-                                .contains(&o)
-                        })
+            split_matrices_owned_locally: self
+                .buckets
+                .iter()
+                .flat_map(|b| b.views.iter().flatten())
+                .filter(|v| {
+                    let p = &self.params[v.param];
+                    p.split && p.spec.role == Role::Matrix && p.ns_owner == Some(v.piece)
                 })
                 .count(),
-            split_tiles: (0..self.buckets.len())
-                .map(|b| views::split_tiles(&self.params, &self.buckets[b], self.pieces).len())
-                .sum(),
             fallbacks: self.fallbacks.len(),
             owner_load_max_over_mean: ratio(max_load),
             owner_load_lower_bound: ratio(max_unit.max(mean)),
@@ -304,20 +304,19 @@ impl Plan {
     pub fn memory(&self) -> MemoryReport {
         let opt = self.config.optimizer;
         let mut per_piece = vec![RankMemory::default(); self.pieces];
-        for (b, bucket) in self.buckets.iter().enumerate() {
-            let members = &self.params[bucket.params.clone()];
+        for bucket in &self.buckets {
             for (piece, mem) in per_piece.iter_mut().enumerate() {
-                for v in views::piece_views(&self.params, b, bucket, piece) {
+                for v in &bucket.views[piece] {
                     let role = self.params[v.param].spec.role;
-                    mem.master += 4 * v.elements;
-                    mem.gradient_shard += 4 * v.elements;
-                    mem.optimizer_state += v.elements
+                    mem.master += 4 * v.len();
+                    mem.gradient_shard += 4 * v.len();
+                    mem.optimizer_state += v.len()
                         * match role {
                             Role::Matrix => opt.matrix_state_bytes,
                             Role::Elementwise => opt.elementwise_state_bytes,
                         };
                 }
-                mem.padding += bucket.piece_bytes - bucket.covered_bytes(members, piece);
+                mem.padding += bucket.piece_bytes - bucket.covered_bytes(piece);
             }
         }
         for p in self.params.iter().filter(|p| p.split) {
@@ -414,11 +413,11 @@ pub struct PlanStats {
     pub buckets: usize,
     /// Real elements over all parameters.
     pub elements: u64,
-    /// Bytes of all regions (MX tile padding included).
+    /// Bytes of every parameter's runtime encoding (MX block padding included).
     pub region_bytes: u64,
     /// Bytes of all bucket buffers.
     pub buffer_bytes: u64,
-    /// `buffer_bytes − region_bytes`: alignment gaps and piece tail padding.
+    /// `buffer_bytes − region_bytes`: alignment gaps and the padding of pieces to equal size.
     pub padding_bytes: u64,
     /// `Matrix` parameters.
     pub matrices: usize,
@@ -426,8 +425,6 @@ pub struct PlanStats {
     pub split_matrices: usize,
     /// Split matrices whose Newton–Schulz owner already holds part of them.
     pub split_matrices_owned_locally: usize,
-    /// MXFP8 tiles cut by a piece boundary.
-    pub split_tiles: usize,
     /// Parameters that fell back from the requested runtime format.
     pub fallbacks: usize,
     /// Largest piece's Newton–Schulz load over the mean load.
@@ -465,8 +462,8 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
-            "  {} matrices ({} split, {} of them owned where a part lies), {} split MX tiles, {} format fallbacks",
-            s.matrices, s.split_matrices, s.split_matrices_owned_locally, s.split_tiles, s.fallbacks
+            "  {} matrices ({} split, {} of them owned where a part lies), {} format fallbacks",
+            s.matrices, s.split_matrices, s.split_matrices_owned_locally, s.fallbacks
         )?;
         write!(
             f,

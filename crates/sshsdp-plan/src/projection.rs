@@ -21,17 +21,14 @@
 //!   group and hands the results back with a second one (two all-reduces of
 //!   `4 · Σ numel(split matrices)` bytes; matrices lying inside one piece move nothing).
 //!
-//! Gradients are reduced in fp32. For f32 and bf16 runtime parameters the gradient buffer has
-//! one fp32 element per runtime element (`G = 4 · B / element bytes`), exactly as the runtime
-//! allocates it. For MXFP8 buckets the plan's tiled layout is used (`B`: 2112 bytes per 32×32
-//! tile, both planes; `G`: one fp32 element per tile-padded element, bf16 fallbacks one per
-//! element, rounded up to whole pieces). The MXFP8 runtime cuts pieces at 32-row band edges and
-//! pads every piece to the largest, so its buckets can be a little larger than the plan's
-//! (+0.3 % at world 2 and +1.4 % at world 4 on `sshsdp-bench`'s GPT): pass the runtime's own
-//! sizes to [`StepTraffic::from_buckets`] for exact numbers. With resharding after forward the
-//! MXFP8 runtime gathers only the plane each pass needs (about half the bytes), which this model
-//! does not capture yet: its MXFP8 gathers are an upper bound. Gradient clipping's one-float
-//! all-reduce is ignored.
+//! Every size comes from the plan's runtime layout, the one the runtime allocates: `B` is the
+//! bucket's `pieces × piece_bytes` and `G` its `4 × pieces × piece_elements` (fp32 gradients,
+//! padding included). With resharding after forward, an MXFP8 bucket whose runtime shard is one
+//! piece gathers only the part of each piece that the pass decodes ([`crate::Part`]: forward the
+//! bf16 and column-wise sections, backward the row-wise and bf16 sections — about half the bytes
+//! each), and backward gathers *every* such bucket again, the last one of forward included (it
+//! holds forward's plane only); without resharding both planes are gathered once and kept.
+//! Gradient clipping's and the non-finite check's 8-byte all-gather of a norm is ignored.
 //!
 //! [`StepTraffic::gathered_bytes`] and [`StepTraffic::reduced_bytes`] use the runtime counters'
 //! definitions (`sshsdp_backend::Counters`): bytes received by bucket all-gathers, and bytes of
@@ -51,7 +48,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{format::MxGrid, Mesh, Plan, Role, RuntimeFormat, Sharding};
+use crate::{Mesh, Part, Plan, Role, Sharding};
 
 /// A collective operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -157,18 +154,31 @@ pub struct StepTraffic {
 pub struct BucketBytes {
     /// Bytes of the full runtime buffer (`B`), a multiple of the update group's size.
     pub runtime: u64,
+    /// Bytes a forward and a backward gather move when each pass gathers only what it decodes
+    /// (MXFP8 with one piece per runtime shard); `None` when a gather moves the whole buffer.
+    pub per_pass: Option<(u64, u64)>,
     /// fp32 elements of the full-bucket gradient (`G / 4`), a multiple of the update group's
     /// size.
     pub gradient_elements: u64,
 }
 
 impl BucketBytes {
-    /// Every bucket of `plan`, sized as the plan lays it out (see [`gradient_elements`]).
+    /// Every bucket of `plan`, sized as the plan lays it out.
     pub fn of_plan(plan: &Plan) -> Vec<Self> {
-        (0..plan.buckets().len())
-            .map(|b| Self {
-                runtime: plan.buffer_bytes(b),
-                gradient_elements: gradient_elements(plan, b),
+        let pieces = plan.pieces() as u64;
+        plan.buckets()
+            .iter()
+            .map(|bucket| {
+                let part = |p: Part| {
+                    let r = bucket.part_range(p);
+                    pieces * (r.end - r.start)
+                };
+                Self {
+                    runtime: pieces * bucket.piece_bytes,
+                    per_pass: (bucket.has_planes() && plan.pieces_per_shard() == 1)
+                        .then(|| (part(Part::Forward), part(Part::Backward))),
+                    gradient_elements: pieces * bucket.piece_elements,
+                }
             })
             .collect()
     }
@@ -194,8 +204,8 @@ impl StepTraffic {
 
     /// The collectives of one step over `mesh` for buckets of the given sizes (in forward
     /// order), with `split_matrix_elements` elements of matrices split across pieces (Muon's
-    /// exchange). [`StepTraffic::of`] takes all of it from a plan; a runtime whose buckets are
-    /// sized otherwise (the MXFP8 runtime's banded layout) passes its own sizes.
+    /// exchange). [`StepTraffic::of`] takes all of it from a plan; this is for sizes measured
+    /// or scaled otherwise.
     pub fn from_buckets(
         mesh: Mesh,
         sharding: Sharding,
@@ -218,13 +228,25 @@ impl StepTraffic {
         use GroupKind::*;
         use Purpose::*;
         if sharding != Sharding::Ddp {
+            let reshard = options.reshard_after_forward;
             for b in buckets {
-                push(ForwardGather, AllGather, Shard, s, b.runtime);
+                let bytes = match b.per_pass {
+                    Some((forward, _)) if reshard => forward,
+                    _ => b.runtime,
+                };
+                push(ForwardGather, AllGather, Shard, s, bytes);
             }
-            if options.reshard_after_forward {
-                // The last bucket of forward is the first of backward: it stays resident.
-                for b in buckets.iter().rev().skip(1) {
-                    push(BackwardGather, AllGather, Shard, s, b.runtime);
+            if reshard {
+                // The last bucket of forward is the first of backward: it stays resident, unless
+                // forward gathered only its own plane.
+                for (i, b) in buckets.iter().enumerate().rev() {
+                    match b.per_pass {
+                        Some((_, backward)) => push(BackwardGather, AllGather, Shard, s, backward),
+                        None if i + 1 < buckets.len() => {
+                            push(BackwardGather, AllGather, Shard, s, b.runtime)
+                        }
+                        None => {}
+                    }
                 }
             }
         }
@@ -311,22 +333,6 @@ impl StepTraffic {
     }
 }
 
-/// fp32 gradient elements of bucket `b`'s reduction buffer (see the module docs).
-pub fn gradient_elements(plan: &Plan, b: usize) -> u64 {
-    if let Some(size) = plan.config().runtime_format.element_bytes() {
-        return plan.buffer_bytes(b) / size;
-    }
-    let bucket = &plan.buckets()[b];
-    let elements: u64 = plan.params()[bucket.params.clone()]
-        .iter()
-        .map(|p| match p.format {
-            RuntimeFormat::Mxfp8 => MxGrid::of(&p.spec).padded_elements(),
-            _ => p.spec.numel(),
-        })
-        .sum();
-    elements.next_multiple_of(plan.pieces() as u64)
-}
-
 /// Seconds of one step's communication, by purpose.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CommTime {
@@ -409,7 +415,7 @@ impl Links {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{DType, ParamSpec, PlanConfig};
+    use crate::{DType, ParamSpec, PlanConfig, RuntimeFormat};
 
     fn specs() -> Vec<ParamSpec> {
         (0..6)
@@ -582,13 +588,36 @@ mod tests {
             StepTraffic::of(&bf16, TrafficOptions::default()),
             StepTraffic::of(&mx, TrafficOptions::default()),
         );
-        // A tile holds 1024 elements in 2112 bytes (row and column planes with their scales):
-        // 2.06 bytes per element against bf16's 2.
+        // Both planes with their scales: 2 · 33/32 bytes per element against bf16's 2.
         let ratio = tm.gathered_bytes() as f64 / tb.gathered_bytes() as f64;
-        assert!(ratio > 1.0 && ratio < 2112.0 / 2048.0 + 0.01, "{ratio}");
-        // fp32 gradients either way: the same real elements (no tile padding for 256×512).
+        assert!(ratio > 1.0 && ratio < 66.0 / 64.0 + 0.01, "{ratio}");
+        // fp32 gradients either way: the real elements, plus (MXFP8) pieces padded to the
+        // largest, which holds at most one band (32 × 512 elements) more than another.
         let elements: u64 = specs().iter().map(|s| s.numel()).sum();
         assert!(tm.reduced_bytes() >= 4 * elements);
-        assert!(tm.reduced_bytes() <= tb.reduced_bytes());
+        let buckets = mx.buckets().len() as u64;
+        assert!(tm.reduced_bytes() <= 4 * (elements + buckets * 4 * 32 * 512));
+    }
+
+    #[test]
+    fn mxfp8_with_resharding_gathers_each_pass_its_own_plane() {
+        let mx = plan(1, 4, Sharding::Hierarchical, RuntimeFormat::Mxfp8);
+        let options = TrafficOptions {
+            reshard_after_forward: true,
+            ..Default::default()
+        };
+        let (whole, split) = (
+            StepTraffic::of(&mx, TrafficOptions::default()),
+            StepTraffic::of(&mx, options),
+        );
+        // Forward and backward each gather about half of both planes, every bucket.
+        let ratio = split.gathered_bytes() as f64 / whole.gathered_bytes() as f64;
+        assert!(ratio > 0.95 && ratio < 1.1, "{ratio}");
+        let backward = split
+            .collectives
+            .iter()
+            .filter(|c| c.purpose == Purpose::BackwardGather)
+            .count();
+        assert_eq!(backward, mx.buckets().len());
     }
 }

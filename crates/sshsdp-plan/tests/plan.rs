@@ -2,8 +2,8 @@
 //! and the saved form.
 
 use sshsdp_plan::{
-    DType, Mesh, ParamSpec, Plan, PlanConfig, PlanError, Role, RuntimeFormat, Selection, Sharding,
-    MX_TILE_BYTES,
+    mx_col_plane_bytes, mx_row_plane_bytes, DType, Mesh, ParamSpec, Plan, PlanConfig, PlanError,
+    Role, RuntimeFormat, Section, Sharding,
 };
 
 fn tiny_model() -> Vec<ParamSpec> {
@@ -42,8 +42,11 @@ fn exact_bf16_layout_on_two_ranks() {
     let b3 = &plan.buckets()[3];
     assert_eq!(b3.used_bytes, 8448);
     assert_eq!(b3.piece_bytes, 4224);
-    let offsets: Vec<u64> = plan.params()[3..6].iter().map(|p| p.offset).collect();
-    assert_eq!(offsets, vec![0, 128, 8320]);
+    let offsets: Vec<u64> = plan.params()[3..6]
+        .iter()
+        .map(|p| p.compute_offset)
+        .collect();
+    assert_eq!(offsets, vec![0, 64, 4160]);
     // The attn matrix straddles the two pieces: split, owned by a piece holding part of it.
     let attn = &plan.params()[4];
     assert_eq!(attn.spec.role, Role::Matrix);
@@ -52,18 +55,14 @@ fn exact_bf16_layout_on_two_ranks() {
     // second norm.
     let views = plan.piece_views(3, 1).unwrap();
     assert_eq!(views.len(), 2);
-    assert_eq!(
-        views[0].selection,
-        Selection::Elements {
-            start: 2048,
-            len: 2048
-        }
-    );
+    assert_eq!(views[0].elements, 2048..4096);
+    assert_eq!(views[0].master_offset, 0);
+    assert_eq!(views[0].linear, 0..4096);
+    // The second norm sits at element 4160 of the bucket, 4160 − 2112 into piece 1.
     assert_eq!(views[1].master_offset, 2048);
-    assert_eq!(
-        views[1].selection,
-        Selection::Elements { start: 0, len: 64 }
-    );
+    assert_eq!(views[1].elements, 0..64);
+    assert_eq!(views[1].bytes_in(Section::Linear), 4096..4224);
+    assert_eq!(b3.piece_elements, 2112);
     assert_eq!(plan.update_views(1).unwrap().len(), 6);
     assert!(plan.fallbacks().is_empty());
 }
@@ -107,7 +106,7 @@ fn modes_shard_where_they_should() {
 }
 
 #[test]
-fn mxfp8_regions_are_tiles_and_vectors_fall_back() {
+fn mxfp8_parameters_are_bands_and_vectors_fall_back() {
     let plan = Plan::build(
         tiny_model(),
         Mesh::flat(4).unwrap(),
@@ -133,16 +132,21 @@ fn mxfp8_regions_are_tiles_and_vectors_fall_back() {
         };
         assert_eq!(p.format, expected, "{}", p.spec.path);
     }
-    // mlp [64, 256]: 2 x 8 tiles of 2112 bytes, 16384 elements over the four pieces.
+    // mlp [64, 256]: two bands; each plane holds 16384 bytes of data and 512 scales.
     let mlp = plan.param_index("layers.0.mlp.weight").unwrap();
     let p = &plan.params()[mlp];
-    assert_eq!(p.bytes, 16 * MX_TILE_BYTES);
-    let owned: u64 = (0..4)
-        .flat_map(|piece| plan.piece_views(p.bucket, piece).unwrap())
-        .filter(|v| v.param == mlp)
-        .map(|v| v.elements)
-        .sum();
+    assert_eq!(p.runtime_bytes, 2 * (16384 + 512));
+    let views = plan.param_views(mlp).unwrap();
+    let owned: u64 = views.iter().map(|v| v.len()).sum();
     assert_eq!(owned, 64 * 256);
+    for v in &views {
+        // Whole bands, both planes of exactly those rows, nothing linear.
+        assert_eq!(v.elements.start % (32 * 256), 0);
+        let rows = v.len() / 256;
+        assert_eq!(v.row.end - v.row.start, mx_row_plane_bytes(rows, 256));
+        assert_eq!(v.col.end - v.col.start, mx_col_plane_bytes(rows, 256));
+        assert!(v.linear.is_empty());
+    }
     // A looser limit keeps the padded shapes in MXFP8.
     let loose = PlanConfig {
         mx_max_padding: 0.5,
@@ -259,7 +263,7 @@ fn saved_plans_round_trip_and_corruption_is_an_error() {
         Plan::from_json(&zero_mesh),
         Err(PlanError::InvalidMesh { .. })
     ));
-    let future = json.replacen("\"version\": 1", "\"version\": 99", 1);
+    let future = json.replacen("\"version\": 2", "\"version\": 99", 1);
     assert!(matches!(
         Plan::from_json(&future),
         Err(PlanError::Corrupt(_))

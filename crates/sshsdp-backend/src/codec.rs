@@ -1,0 +1,495 @@
+//! A bucket's codec: its fp32 element space (master weights and gradients, piece after piece)
+//! encoded into runtime units (what runtime shards hold and all-gathers move) and decoded into
+//! the compute buffer that parameters are views of — all following the plan's layout
+//! ([`sshsdp_plan::Bucket`]: where every parameter's elements and bytes sit, piece by piece).
+//! Nothing here decides a layout; it reads the plan's update views.
+//!
+//! * **Linear** (f32 and bf16 runtime formats): runtime unit `i` is element `i`; the gathered
+//!   buffer *is* the compute buffer (f32) or is widened once (bf16).
+//! * **Banded** (MXFP8 runtime format): each view of a piece is encoded into its bytes in the
+//!   piece's row-wise, bf16 and column-wise sections (`sshsdp-mx`'s `encode_rows` /
+//!   `encode_cols` of the view's bands, or little-endian bf16). Forward decodes the column-wise
+//!   planes and bf16, backward the row-wise planes and bf16 ([`Phase`]), so with resharding
+//!   after forward each pass gathers only its own part ([`Part`]); otherwise the whole piece is
+//!   gathered once and kept. Decoding writes each parameter back to back into a fresh f32
+//!   compute buffer (the CPU analogue of dequantising in a GEMM's load stage).
+
+use std::ops::Range;
+
+use half::bf16;
+
+use sshsdp_mx::{ElemFormat, MxShape, ScaleRule};
+use sshsdp_plan::{Encoding, Part, Plan, RuntimeFormat, Section, UpdateView};
+
+use crate::storage::Elems;
+use crate::HsdpError;
+
+/// The MXFP8 element format and scale rule of runtime parameters (E4M3, RCEIL as in cuBLAS and
+/// Transformer Engine).
+const MX_FORMAT: (ElemFormat, ScaleRule) = (ElemFormat::E4M3, ScaleRule::Rceil);
+
+/// Which pass the parameters are materialised for; it picks the MXFP8 plane.
+///
+/// A Burn `Linear` weight is `[d_in, d_out]` and the forward GEMM `x · W` contracts over its
+/// rows, so forward uses the **column-wise** plane (blocks of 32 along rows); the backward data
+/// GEMM `dy · Wᵀ` contracts over its columns and uses the **row-wise** plane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Forward pass (and evaluation).
+    Forward,
+    /// Backward pass.
+    Backward,
+}
+
+impl Phase {
+    /// The part of every piece this pass decodes.
+    pub fn part(self) -> Part {
+        match self {
+            Phase::Forward => Part::Forward,
+            Phase::Backward => Part::Backward,
+        }
+    }
+
+    /// The MXFP8 plane this pass decodes.
+    fn plane(self) -> Section {
+        match self {
+            Phase::Forward => Section::Col,
+            Phase::Backward => Section::Row,
+        }
+    }
+}
+
+/// A run of elements shared by a parameter (row-major) and its bucket's element space.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Segment {
+    /// First element in the bucket's element space (pieces one after the other).
+    bucket: usize,
+    /// First element in the parameter, row-major.
+    param: usize,
+    /// Number of elements.
+    len: usize,
+}
+
+#[derive(Clone, Debug)]
+struct Member {
+    shape: Vec<usize>,
+    /// First element of the parameter in the compute buffer.
+    compute_start: usize,
+    segments: Vec<Segment>,
+}
+
+/// One bucket's codec (see the module docs).
+#[derive(Clone, Debug)]
+pub(crate) struct BucketCodec {
+    format: RuntimeFormat,
+    piece_elems: usize,
+    /// Runtime units of one piece: elements (linear) or bytes (MXFP8).
+    piece_units: usize,
+    /// Whether forward and backward decode different planes.
+    planes: bool,
+    /// Units of each piece that a gather of [`Part::Forward`] / [`Part::Backward`] moves.
+    forward: Range<usize>,
+    backward: Range<usize>,
+    /// Where the row, linear and column sections start in a piece (bytes, MXFP8).
+    section_starts: [usize; 3],
+    compute_elems: usize,
+    members: Vec<Member>,
+    /// The plan's views of each piece.
+    views: Vec<Vec<UpdateView>>,
+    /// First member's plan index.
+    first: usize,
+}
+
+/// `u64` sizes from the plan as `usize` (the plan was built on this machine: they fit).
+fn us(x: u64) -> usize {
+    usize::try_from(x).expect("plan sizes fit in memory")
+}
+
+fn range(r: &Range<u64>) -> Range<usize> {
+    us(r.start)..us(r.end)
+}
+
+impl BucketCodec {
+    /// The codec of bucket `b` of `plan`.
+    pub fn new(plan: &Plan, b: usize) -> Self {
+        let format = plan.config().runtime_format;
+        let bucket = &plan.buckets()[b];
+        let unit = format.element_bytes().unwrap_or(1);
+        let piece_elems = us(bucket.piece_elements);
+        let members = plan.params()[bucket.params.clone()]
+            .iter()
+            .map(|p| Member {
+                shape: p.spec.shape.clone(),
+                compute_start: us(p.compute_offset),
+                segments: Vec::new(),
+            })
+            .collect();
+        let to_units = |r: Range<u64>| us(r.start / unit)..us(r.end / unit);
+        let mut codec = Self {
+            format,
+            piece_elems,
+            piece_units: us(bucket.piece_bytes / unit),
+            planes: bucket.has_planes(),
+            forward: to_units(bucket.part_range(Part::Forward)),
+            backward: to_units(bucket.part_range(Part::Backward)),
+            section_starts: [Section::Row, Section::Linear, Section::Col]
+                .map(|s| us(bucket.section_start(s))),
+            compute_elems: us(bucket.compute_elements),
+            members,
+            views: bucket.views.clone(),
+            first: bucket.params.start,
+        };
+        for v in bucket.views.iter().flatten() {
+            codec.members[v.param - codec.first].segments.push(Segment {
+                bucket: v.piece * piece_elems + us(v.master_offset),
+                param: us(v.elements.start),
+                len: us(v.len()),
+            });
+        }
+        codec
+    }
+
+    /// The units of every piece that a gather of `part` moves.
+    pub fn part_range(&self, part: Part) -> Range<usize> {
+        match part {
+            Part::All => 0..self.piece_units,
+            Part::Forward => self.forward.clone(),
+            Part::Backward => self.backward.clone(),
+        }
+    }
+
+    /// fp32 elements of one piece (master weights and gradients).
+    pub fn piece_elems(&self) -> usize {
+        self.piece_elems
+    }
+
+    /// fp32 elements of the whole bucket (every piece).
+    pub fn bucket_elems(&self) -> usize {
+        self.views.len() * self.piece_elems
+    }
+
+    /// Runtime units of the whole bucket that a gather of `part` returns.
+    pub fn gathered_units(&self, part: Part) -> usize {
+        self.views.len() * self.part_range(part).len()
+    }
+
+    /// Member `k`'s first element in the compute buffer.
+    pub fn compute_start(&self, k: usize) -> usize {
+        self.members[k].compute_start
+    }
+
+    /// Member `k`'s shape.
+    pub fn shape(&self, k: usize) -> &[usize] {
+        &self.members[k].shape
+    }
+
+    /// Members.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether forward and backward decode different values (MXFP8 planes), so a gathered
+    /// bucket's runtime bytes are kept while it is resident.
+    pub fn has_planes(&self) -> bool {
+        self.planes
+    }
+
+    /// Writes member `k`'s `values` (row-major) into the bucket element space `dst`.
+    pub fn place(&self, k: usize, values: &[f32], dst: &mut [f32]) {
+        for s in &self.members[k].segments {
+            dst[s.bucket..s.bucket + s.len].copy_from_slice(&values[s.param..s.param + s.len]);
+        }
+    }
+
+    /// Adds member `k`'s gradient `values` (row-major) into the bucket element space `dst`.
+    pub fn accumulate(&self, k: usize, values: &[f32], dst: &mut [f32]) {
+        for s in &self.members[k].segments {
+            dst[s.bucket..s.bucket + s.len]
+                .iter_mut()
+                .zip(&values[s.param..s.param + s.len])
+                .for_each(|(d, v)| *d += v);
+        }
+    }
+
+    /// Encodes the element space of consecutive pieces `first..` (`values`, whole pieces) into
+    /// runtime units.
+    pub fn encode(&self, first: usize, values: Vec<f32>) -> Result<Elems, HsdpError> {
+        Ok(match self.format {
+            RuntimeFormat::F32 => Elems::F32(values),
+            RuntimeFormat::Bf16 => Elems::Bf16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
+            RuntimeFormat::Mxfp8 => {
+                let n = values.len() / self.piece_elems.max(1);
+                let mut out = vec![0u8; n * self.piece_units];
+                for i in 0..n {
+                    let master = &values[i * self.piece_elems..(i + 1) * self.piece_elems];
+                    let units = &mut out[i * self.piece_units..(i + 1) * self.piece_units];
+                    self.encode_piece(first + i, master, units)?;
+                }
+                Elems::U8(out)
+            }
+        })
+    }
+
+    /// Re-derives the runtime units of piece `piece`, the `slot`-th piece of `shard`, from its
+    /// fp32 `master` (nothing for f32, whose master elements are the runtime elements).
+    pub fn rederive(
+        &self,
+        shard: &mut Elems,
+        slot: usize,
+        piece: usize,
+        master: &[f32],
+    ) -> Result<(), HsdpError> {
+        let units = slot * self.piece_units..(slot + 1) * self.piece_units;
+        match shard {
+            Elems::F32(v) => debug_assert_eq!(&v[units], master),
+            Elems::Bf16(v) => v[units]
+                .iter_mut()
+                .zip(master)
+                .for_each(|(d, &m)| *d = bf16::from_f32(m)),
+            Elems::U8(v) => self.encode_piece(piece, master, &mut v[units])?,
+        }
+        Ok(())
+    }
+
+    /// The bytes of `section` that view `v` occupies in a piece holding the sections of `part`.
+    fn bytes_of(&self, v: &UpdateView, section: Section, part: Part) -> Range<usize> {
+        let r = range(&v.bytes_in(section));
+        let at = self.section_starts[section as usize] - self.part_range(part).start;
+        at + r.start..at + r.end
+    }
+
+    /// Encodes piece `p`'s views (banded layout) from its fp32 elements.
+    fn encode_piece(&self, p: usize, master: &[f32], out: &mut [u8]) -> Result<(), HsdpError> {
+        out.fill(0);
+        let err = |e: sshsdp_mx::MxError| HsdpError::Failed(format!("MXFP8 encode: {e}"));
+        for v in &self.views[p] {
+            let at = us(v.master_offset);
+            let src = &master[at..at + us(v.len())];
+            match v.encoding {
+                Encoding::Mxfp8 { cols } => {
+                    let cols = us(cols);
+                    let shape = MxShape::new(src.len() / cols, cols);
+                    let (fmt, rule) = MX_FORMAT;
+                    let row = &mut out[self.bytes_of(v, Section::Row, Part::All)];
+                    let (data, scales) = row.split_at_mut(shape.row_data_bytes());
+                    sshsdp_mx::encode_rows(src, shape, fmt, rule, data, scales).map_err(err)?;
+                    let col = &mut out[self.bytes_of(v, Section::Col, Part::All)];
+                    let (data, scales) = col.split_at_mut(shape.col_data_bytes());
+                    sshsdp_mx::encode_cols(src, shape, fmt, rule, data, scales).map_err(err)?;
+                }
+                Encoding::Bf16 | Encoding::F32 => {
+                    let dst = &mut out[self.bytes_of(v, Section::Linear, Part::All)];
+                    for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
+                        d.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The compute buffer of a gathered bucket `full` (the part `which` of every piece) for
+    /// `phase`, and `full` itself when it must be kept to decode the other plane later
+    /// ([`Self::has_planes`]).
+    pub fn to_compute(
+        &self,
+        full: Elems,
+        which: Part,
+        phase: Phase,
+    ) -> Result<(Vec<f32>, Option<Elems>), HsdpError> {
+        match full {
+            Elems::F32(v) => Ok((v, None)),
+            Elems::Bf16(v) => Ok((v.iter().map(|x| x.to_f32()).collect(), None)),
+            Elems::U8(bytes) => {
+                let compute = self.decode(&bytes, which, phase)?;
+                let keep = self.has_planes() && which == Part::All;
+                Ok((compute, keep.then_some(Elems::U8(bytes))))
+            }
+        }
+    }
+
+    /// Decodes a gathered banded bucket holding the part `which` of every piece, for `phase`.
+    pub fn decode(&self, bytes: &[u8], which: Part, phase: Phase) -> Result<Vec<f32>, HsdpError> {
+        let plane = phase.plane();
+        if bytes.len() != self.gathered_units(which) || !which.holds(plane) {
+            return Err(HsdpError::Failed(format!(
+                "a gathered MXFP8 bucket of {} bytes ({which:?}) cannot be decoded for {phase:?}",
+                bytes.len(),
+            )));
+        }
+        let per_piece = self.part_range(which).len();
+        let mut out = vec![0f32; self.compute_elems];
+        for (p, views) in self.views.iter().enumerate() {
+            let piece = &bytes[p * per_piece..(p + 1) * per_piece];
+            for v in views {
+                let first = self.members[v.param - self.first].compute_start + us(v.elements.start);
+                let dst = &mut out[first..first + us(v.len())];
+                match v.encoding {
+                    Encoding::Mxfp8 { cols } => {
+                        let cols = us(cols);
+                        let shape = MxShape::new(dst.len() / cols, cols);
+                        let src = &piece[self.bytes_of(v, plane, which)];
+                        let fmt = MX_FORMAT.0;
+                        let decoded = if plane == Section::Row {
+                            let (data, scales) = src.split_at(shape.row_data_bytes());
+                            sshsdp_mx::decode_rows(data, scales, shape, fmt, dst)
+                        } else {
+                            let (data, scales) = src.split_at(shape.col_data_bytes());
+                            sshsdp_mx::decode_cols(data, scales, shape, fmt, dst)
+                        };
+                        decoded.map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
+                    }
+                    Encoding::Bf16 | Encoding::F32 => {
+                        let src = &piece[self.bytes_of(v, Section::Linear, which)];
+                        for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                            *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sshsdp_plan::{DType, Mesh, ParamSpec, PlanConfig, Role, Sharding};
+
+    fn plan(world: usize, format: RuntimeFormat) -> Plan {
+        let specs = vec![
+            ParamSpec::new("a.weight", vec![70, 96], DType::F32).with_role(Role::Matrix),
+            ParamSpec::new("a.bias", vec![96], DType::F32),
+            ParamSpec::new("b.weight", vec![256, 64], DType::F32).with_role(Role::Matrix),
+        ];
+        let mut config = PlanConfig::default()
+            .with_format(format)
+            .with_sharding(Sharding::Hierarchical);
+        config.mx_max_padding = 1.0;
+        Plan::build(specs, Mesh::flat(world).unwrap(), config).unwrap()
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u32).wrapping_mul(2654435761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
+            .collect()
+    }
+
+    /// Every bucket encoded piece by piece at `world` pieces and decoded again.
+    fn round_trip(world: usize, phase: Phase) -> Vec<Vec<f32>> {
+        let plan = plan(world, RuntimeFormat::Mxfp8);
+        let mut out = Vec::new();
+        for b in 0..plan.buckets().len() {
+            let codec = BucketCodec::new(&plan, b);
+            let mut space = vec![0f32; codec.bucket_elems()];
+            let members = &plan.params()[plan.buckets()[b].params.clone()];
+            for (k, p) in members.iter().enumerate() {
+                codec.place(k, &values(p.spec.numel() as usize, k as u32), &mut space);
+            }
+            let Elems::U8(bytes) = codec.encode(0, space).unwrap() else {
+                panic!("MXFP8 buckets hold bytes")
+            };
+            let compute = codec.decode(&bytes, Part::All, phase).unwrap();
+            // A pass's own part decodes to the same values.
+            let range = codec.part_range(phase.part());
+            let part: Vec<u8> = bytes
+                .chunks(codec.piece_units)
+                .flat_map(|piece| piece[range.clone()].to_vec())
+                .collect();
+            let own = codec.decode(&part, phase.part(), phase).unwrap();
+            assert_eq!(own, compute);
+            for (k, p) in members.iter().enumerate() {
+                let at = codec.compute_start(k);
+                out.push(compute[at..at + p.spec.numel() as usize].to_vec());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn banded_mxfp8_decodes_the_same_at_every_world_size() {
+        for phase in [Phase::Forward, Phase::Backward] {
+            let one = round_trip(1, phase);
+            for world in [2, 3, 4, 8] {
+                assert_eq!(round_trip(world, phase), one, "world {world}, {phase:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn banded_mxfp8_matches_the_reference_codec_and_bf16_fallback() {
+        let plan = plan(4, RuntimeFormat::Mxfp8);
+        let decoded = round_trip(4, Phase::Forward);
+        let mut i = 0;
+        for b in 0..plan.buckets().len() {
+            for (k, p) in plan.params()[plan.buckets()[b].params.clone()]
+                .iter()
+                .enumerate()
+            {
+                let v = values(p.spec.numel() as usize, k as u32);
+                let expect: Vec<f32> = match p.encoding() {
+                    Encoding::Mxfp8 { cols } => {
+                        // The whole matrix's column-wise plane, encoded in one piece.
+                        let shape = MxShape::new(v.len() / cols as usize, cols as usize);
+                        let mut data = vec![0u8; shape.col_data_bytes()];
+                        let mut scales = vec![0u8; shape.col_scale_bytes()];
+                        let (fmt, rule) = MX_FORMAT;
+                        sshsdp_mx::encode_cols(&v, shape, fmt, rule, &mut data, &mut scales)
+                            .unwrap();
+                        let mut out = vec![0f32; v.len()];
+                        sshsdp_mx::decode_cols(&data, &scales, shape, fmt, &mut out).unwrap();
+                        out
+                    }
+                    _ => v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
+                };
+                assert_eq!(decoded[i], expect, "{}", p.spec.path);
+                i += 1;
+            }
+        }
+        assert!(plan.fallbacks().iter().any(|f| f.path == "a.bias"));
+    }
+
+    #[test]
+    fn the_plans_band_sizes_are_the_reference_codecs() {
+        let plan = plan(3, RuntimeFormat::Mxfp8);
+        for v in plan.buckets().iter().flat_map(|b| b.views.iter().flatten()) {
+            if let Encoding::Mxfp8 { cols } = v.encoding {
+                let shape = MxShape::new(us(v.len() / cols), us(cols));
+                let row = shape.row_data_bytes() + shape.row_scale_bytes();
+                let col = shape.col_data_bytes() + shape.col_scale_bytes();
+                assert_eq!(range(&v.row).len(), row);
+                assert_eq!(range(&v.col).len(), col);
+            }
+        }
+    }
+
+    #[test]
+    fn segments_cover_each_parameter_once() {
+        for format in [
+            RuntimeFormat::F32,
+            RuntimeFormat::Bf16,
+            RuntimeFormat::Mxfp8,
+        ] {
+            for world in [1, 2, 4] {
+                let plan = plan(world, format);
+                for b in 0..plan.buckets().len() {
+                    let codec = BucketCodec::new(&plan, b);
+                    let mut seen = vec![0u8; codec.bucket_elems()];
+                    for k in 0..codec.len() {
+                        let numel: usize = codec.shape(k).iter().product();
+                        let segments = &codec.members[k].segments;
+                        let covered: usize = segments.iter().map(|s| s.len).sum();
+                        assert_eq!(covered, numel);
+                        for s in segments {
+                            seen[s.bucket..s.bucket + s.len]
+                                .iter_mut()
+                                .for_each(|x| *x += 1);
+                        }
+                    }
+                    assert!(seen.iter().all(|&x| x <= 1), "{format:?} world {world}");
+                }
+            }
+        }
+    }
+}
