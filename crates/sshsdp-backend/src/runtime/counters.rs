@@ -1,0 +1,28 @@
+//! What a step moved and copied, for benchmarks, the projection's cross-check and tests.
+
+/// Bytes moved and copied since the last [`super::Runtime::take_counters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Bytes received by bucket all-gathers (forward and backward).
+    pub gathered_bytes: u64,
+    /// Bytes of full-bucket gradients entering reductions.
+    pub reduced_bytes: u64,
+    /// Parameter bytes copied outside collectives and re-derivation (0 on the zero-copy path).
+    pub param_bytes_copied: u64,
+    /// Gradient bytes copied from autodiff's tensors into bucket gradient buffers.
+    pub grad_bytes_copied: u64,
+    /// Bucket gathers.
+    pub gathers: u64,
+    /// Of those, gathers queued ahead of use (prefetched in the previous step's order).
+    pub prefetched: u64,
+    /// Gathers during backward (buckets released after forward and needed again).
+    pub backward_gathers: u64,
+    /// Most bytes of gathered (compute-dtype) buckets held at once.
+    pub peak_resident_bytes: u64,
+    /// Bytes of compute-dtype (f32) parameters produced by widening (bf16) or decoding (MXFP8)
+    /// gathered buckets; 0 for f32 runtime parameters.
+    pub decoded_bytes: u64,
+    /// Updates skipped because the gradient was not finite
+    /// ([`crate::NonFinitePolicy::SkipStep`]).
+    pub skipped_steps: u64,
+}

@@ -1,0 +1,492 @@
+//! The per-rank runtime, composed of stages with named state (after PyTorch FSDP2's
+//! `FSDPParamGroup`), each in its own module:
+//!
+//! | stage | module | state | transitions |
+//! |---|---|---|---|
+//! | storage + residency | [`residency`] | `BucketStorage` (runtime shard, fp32 master), `Residency` | `Sharded → Gathering → Unsharded(pass) → Sharded` |
+//! | schedule | [`schedule`] | `Schedule` (order of use, pass) | gather · prefetch next · release |
+//! | gradient sync | [`grad_sync`] | `GradSync` (full-bucket gradients, pending counts, reductions) | accumulate · reduce · collect |
+//! | update | [`update`] | masters and reduced pieces | norm · step · re-derive · rebuild |
+//!
+//! This module composes them: [`Runtime::view`] (an op meets a parameter handle) makes the
+//! bucket resident through the schedule and residency stages, autodiff's hooks drive gradient
+//! sync, and [`Runtime::update_pieces`] runs the update stage. Where parameters sit in a
+//! bucket's fp32 element space and runtime units is the plan's layout
+//! ([`sshsdp_plan::Bucket`]), encoded and decoded by each bucket's [`BucketCodec`].
+//!
+//! Every stage's state lives in one [`State`] behind one mutex: an op, a gradient hook and an
+//! update never interleave within a rank. Collectives run on the communication lanes
+//! ([`crate::worker`]); the model thread only queues them and waits for replies.
+//!
+//! Errors inside ops (a failed gather during forward or backward) cannot be returned through
+//! Burn's op signatures: the runtime records the failure, hands out zeros from then on (no
+//! further collectives, so no hang), and the next [`Runtime::update_pieces`] returns the error.
+
+mod counters;
+mod grad_sync;
+mod residency;
+mod schedule;
+mod update;
+
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use burn_backend::distributed::DistributedParamId;
+use burn_backend::{read_sync, Backend, Shape};
+use sshsdp_plan::{Part, Plan};
+
+pub use counters::Counters;
+pub use update::{Piece, UpdateGroup};
+
+use crate::codec::BucketCodec;
+use crate::comm::MeshComm;
+use crate::config::{HsdpConfig, NonFinitePolicy};
+use crate::error::HsdpError;
+use crate::storage::Elems;
+use crate::tensor::{HsdpFloat, ParamHandle};
+use crate::views::with_f32_values;
+use crate::worker::Worker;
+use grad_sync::GradSync;
+use residency::{BucketStorage, Materialiser};
+use schedule::Schedule;
+
+/// Re-registers a parameter's autodiff leaf in a fresh graph, given the parameter's primitive:
+/// how the runtime keeps leaves that a backward consumed usable by the next forward (see
+/// [`crate::ShardableBackend::leaf_rearm`]).
+pub type LeafRearm<B> = Arc<dyn Fn(HsdpFloat<B>) + Send + Sync>;
+
+/// Every stage's mutable state.
+pub(crate) struct State<B: Backend> {
+    storage: Vec<BucketStorage<B>>,
+    schedule: Schedule,
+    grads: GradSync,
+    /// Bytes of the gathered buckets held now.
+    resident_bytes: u64,
+    failure: Option<String>,
+    counters: Counters,
+    /// The global gradient norm of the last update.
+    last_grad_norm: Option<f64>,
+}
+
+impl<B: Backend> State<B> {
+    /// Releases bucket `b`'s materialised parameters.
+    fn release(&mut self, b: usize) {
+        self.resident_bytes -= self.storage[b].release();
+    }
+}
+
+/// One rank's sharded parameters.
+pub struct Runtime<B: Backend> {
+    plan: Plan,
+    piece_in_shard: usize,
+    world_rank: usize,
+    codecs: Vec<BucketCodec>,
+    materialiser: Materialiser<B>,
+    non_finite: NonFinitePolicy,
+    state: Mutex<State<B>>,
+    worker: Worker,
+    ids: OnceLock<Vec<DistributedParamId>>,
+    /// Per parameter, how to re-register its current autodiff leaf (`None` without autodiff or
+    /// gradient). Kept apart from `state`: re-registering takes Burn's graph locks.
+    leaves: Mutex<Vec<Option<LeafRearm<B>>>>,
+}
+
+impl<B: Backend> Runtime<B> {
+    /// The runtime of `plan` on this rank: `shards` are this rank's runtime shards of every
+    /// bucket as fp32 elements (encoded here), `comm` becomes the communication lanes'.
+    pub(crate) fn new(
+        plan: Plan,
+        device: B::Device,
+        comm: Box<dyn MeshComm>,
+        codecs: Vec<BucketCodec>,
+        shards: Vec<Vec<f32>>,
+        config: &HsdpConfig,
+    ) -> Result<Self, HsdpError> {
+        let rank = comm.world_rank();
+        let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
+        let first_piece = plan.runtime_shard_of(rank)? * plan.pieces_per_shard();
+        let format = plan.config().runtime_format;
+        let storage = shards
+            .into_iter()
+            .zip(&codecs)
+            .map(|(shard, codec)| {
+                let pe = codec.piece_elems();
+                let master = (format != sshsdp_plan::RuntimeFormat::F32)
+                    .then(|| shard[piece_in_shard * pe..(piece_in_shard + 1) * pe].to_vec());
+                Ok(BucketStorage::new(
+                    codec.encode(first_piece, shard)?,
+                    master,
+                ))
+            })
+            .collect::<Result<Vec<_>, HsdpError>>()?;
+        let worker = Worker::start(comm, plan.config().sharding, rank)?;
+        let leaves = Mutex::new(vec![None; plan.params().len()]);
+        let buckets = storage.len();
+        Ok(Self {
+            plan,
+            piece_in_shard,
+            world_rank: rank,
+            codecs,
+            materialiser: Materialiser {
+                device,
+                copy_mode: config.copy_mode,
+            },
+            non_finite: config.non_finite,
+            worker,
+            leaves,
+            state: Mutex::new(State {
+                storage,
+                schedule: Schedule::new(config.reshard_after_forward),
+                grads: GradSync::new(buckets),
+                resident_bytes: 0,
+                failure: None,
+                counters: Counters::default(),
+                last_grad_norm: None,
+            }),
+            ids: OnceLock::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<B>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the gradient-routing ids of the parameters (by plan index), once.
+    pub(crate) fn set_ids(&self, ids: Vec<DistributedParamId>) {
+        let _ = self.ids.set(ids);
+    }
+
+    /// The gradient-routing id of parameter `index`.
+    pub(crate) fn id(&self, index: usize) -> DistributedParamId {
+        self.ids.get().expect("ids are set at registration")[index]
+    }
+
+    /// Records how to re-register parameter `index`'s current autodiff leaf.
+    pub(crate) fn set_leaf(&self, index: usize, rearm: Option<LeafRearm<B>>) {
+        self.leaves.lock().unwrap_or_else(|p| p.into_inner())[index] = rearm;
+    }
+
+    /// After a backward that consumed the leaves of parameters `indices` (Burn removes a
+    /// graph's nodes, leaves included, once it has run backward through them): registers each
+    /// leaf again, so the module's parameters take part in the next backward as they are — a
+    /// second micro-batch of gradient accumulation routes its gradients like the first.
+    /// Called on the backward's thread after Burn released its graph locks.
+    pub(crate) fn rearm_leaves(self: &Arc<Self>, indices: &[usize]) {
+        let rearms: Vec<(usize, LeafRearm<B>)> = {
+            let leaves = self.leaves.lock().unwrap_or_else(|p| p.into_inner());
+            indices
+                .iter()
+                .filter_map(|&i| leaves[i].clone().map(|r| (i, r)))
+                .collect()
+        };
+        for (index, rearm) in rearms {
+            let p = &self.plan.params()[index];
+            rearm(HsdpFloat::Param(ParamHandle {
+                runtime: self.clone(),
+                index,
+                shape: Shape::from(p.spec.shape.clone()),
+            }));
+        }
+    }
+
+    /// The plan this runtime follows.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The part of bucket `b` a gather for the current pass moves.
+    fn part(&self, st: &State<B>, b: usize) -> Part {
+        let has_planes = self.codecs[b].has_planes();
+        st.schedule.part(
+            has_planes,
+            self.plan.pieces_per_shard(),
+            st.schedule.phase(),
+        )
+    }
+
+    /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.
+    pub(crate) fn view(&self, index: usize) -> B::FloatTensorPrimitive {
+        let p = &self.plan.params()[index];
+        let shape = Shape::from(p.spec.shape.clone());
+        let zeros = |shape| {
+            B::float_zeros(
+                shape,
+                &self.materialiser.device,
+                burn_backend::FloatDType::F32,
+            )
+        };
+        let mut st = self.lock();
+        let b = p.bucket;
+        if !self.make_resident(&mut st, b) {
+            return zeros(shape);
+        }
+        let phase = st.schedule.phase();
+        let stale = st.storage[b]
+            .resident()
+            .is_some_and(|r| r.phase != phase && self.codecs[b].has_planes());
+        if stale {
+            // MXFP8: the other pass's plane, decoded from the kept runtime bytes or gathered.
+            let r = st.storage[b].take_resident().expect("resident");
+            st.resident_bytes -= r.bytes;
+            let ok = match r.gathered {
+                Some(gathered) => self.install(&mut st, b, gathered, Part::All),
+                None => self.make_resident(&mut st, b),
+            };
+            if !ok {
+                return zeros(shape);
+            }
+        }
+        let k = index - self.plan.buckets()[b].params.start;
+        st.storage[b].resident().expect("made resident").params[k].clone()
+    }
+
+    /// Gathers bucket `b` if it is not resident (waiting for its prefetch if one is in flight),
+    /// then prefetches the bucket the schedule expects next; `false` after a failure.
+    fn make_resident(&self, st: &mut State<B>, b: usize) -> bool {
+        if st.storage[b].resident().is_some() {
+            return true;
+        }
+        if st.failure.is_some() {
+            return false;
+        }
+        let which = self.part(st, b);
+        let reply = match st.storage[b].take_gather() {
+            Some((reply, queued)) if queued == which => {
+                st.counters.prefetched += 1;
+                reply
+            }
+            Some((reply, _)) => {
+                // Queued for the other pass (every rank queued it): complete it, gather again.
+                if let Err(e) = reply.wait() {
+                    st.failure = Some(e.to_string());
+                    return false;
+                }
+                self.start_gather(st, b, which)
+            }
+            None => self.start_gather(st, b, which),
+        };
+        let full = match reply.wait() {
+            Ok(full) => full,
+            Err(e) => {
+                st.failure = Some(e.to_string());
+                return false;
+            }
+        };
+        self.count_gather(st, &full);
+        if !self.install(st, b, full, which) {
+            return false;
+        }
+        if st.schedule.in_backward() {
+            st.counters.backward_gathers += 1;
+        }
+        let buckets = st.storage.len();
+        for other in st.schedule.gathered(b, buckets) {
+            st.release(other);
+        }
+        self.prefetch_after(st, b);
+        true
+    }
+
+    /// Queues the gather of the bucket the schedule expects after `b`, so it runs on the
+    /// communication lane while `b` computes.
+    fn prefetch_after(&self, st: &mut State<B>, b: usize) {
+        let Some(next) = st.schedule.next_after(b) else {
+            return;
+        };
+        if st.storage[next].is_sharded() {
+            let part = self.part(st, next);
+            let reply = self.start_gather(st, next, part);
+            st.storage[next].residency = residency::Residency::Gathering { reply, part };
+        }
+    }
+
+    /// Queues the all-gather of `part` of bucket `b`'s runtime shards.
+    fn start_gather(&self, st: &mut State<B>, b: usize, part: Part) -> crate::worker::Reply<Elems> {
+        let State {
+            storage, counters, ..
+        } = st;
+        storage[b].start_gather(
+            &self.worker,
+            &self.codecs[b],
+            self.materialiser.copy_mode,
+            part,
+            counters,
+        )
+    }
+
+    /// Counts the bytes of a completed gather.
+    fn count_gather(&self, st: &mut State<B>, full: &Elems) {
+        if self.plan.config().sharding == sshsdp_plan::Sharding::Ddp {
+            // Replicated parameters are copied into a fresh tensor after each update.
+            st.counters.param_bytes_copied += full.bytes();
+        } else {
+            st.counters.gathers += 1;
+            // Every rank's part but our own.
+            let shards = self.plan.runtime_shards() as u64;
+            st.counters.gathered_bytes += full.bytes() - full.bytes() / shards;
+        }
+    }
+
+    /// Materialises the gathered units `full` as bucket `b`'s parameters for the current pass
+    /// (→ `Unsharded`); `false` after recording a failure.
+    fn install(&self, st: &mut State<B>, b: usize, full: Elems, which: Part) -> bool {
+        let phase = st.schedule.phase();
+        let resident =
+            match self
+                .materialiser
+                .install(&self.codecs[b], full, which, phase, &mut st.counters)
+            {
+                Ok(resident) => resident,
+                Err(e) => {
+                    st.failure = Some(e.to_string());
+                    return false;
+                }
+            };
+        st.release(b);
+        st.resident_bytes += resident.bytes;
+        st.counters.peak_resident_bytes = st.counters.peak_resident_bytes.max(st.resident_bytes);
+        st.storage[b].residency = residency::Residency::Unsharded(resident);
+        true
+    }
+
+    /// A backward pass starts; `indices` are the parameters that will receive a gradient.
+    pub(crate) fn begin_backward(&self, indices: &[usize]) {
+        let mut st = self.lock();
+        st.grads
+            .begin(indices.iter().map(|&i| self.plan.params()[i].bucket));
+        st.schedule.set_backward(!indices.is_empty());
+        if st.schedule.reshards() && st.failure.is_none() {
+            // The last bucket of forward is the first of backward: it stays; prefetch the one
+            // before it.
+            if let Some(last) = st.schedule.last_forward() {
+                if st.storage[last].resident().is_some() {
+                    self.prefetch_after(&mut st, last);
+                }
+            }
+        }
+    }
+
+    /// Parameter `index`'s final gradient: accumulate it into its bucket; reduce the bucket once
+    /// every expected gradient has arrived.
+    pub(crate) fn submit_gradient(&self, index: usize, grad: B::FloatTensorPrimitive) {
+        let p = &self.plan.params()[index];
+        let b = p.bucket;
+        let k = index - self.plan.buckets()[b].params.start;
+        let accumulated = with_f32_values::<B, _>(grad, |values| {
+            let mut st = self.lock();
+            let complete = st.grads.accumulate(b, &self.codecs[b], k, values);
+            st.counters.grad_bytes_copied += 4 * values.len() as u64;
+            (st, complete)
+        });
+        let (mut st, complete) = match accumulated {
+            Ok(done) => done,
+            Err(e) => {
+                self.lock().failure = Some(format!("reading the gradient of {}: {e}", p.spec.path));
+                return;
+            }
+        };
+        if complete {
+            let bytes = st
+                .grads
+                .reduce(b, &self.worker, self.codecs[b].piece_elems());
+            st.counters.reduced_bytes += bytes;
+            if st.schedule.reshards() {
+                // Every gradient of the bucket is in: backward needs its parameters no more.
+                st.release(b);
+            }
+            if st.grads.complete() {
+                st.schedule.set_backward(false);
+            }
+        }
+    }
+
+    /// Runs the optimizer on this rank's pieces and rebuilds the runtime shards.
+    ///
+    /// `step(pieces, group)` updates each piece's fp32 master elements in place from its
+    /// world-averaged gradient; `group` runs the optimizer's own collectives (the same on every
+    /// rank, in the same order). Buckets that received no gradient are not among the pieces.
+    /// Afterwards each piece's runtime elements are re-derived from its master (bf16, MXFP8),
+    /// the runtime shards rebuilt, and every gathered bucket released, so the next forward
+    /// gathers the new values.
+    pub fn update_pieces(
+        &self,
+        step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        update::run(self, &mut self.lock(), false, step)
+    }
+
+    /// Hands every bucket's piece to `f` (gradients empty, pending gradients left alone), then
+    /// re-derives and rebuilds the runtime shards as after an update: for checkpoints, which
+    /// read or overwrite the fp32 masters.
+    pub fn master_pieces(
+        &self,
+        f: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        update::run(self, &mut self.lock(), true, f)
+    }
+
+    /// Closes a step (applied or not): completes the gathers prefetched for a use that did not
+    /// come, releases every gathered bucket (the next forward gathers the current values) and
+    /// keeps this step's order of use for the next step's prefetch.
+    fn end_step(&self, st: &mut State<B>) -> Result<(), HsdpError> {
+        for b in 0..st.storage.len() {
+            // A prefetch this step did not use still completed on every rank: drop its result.
+            if let Some((reply, _)) = st.storage[b].take_gather() {
+                if let Err(e) = reply.wait() {
+                    st.failure = Some(e.to_string());
+                    return Err(e.into());
+                }
+            }
+            st.release(b);
+        }
+        st.schedule.end_step();
+        Ok(())
+    }
+
+    /// The global gradient norm measured by the last update (`None` before the first).
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.lock().last_grad_norm
+    }
+
+    /// The counters since the last call, reset to zero.
+    pub fn take_counters(&self) -> Counters {
+        std::mem::take(&mut self.lock().counters)
+    }
+
+    /// A copy of parameter `index`'s current values, gathered (for checks and export).
+    pub fn param_values(&self, index: usize) -> Result<Vec<f32>, HsdpError> {
+        let view = self.view(index);
+        if let Some(f) = &self.lock().failure {
+            return Err(HsdpError::Failed(f.clone()));
+        }
+        read_sync(B::float_into_data(view))
+            .map_err(|e| HsdpError::Failed(format!("{e:?}")))?
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| HsdpError::Failed(format!("{e:?}")))
+    }
+
+    /// This rank's index in the world.
+    pub fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+
+    /// Bytes of this rank's persistent runtime shards.
+    pub fn shard_bytes(&self) -> u64 {
+        self.lock().storage.iter().map(|b| b.shard.bytes()).sum()
+    }
+
+    /// Bytes of this rank's separate fp32 master pieces (0 in the f32 runtime format, where the
+    /// runtime shard holds them).
+    pub fn master_bytes(&self) -> u64 {
+        self.lock()
+            .storage
+            .iter()
+            .map(|b| b.master.as_ref().map_or(0, |m| 4 * m.len() as u64))
+            .sum()
+    }
+
+    /// The device parameters are gathered on.
+    pub fn device(&self) -> &B::Device {
+        &self.materialiser.device
+    }
+}

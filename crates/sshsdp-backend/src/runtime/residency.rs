@@ -1,0 +1,197 @@
+//! The storage and residency stage: each bucket's persistent storage (this rank's runtime shard
+//! and, unless the runtime format is f32, the fp32 master of its piece) and where the bucket
+//! stands in a step, as FSDP2 names it: `Sharded` (only the shard), `Gathering` (an all-gather
+//! queued ahead of use), `Unsharded` (parameters materialised for one pass, as views into the
+//! decoded bucket). The transitions are [`BucketStorage::start_gather`] (→ `Gathering`),
+//! [`Materialiser::install`] after the gather completes (→ `Unsharded`) and
+//! [`BucketStorage::release`] (→ `Sharded`).
+
+use std::sync::Arc;
+
+use burn_backend::{Backend, TensorData};
+use sshsdp_plan::Part;
+
+use super::Counters;
+use crate::codec::{BucketCodec, Phase};
+use crate::config::CopyMode;
+use crate::storage::Elems;
+use crate::views::{bucket_views, Member};
+use crate::worker::{Reply, Worker};
+use crate::HsdpError;
+
+/// A gathered bucket: each parameter's tensor — a view into the decoded buffer (zero-copy
+/// mode) or a copy of its part of it (FSDP2-style). The views keep the buffer alive.
+pub(super) struct Resident<B: Backend> {
+    /// The parameters, in bucket order.
+    pub params: Vec<B::FloatTensorPrimitive>,
+    /// Bytes of the compute buffer and of the kept runtime units.
+    pub bytes: u64,
+    /// The pass the parameters were decoded for.
+    pub phase: Phase,
+    /// The gathered runtime units, kept when the other pass decodes other values (MXFP8).
+    pub gathered: Option<Elems>,
+}
+
+/// Where a bucket stands in a step.
+pub(super) enum Residency<B: Backend> {
+    /// Only this rank's runtime shard is held.
+    Sharded,
+    /// An all-gather of `part` of every shard is queued on the communication lanes.
+    Gathering {
+        /// The gather's result, on its way.
+        reply: Reply<Elems>,
+        /// What it moves.
+        part: Part,
+    },
+    /// The parameters are materialised.
+    Unsharded(Resident<B>),
+}
+
+/// One bucket's storage on this rank.
+pub(super) struct BucketStorage<B: Backend> {
+    /// This rank's runtime shard (`1/S` of the bucket, in the runtime format), persistent.
+    pub shard: Arc<Elems>,
+    /// The fp32 master of this rank's piece when the runtime format is not f32 (in f32 the
+    /// piece's runtime elements are the master).
+    pub master: Option<Vec<f32>>,
+    /// Where the bucket stands.
+    pub residency: Residency<B>,
+}
+
+impl<B: Backend> BucketStorage<B> {
+    /// A sharded bucket.
+    pub fn new(shard: Elems, master: Option<Vec<f32>>) -> Self {
+        Self {
+            shard: Arc::new(shard),
+            master,
+            residency: Residency::Sharded,
+        }
+    }
+
+    /// The materialised parameters, if any.
+    pub fn resident(&self) -> Option<&Resident<B>> {
+        match &self.residency {
+            Residency::Unsharded(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// Whether only the shard is held (no gather queued, nothing materialised).
+    pub fn is_sharded(&self) -> bool {
+        matches!(self.residency, Residency::Sharded)
+    }
+
+    /// Drops the materialised parameters (their views go, and the buffer with them once no op
+    /// holds one); returns the bytes freed. A queued gather stays queued.
+    pub fn release(&mut self) -> u64 {
+        self.take_resident().map_or(0, |r| r.bytes)
+    }
+
+    /// Takes the materialised parameters out (→ `Sharded`).
+    pub fn take_resident(&mut self) -> Option<Resident<B>> {
+        match std::mem::replace(&mut self.residency, Residency::Sharded) {
+            Residency::Unsharded(r) => Some(r),
+            other => {
+                self.residency = other;
+                None
+            }
+        }
+    }
+
+    /// Takes a queued gather out (→ `Sharded`).
+    pub fn take_gather(&mut self) -> Option<(Reply<Elems>, Part)> {
+        match std::mem::replace(&mut self.residency, Residency::Sharded) {
+            Residency::Gathering { reply, part } => Some((reply, part)),
+            other => {
+                self.residency = other;
+                None
+            }
+        }
+    }
+
+    /// Queues the all-gather of `part` of every rank's shard (the result is returned, not
+    /// stored: the caller waits for it or records it as a prefetch).
+    pub fn start_gather(
+        &self,
+        worker: &Worker,
+        codec: &BucketCodec,
+        copy_mode: CopyMode,
+        part: Part,
+        counters: &mut Counters,
+    ) -> Reply<Elems> {
+        // Gather straight into a fresh buffer that then becomes the tensor's storage: the
+        // collective writes every byte (our own shard included), nothing is copied around it.
+        let input = match copy_mode {
+            CopyMode::ZeroCopy => self.shard.clone(),
+            CopyMode::Fsdp2Style => {
+                // Copy-in: the local shard is staged into the all-gather input.
+                counters.param_bytes_copied += self.shard.bytes();
+                Arc::new((*self.shard).clone())
+            }
+        };
+        // The whole shard (one or more pieces), or one pass's part of its single piece.
+        let range = match part {
+            Part::All => 0..input.len(),
+            _ => codec.part_range(part),
+        };
+        worker.gather(input, range, codec.gathered_units(part))
+    }
+}
+
+/// Turns gathered runtime units into parameters of `B`.
+pub(super) struct Materialiser<B: Backend> {
+    /// The device parameters live on.
+    pub device: B::Device,
+    /// Views into the bucket, or copies (the FSDP2-style baseline).
+    pub copy_mode: CopyMode,
+}
+
+impl<B: Backend> Materialiser<B> {
+    /// The gathered units `full` (the part `which` of every piece) decoded for `phase` and
+    /// handed out as one tensor per member.
+    pub fn install(
+        &self,
+        codec: &BucketCodec,
+        full: Elems,
+        which: Part,
+        phase: Phase,
+        counters: &mut Counters,
+    ) -> Result<Resident<B>, HsdpError> {
+        let decodes = !matches!(full, Elems::F32(_));
+        let (compute, gathered) = codec.to_compute(full, which, phase)?;
+        if decodes {
+            counters.decoded_bytes += 4 * compute.len() as u64;
+        }
+        let bytes = 4 * compute.len() as u64 + gathered.as_ref().map_or(0, Elems::bytes);
+        let params = match self.copy_mode {
+            CopyMode::ZeroCopy => {
+                // The compute buffer becomes the bucket's storage (a move, not a copy); each
+                // parameter is a view into it.
+                let members: Vec<Member> = (0..codec.len())
+                    .map(|k| Member {
+                        start: codec.compute_start(k),
+                        shape: codec.shape(k).to_vec(),
+                    })
+                    .collect();
+                bucket_views::<B>(compute, &members, &self.device)
+            }
+            CopyMode::Fsdp2Style => (0..codec.len())
+                // Copy-out: each parameter gets a tensor of its own.
+                .map(|k| {
+                    let start = codec.compute_start(k);
+                    let numel = codec.shape(k).iter().product::<usize>();
+                    let values = compute[start..start + numel].to_vec();
+                    counters.param_bytes_copied += 4 * values.len() as u64;
+                    let data = TensorData::new(values, codec.shape(k).to_vec());
+                    B::float_from_data(data, &self.device)
+                })
+                .collect(),
+        };
+        Ok(Resident {
+            params,
+            bytes,
+            phase,
+            gathered,
+        })
+    }
+}
