@@ -12,6 +12,8 @@
 //! - [`comm`]: collectives (the `Collective` trait, threads/MPI/NCCL engines, hierarchical
 //!   gradient paths).
 
+#![deny(missing_docs)]
+
 pub mod models;
 
 pub use sshsdp_backend as backend;

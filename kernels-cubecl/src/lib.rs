@@ -37,7 +37,7 @@
 //! [`check`] is the device check behind the `gpu_check` (CUDA) and `gpu_check_wgpu` binaries
 //! and `scripts/gpu_check.sh`.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod adamw;
 pub mod check;

@@ -20,6 +20,8 @@
 //! final gradient to the runtime, which accumulates it into the bucket's gradient buffer and
 //! reduces the bucket (reduce-scatter in the shard group, then across replicas) once complete.
 
+#![deny(missing_docs)]
+
 mod backend;
 mod backend_ext;
 mod clip;

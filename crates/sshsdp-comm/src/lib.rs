@@ -9,6 +9,8 @@
 //!   (HSDP and the project's default), plus the post-update replica all-gather.
 //! * [`conformance`]: the test suite every engine must pass, as plain functions.
 
+#![deny(missing_docs)]
+
 mod collective;
 pub mod conformance;
 mod element;

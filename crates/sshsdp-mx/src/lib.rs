@@ -49,6 +49,8 @@
 //! x86-64 the same portable code is also instantiated inside an AVX2 function chosen at run
 //! time (the crate's only `unsafe`: calling it after `is_x86_feature_detected!("avx2")`).
 
+#![deny(missing_docs)]
+
 mod block;
 mod error;
 mod format;

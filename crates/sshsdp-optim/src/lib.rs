@@ -26,7 +26,7 @@
 //! float64 vectors from an independent numpy implementation
 //! (`tests/data/gen_muon_vectors.py`).
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod checkpoint;
 mod hybrid;

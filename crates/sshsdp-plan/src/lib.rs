@@ -26,6 +26,8 @@
 //! of the shard group (replicas hold the same piece); DDP a single piece. The three modes share
 //! every mechanism, so baselines are measured on the same machinery.
 
+#![deny(missing_docs)]
+
 mod config;
 mod error;
 pub mod format;
