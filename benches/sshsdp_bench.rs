@@ -17,14 +17,21 @@
 //! * **SS-HSDP f32 / bf16 / MXFP8** — zero-copy views, hierarchical sharding, runtime parameters
 //!   in f32, bf16 or MXFP8 (a row the backend refuses prints `n/a: <reason>`);
 //! * **… reshard** — both data paths releasing buckets after forward (FSDP2's default); their
-//!   ratio is against `Fsdp2Style reshard`.
+//!   ratio is against `Fsdp2Style reshard`;
+//! * **2×2 rows** (world 4 only, a mesh of 2 replicas × 2 shards): `Fsdp2Style HSDP` — FSDP2's
+//!   HSDP (runtime shards over the shard group, masters and optimizer state replicated across
+//!   replicas, gradients all-reduced across replicas) — against `SS-HSDP f32 2×2`, the
+//!   hierarchical default (masters and optimizer state sharded over the whole world): the
+//!   setting where SS-HSDP saves memory, which the flat-mesh rows cannot show.
 //!
 //! Columns: median step time (forward, backward, optimizer step; rank 0's clock), its ratio to
 //! `Fsdp2Style` at the same world (plain Burn: at world 1), the process's peak heap per rank from
 //! the counting allocator (`benches/common`), bytes all-gathered and bytes of gradients reduced
 //! per step from the runtime counters (rank 0), parameter bytes copied outside collectives,
-//! model-FLOPs utilisation against a matmul ceiling measured in the same run, and whether the
-//! counters equal the bytes `sshsdp::plan::projection` predicts from the plan.
+//! exposed communication (the time rank 0's model thread waited on collectives, as a share of
+//! the step: `Counters::comm_wait_ns`), model-FLOPs utilisation against a matmul ceiling
+//! measured in the same run, and whether the counters equal the bytes
+//! `sshsdp::plan::projection` predicts from the plan.
 //!
 //! Model FLOPs per step = tokens · (6·N + 12·L·d·T) (PaLM's accounting: N parameters without the
 //! token and position embedding tables, L layers, width d, context T; attention scores counted
@@ -91,6 +98,8 @@ struct Row {
     gathered: u64,
     reduced: u64,
     copied: u64,
+    /// Share of the step the model thread waited on collectives (timed steps summed).
+    exposed: f64,
     /// `None` for plain Burn (no plan); otherwise whether the counters equal the projection,
     /// and the projected (gathered, reduced) bytes.
     projection: Option<(bool, u64, u64)>,
@@ -106,9 +115,33 @@ struct Mode {
     copy: CopyMode,
     format: RuntimeFormat,
     reshard: bool,
+    /// Replicas of the mesh (1: flat).
+    replicas: usize,
     /// Name of the mode this one's ratio is against.
     baseline: &'static str,
 }
+
+/// The 2×2-mesh rows, at world 4 only.
+const MESH_MODES: [Mode; 2] = [
+    Mode {
+        name: "Fsdp2Style HSDP 2×2",
+        sharding: Sharding::Hsdp,
+        copy: CopyMode::Fsdp2Style,
+        format: RuntimeFormat::F32,
+        reshard: false,
+        replicas: 2,
+        baseline: "Fsdp2Style HSDP 2×2",
+    },
+    Mode {
+        name: "SS-HSDP f32 2×2",
+        sharding: Sharding::Hierarchical,
+        copy: CopyMode::ZeroCopy,
+        format: RuntimeFormat::F32,
+        reshard: false,
+        replicas: 2,
+        baseline: "Fsdp2Style HSDP 2×2",
+    },
+];
 
 const MODES: [Mode; 7] = [
     Mode {
@@ -117,6 +150,7 @@ const MODES: [Mode; 7] = [
         copy: CopyMode::ZeroCopy,
         format: RuntimeFormat::F32,
         reshard: false,
+        replicas: 1,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -125,6 +159,7 @@ const MODES: [Mode; 7] = [
         copy: CopyMode::Fsdp2Style,
         format: RuntimeFormat::F32,
         reshard: false,
+        replicas: 1,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -133,6 +168,7 @@ const MODES: [Mode; 7] = [
         copy: CopyMode::ZeroCopy,
         format: RuntimeFormat::F32,
         reshard: false,
+        replicas: 1,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -141,6 +177,7 @@ const MODES: [Mode; 7] = [
         copy: CopyMode::ZeroCopy,
         format: RuntimeFormat::Bf16,
         reshard: false,
+        replicas: 1,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -149,6 +186,7 @@ const MODES: [Mode; 7] = [
         copy: CopyMode::ZeroCopy,
         format: RuntimeFormat::Mxfp8,
         reshard: false,
+        replicas: 1,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -157,6 +195,7 @@ const MODES: [Mode; 7] = [
         copy: CopyMode::Fsdp2Style,
         format: RuntimeFormat::F32,
         reshard: true,
+        replicas: 1,
         baseline: "Fsdp2Style reshard",
     },
     Mode {
@@ -165,6 +204,7 @@ const MODES: [Mode; 7] = [
         copy: CopyMode::ZeroCopy,
         format: RuntimeFormat::F32,
         reshard: true,
+        replicas: 1,
         baseline: "Fsdp2Style reshard",
     },
 ];
@@ -196,6 +236,7 @@ fn plain(init: &Gpt<B>, steps: usize) -> Row {
         gathered: 0,
         reduced: 0,
         copied: 0,
+        exposed: 0.0,
         projection: None,
     }
 }
@@ -205,7 +246,8 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
     let results = ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
         let device = Default::default();
         let rank = comm.rank();
-        let config = HsdpConfig::new(Mesh::flat(world).map_err(|e| e.to_string())?)
+        let mesh = Mesh::new(mode.replicas, world / mode.replicas).map_err(|e| e.to_string())?;
+        let config = HsdpConfig::new(mesh)
             .with_sharding(mode.sharding)
             .with_copy_mode(mode.copy)
             .with_format(mode.format)
@@ -222,6 +264,7 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
         let local = BATCH / world;
         let mut times = Vec::new();
         let mut counters = Default::default();
+        let (mut waited, mut stepped) = (0.0, 0.0);
         for step in 0..WARMUP + steps {
             runtime.take_counters();
             let t = Instant::now();
@@ -230,12 +273,15 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
             model = optim
                 .step(1e-3, model, &runtime)
                 .map_err(|e| e.to_string())?;
-            if step >= WARMUP {
-                times.push(t.elapsed().as_secs_f64());
-            }
+            let secs = t.elapsed().as_secs_f64();
             counters = runtime.take_counters();
+            if step >= WARMUP {
+                times.push(secs);
+                waited += counters.comm_wait_ns as f64 * 1e-9;
+                stepped += secs;
+            }
         }
-        Ok::<_, String>((median(times), counters, projected))
+        Ok::<_, String>((median(times), counters, projected, waited / stepped))
     })
     .map_err(|e| e.to_string())?;
     // A rank that panicked or failed fails the row (every rank fails alike on a refused
@@ -244,7 +290,7 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
     for r in results {
         ranks.push(r.map_err(|_| "a rank panicked".to_string())??);
     }
-    let (secs, c, projected) = ranks.swap_remove(0);
+    let (secs, c, projected, exposed) = ranks.swap_remove(0);
     let (pg, pr) = (projected.gathered_bytes(), projected.reduced_bytes());
     Ok(Row {
         secs,
@@ -252,6 +298,7 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
         gathered: c.gathered_bytes,
         reduced: c.reduced_bytes,
         copied: c.param_bytes_copied,
+        exposed,
         projection: Some((pg == c.gathered_bytes && pr == c.reduced_bytes, pg, pr)),
     })
 }
@@ -337,7 +384,8 @@ fn main() {
     rows.push((1, "plain Burn", Ok(plain_row), None));
     for world in [1, 2, 4] {
         let mut done: Vec<(&str, Result<Row, String>)> = Vec::new();
-        for mode in &MODES {
+        let modes = MODES.iter().chain(MESH_MODES.iter().filter(|_| world == 4));
+        for mode in modes.clone() {
             eprintln!("world {world}: {}", mode.name);
             done.push((mode.name, sharded(&init, world, mode, steps)));
         }
@@ -347,7 +395,7 @@ fn main() {
                 .and_then(|(_, r)| r.as_ref().ok())
                 .map(|r| r.secs)
         };
-        let baselines: Vec<Option<f64>> = MODES.iter().map(|m| secs_of(m.baseline)).collect();
+        let baselines: Vec<Option<f64>> = modes.map(|m| secs_of(m.baseline)).collect();
         if world == 1 {
             rows[0].3 = secs_of("Fsdp2Style");
         }
@@ -371,7 +419,8 @@ fn main() {
     println!(
         "Model: GPT {LAYERS}×{D}, vocabulary {VOCAB}, sequence {SEQ}, global batch {BATCH} \
          ({:.2}M parameters, {:.2}M without embedding tables); AdamW; threads engine, flat mesh, \
-         {BUCKET_ELEMENTS}-element buckets; median of {steps} steps after {WARMUP} warm-up.",
+         {BUCKET_ELEMENTS}-element buckets (2×2 rows: 2 replicas × 2 shards); median of {steps} \
+         steps after {WARMUP} warm-up.",
         total as f64 / 1e6,
         n / 1e6
     );
@@ -386,9 +435,9 @@ fn main() {
     );
     println!(
         "| world | mode | step ms | / Fsdp2Style | peak MiB/rank | all-gathered MiB | reduced MiB \
-         | copied MiB | MFU | bytes = projection |"
+         | copied MiB | exposed comm % of step | MFU | bytes = projection |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (world, name, row, baseline) in &rows {
         match row {
             Ok(r) => {
@@ -404,17 +453,18 @@ fn main() {
                 };
                 println!(
                     "| {world} | {name} | {:.0} | {ratio} | {:.0} | {:.2} | {:.2} | {:.2} | \
-                     {:.1}% | {check} |",
+                     {:.1}% | {:.1}% | {check} |",
                     r.secs * 1e3,
                     mib(r.peak_per_rank),
                     mib(r.gathered as f64),
                     mib(r.reduced as f64),
                     mib(r.copied as f64),
+                    100.0 * r.exposed,
                     100.0 * model_flops / r.secs / ceiling,
                 );
             }
             Err(reason) => {
-                println!("| {world} | {name} | n/a: {reason} | | | | | | | |");
+                println!("| {world} | {name} | n/a: {reason} | | | | | | | | |");
             }
         }
     }
@@ -422,6 +472,8 @@ fn main() {
         "\nall-gathered: bytes received by bucket all-gathers; reduced: bytes of full-bucket fp32 \
          gradients entering reductions (reduce-scatter; all-reduce under Ddp); copied: parameter \
          bytes copied outside collectives (Fsdp2Style's copy-in/out, Ddp's replicated bucket); \
-         all per step, rank 0. / Fsdp2Style of reshard rows: against Fsdp2Style reshard."
+         all per step, rank 0; exposed comm: rank 0's model thread waiting on collectives. \
+         / Fsdp2Style of reshard rows: against Fsdp2Style reshard; of 2×2 rows: against \
+         Fsdp2Style HSDP 2×2."
     );
 }

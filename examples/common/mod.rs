@@ -81,6 +81,8 @@ pub struct Args {
     pub resume: Option<PathBuf>,
     /// `--seed N`: initial weights and data order.
     pub seed: u64,
+    /// `--trace FILE`: write a Chrome trace of every rank's communication timeline.
+    pub trace: Option<PathBuf>,
 }
 
 /// Per-example defaults of [`Args`].
@@ -118,6 +120,8 @@ Output:
   --eval-every N       steps between held-out evaluations (0: at the end only)
   --save DIR           write a sharded checkpoint at the end
   --resume DIR         continue from a checkpoint written at any world size or mesh
+  --trace FILE         Chrome-trace JSON of every collective and every wait on one (open it in
+                       Perfetto); under mpirun rank r > 0 writes FILE.rank<r>
   -h, --help           this help";
 
 /// Parses a value of option `flag`.
@@ -152,6 +156,7 @@ pub fn parse_args(
         save: None,
         resume: None,
         seed: 0,
+        trace: None,
     };
     let mut args = args.into_iter();
     while let Some(flag) = args.next() {
@@ -214,6 +219,7 @@ pub fn parse_args(
             "--out" => out.out = PathBuf::from(value()?),
             "--save" => out.save = Some(PathBuf::from(value()?)),
             "--resume" => out.resume = Some(PathBuf::from(value()?)),
+            "--trace" => out.trace = Some(PathBuf::from(value()?)),
             other => {
                 if !extra(other, &mut value)? {
                     return Err(format!("unknown option `{other}` (see --help)"));
@@ -590,7 +596,9 @@ fn train_rank<T: Task, C: Collective + Send + 'static>(
     // A second communicator for the metrics (the first moves into the runtime).
     let stats = comm.split(0, rank).map_err(|e| e.to_string())?;
     let device = Device::default();
-    let config = HsdpConfig::new(mesh).with_format(args.format);
+    let config = HsdpConfig::new(mesh)
+        .with_format(args.format)
+        .with_trace(args.trace.is_some());
     let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device)
         .map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;
     let mut optim = Optim::new(args.optim, args.clip, &device);
@@ -739,6 +747,9 @@ fn train_rank<T: Task, C: Collective + Send + 'static>(
         bar.finish();
     }
     drop(metrics);
+    if args.trace.is_some() {
+        trace_spans().extend(runtime.take_trace());
+    }
     if let Some(dir) = &args.save {
         optim.save(dir, &runtime, last as u64)?;
         if lead {
@@ -786,6 +797,32 @@ fn train_rank<T: Task, C: Collective + Send + 'static>(
         svg,
         finish,
     }))
+}
+
+/// The timeline spans the ranks of this process recorded (`--trace`).
+fn trace_spans() -> std::sync::MutexGuard<'static, Vec<sshsdp::backend::Span>> {
+    static SPANS: std::sync::Mutex<Vec<sshsdp::backend::Span>> = std::sync::Mutex::new(Vec::new());
+    SPANS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Writes the spans this process's ranks recorded to `path` (`rank`: this process's rank under
+/// MPI, whose ranks > 0 write `path.rank<r>`).
+fn write_trace(path: &Path, rank: Option<usize>) -> Result<(), String> {
+    let path = match rank {
+        Some(r) if r > 0 => PathBuf::from(format!("{}.rank{r}", path.display())),
+        _ => path.to_path_buf(),
+    };
+    let spans = std::mem::take(&mut *trace_spans());
+    std::fs::write(&path, sshsdp::backend::chrome_trace(&spans))
+        .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    if rank.unwrap_or(0) == 0 {
+        println!(
+            "trace: {} spans written to {} (open it in https://ui.perfetto.dev)",
+            spans.len(),
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Number of parameters of `model`.
@@ -843,6 +880,9 @@ pub fn run<T: Task>(task: &T, args: &Args) -> Result<Option<Report>, String> {
                     Err(_) => return Err(format!("rank {rank} panicked")),
                 }
             }
+            if let Some(path) = &args.trace {
+                write_trace(path, None)?;
+            }
             Ok(report)
         }
         #[cfg(feature = "mpi")]
@@ -859,7 +899,12 @@ pub fn run<T: Task>(task: &T, args: &Args) -> Result<Option<Report>, String> {
                     args.steps
                 );
             }
-            train_rank(task, args, mesh, comm, &init)
+            let rank = comm.rank();
+            let report = train_rank(task, args, mesh, comm, &init)?;
+            if let Some(path) = &args.trace {
+                write_trace(path, Some(rank))?;
+            }
+            Ok(report)
         }
     }
 }

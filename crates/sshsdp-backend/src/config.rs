@@ -59,6 +59,8 @@ pub struct HsdpConfig {
     pub reshard_after_forward: bool,
     /// What an update does with a non-finite gradient (default: an error on every rank).
     pub non_finite: NonFinitePolicy,
+    /// Record every collective's span for a Chrome trace (`HsdpRuntime::take_trace`).
+    pub trace: bool,
 }
 
 impl HsdpConfig {
@@ -71,7 +73,17 @@ impl HsdpConfig {
             copy_mode: CopyMode::ZeroCopy,
             reshard_after_forward: false,
             non_finite: NonFinitePolicy::Error,
+            trace: false,
         }
+    }
+
+    /// The same config recording a step timeline: every collective the lanes run and every wait
+    /// of the model thread on one, as spans for [`crate::chrome_trace`] (fetched with
+    /// `HsdpRuntime::take_trace`). The wait and busy *totals* are always counted
+    /// ([`crate::Counters::comm_wait_ns`]); spans cost a little memory per collective.
+    pub fn with_trace(mut self, trace: bool) -> Self {
+        self.trace = trace;
+        self
     }
 
     /// The same config with another policy for non-finite gradients.

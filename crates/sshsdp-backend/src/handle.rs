@@ -80,6 +80,13 @@ impl<B: Backend> HsdpRuntime<B> {
         self.runtime.take_counters()
     }
 
+    /// The step timeline's spans since the last call: every collective the communication lanes
+    /// ran and every wait of the model thread on one (empty unless
+    /// [`crate::HsdpConfig::with_trace`]). Write them with [`crate::chrome_trace`].
+    pub fn take_trace(&self) -> Vec<crate::Span> {
+        self.runtime.take_trace()
+    }
+
     /// The current values of the parameter at `path`, gathered.
     pub fn param_values(&self, path: &str) -> Result<Vec<f32>, HsdpError> {
         let index = self

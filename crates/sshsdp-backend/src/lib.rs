@@ -37,6 +37,7 @@ mod runtime;
 mod shard;
 mod storage;
 mod tensor;
+mod timeline;
 mod views;
 mod worker;
 
@@ -50,3 +51,4 @@ pub use optim::{step_slice, ShardedOptimizer, Slice};
 pub use runtime::{Counters, LeafRearm, Piece, UpdateGroup};
 pub use shard::{named_params, refresh_leaves, shard, NamedParam};
 pub use tensor::{HsdpFloat, ParamHandle};
+pub use timeline::{chrome_trace, Span, Track};

@@ -56,6 +56,7 @@ use sshsdp_plan::Sharding;
 
 use crate::comm::MeshComm;
 use crate::storage::Elems;
+use crate::timeline::{Timeline, Track};
 
 /// A request of the model thread; it enters the shard lane.
 enum Request {
@@ -122,7 +123,13 @@ pub(crate) struct Worker {
 impl Worker {
     /// Starts both lanes: the shard lane owns `comm`, the replica lane a duplicate of it (made
     /// here: a collective over the world).
-    pub fn start(comm: Box<dyn MeshComm>, sharding: Sharding, rank: usize) -> CommResult<Self> {
+    /// Each lane records its collectives in `timeline`.
+    pub fn start(
+        comm: Box<dyn MeshComm>,
+        sharding: Sharding,
+        rank: usize,
+        timeline: Arc<Timeline>,
+    ) -> CommResult<Self> {
         let replica_comm = comm.duplicate()?;
         let failure = Failure::default();
         let (tx, rx) = channel::<Request>();
@@ -133,14 +140,27 @@ impl Worker {
                 .spawn(body)
                 .map_err(|e| CommError::Engine(format!("spawning a communication thread: {e}")))
         };
-        let shard_failure = failure.clone();
+        let shard = Lane {
+            comm,
+            sharding,
+            failure: failure.clone(),
+            timeline: timeline.clone(),
+            track: Track::ShardLane,
+        };
+        let replica = Lane {
+            comm: replica_comm,
+            sharding,
+            failure,
+            timeline,
+            track: Track::ReplicaLane,
+        };
         let shard_lane = spawn(
             format!("hsdp-shard-{rank}"),
-            Box::new(move || serve_shard_lane(comm, sharding, rx, replica_tx, shard_failure)),
+            Box::new(move || serve_shard_lane(shard, rx, replica_tx)),
         )?;
         let replica_lane = spawn(
             format!("hsdp-replica-{rank}"),
-            Box::new(move || serve_replica_lane(replica_comm, sharding, replica_rx, failure)),
+            Box::new(move || serve_replica_lane(replica, replica_rx)),
         )?;
         Ok(Self {
             tx: Some(tx),
@@ -204,13 +224,25 @@ impl Drop for Worker {
     }
 }
 
-fn serve_shard_lane(
+/// What a lane thread owns: its communicators, the shared failure flag and the timeline.
+struct Lane {
     comm: Box<dyn MeshComm>,
     sharding: Sharding,
-    rx: Receiver<Request>,
-    replica: Sender<ReplicaRequest>,
     failure: Failure,
-) {
+    timeline: Arc<Timeline>,
+    track: Track,
+}
+
+impl Lane {
+    /// Runs one collective named `name` (see [`run`]), timed on this lane's track.
+    fn run<T>(&self, name: &'static str, f: impl FnOnce() -> CommResult<T>) -> CommResult<T> {
+        self.timeline
+            .span(self.track, name, None, || run(&self.failure, f))
+    }
+}
+
+fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sender<ReplicaRequest>) {
+    let (comm, sharding) = (&lane.comm, lane.sharding);
     for request in rx {
         match request {
             Request::Gather {
@@ -219,7 +251,7 @@ fn serve_shard_lane(
                 full_len,
                 reply,
             } => {
-                let r = run(&failure, || {
+                let r = lane.run("all-gather", || {
                     let mut full = shard.zeros_like(full_len);
                     comm.gather_bucket(sharding, &shard, part, &mut full)?;
                     Ok(full)
@@ -234,7 +266,9 @@ fn serve_shard_lane(
                 piece_len,
                 reply,
             } => {
-                let shard = run(&failure, || comm.reduce_within_shard_group(sharding, full));
+                let shard = lane.run("reduce (shard group)", || {
+                    comm.reduce_within_shard_group(sharding, full)
+                });
                 let _ = replica.send(ReplicaRequest::FinishReduce {
                     shard,
                     piece_len,
@@ -248,12 +282,8 @@ fn serve_shard_lane(
     }
 }
 
-fn serve_replica_lane(
-    comm: Box<dyn MeshComm>,
-    sharding: Sharding,
-    rx: Receiver<ReplicaRequest>,
-    failure: Failure,
-) {
+fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
+    let (comm, sharding) = (&lane.comm, lane.sharding);
     for request in rx {
         match request {
             ReplicaRequest::FinishReduce {
@@ -262,21 +292,21 @@ fn serve_replica_lane(
                 reply,
             } => {
                 let r = shard.and_then(|shard| {
-                    run(&failure, || {
+                    lane.run("reduce (replicas)", || {
                         comm.reduce_across_replicas(sharding, shard, piece_len)
                     })
                 });
                 let _ = reply.send(r);
             }
             ReplicaRequest::AllReduce { mut buf, reply } => {
-                let r = run(&failure, || {
+                let r = lane.run("all-reduce (update group)", || {
                     comm.all_reduce_update_group(sharding, &mut buf)?;
                     Ok(buf)
                 });
                 let _ = reply.send(r);
             }
             ReplicaRequest::GatherBytes { send, reply } => {
-                let r = run(&failure, || {
+                let r = lane.run("gradient norm", || {
                     let mut recv = vec![0u8; send.len() * comm.update_group_size(sharding)];
                     comm.all_gather_update_group_bytes(sharding, &send, &mut recv)?;
                     Ok(recv)
@@ -284,7 +314,7 @@ fn serve_replica_lane(
                 let _ = reply.send(r);
             }
             ReplicaRequest::Rebuild { mut shard, reply } => {
-                let r = run(&failure, || {
+                let r = lane.run("rebuild", || {
                     comm.rebuild_shard(sharding, &mut shard)?;
                     Ok(shard)
                 });

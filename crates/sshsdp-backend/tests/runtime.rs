@@ -9,7 +9,8 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::SgdConfig;
 use common::{batches, rows, TinyLm};
 use sshsdp_backend::{
-    named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError, ShardedOptimizer,
+    chrome_trace, named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError,
+    ShardedOptimizer, Track,
 };
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
@@ -434,5 +435,52 @@ fn reshard_after_forward_bounds_gathered_memory() {
             "{c1:?} vs {c0:?}"
         );
         assert_eq!(c1.param_bytes_copied, 0);
+    }
+}
+
+/// The step timeline: with tracing on, every gather, reduction and rebuild of a step appears as
+/// a lane span and every wait of the model thread as a model span; the totals are counted
+/// whether or not spans are recorded.
+#[test]
+fn the_step_timeline_records_every_collective_and_wait() {
+    let init = model();
+    let results = ThreadsWorld::run(2, threads(30_000), |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let config = HsdpConfig::new(Mesh::flat(2).unwrap())
+            .with_bucket_elements(1500)
+            .with_trace(true);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let buckets = runtime.plan().buckets().len();
+        let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
+        runtime.take_trace();
+        runtime.take_counters();
+        let batch = &batches(1, 8)[0];
+        let loss = model.loss(rows::<B>(batch, rank * 4, 4, &device));
+        let _ = loss.backward();
+        model = sgd.step(0.05, model, &runtime).unwrap();
+        drop(model);
+        (runtime.take_counters(), runtime.take_trace(), buckets)
+    })
+    .unwrap();
+    for (rank, r) in results.into_iter().enumerate() {
+        let (counters, spans, buckets) = r.unwrap();
+        assert!(counters.comm_busy_ns > 0 && counters.comm_wait_ns > 0);
+        let count = |track: Track, name: &str| {
+            spans
+                .iter()
+                .filter(|s| s.track == track && s.name == name && s.rank == rank)
+                .count()
+        };
+        assert_eq!(count(Track::ShardLane, "all-gather"), buckets, "{spans:?}");
+        assert_eq!(count(Track::ShardLane, "reduce (shard group)"), buckets);
+        assert_eq!(count(Track::ReplicaLane, "reduce (replicas)"), buckets);
+        assert_eq!(count(Track::ReplicaLane, "rebuild"), buckets);
+        assert_eq!(count(Track::ReplicaLane, "gradient norm"), 1);
+        assert_eq!(count(Track::Model, "wait reduction"), buckets);
+        // Every gather was waited for (directly or as a prefetch).
+        assert_eq!(count(Track::Model, "wait gather"), buckets);
+        let json = chrome_trace(&spans);
+        assert!(json.contains("\"traceEvents\"") && json.contains("all-gather"));
     }
 }

@@ -25,4 +25,9 @@ pub struct Counters {
     /// Updates skipped because the gradient was not finite
     /// ([`crate::NonFinitePolicy::SkipStep`]).
     pub skipped_steps: u64,
+    /// Nanoseconds the model thread waited on collectives (gathers in forward and backward,
+    /// reductions, the norm, rebuilds and the optimizer's exchanges): exposed communication.
+    pub comm_wait_ns: u64,
+    /// Nanoseconds the communication lanes spent running collectives (both lanes summed).
+    pub comm_busy_ns: u64,
 }

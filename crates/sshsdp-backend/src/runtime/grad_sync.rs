@@ -6,6 +6,7 @@
 //! Micro-batches of gradient accumulation reduce once each and add their pieces up.
 
 use crate::codec::BucketCodec;
+use crate::timeline::{Timeline, Track};
 use crate::worker::{Reply, Worker};
 
 /// One bucket's gradients in flight.
@@ -78,10 +79,10 @@ impl GradSync {
     }
 
     /// Waits for bucket `b`'s queued reductions and adds them into its piece; the first error.
-    pub fn collect(&mut self, b: usize) -> Result<(), String> {
+    pub fn collect(&mut self, b: usize, timeline: &Timeline) -> Result<(), String> {
         let mut first_error = None;
         for reply in std::mem::take(&mut self.buckets[b].reductions) {
-            match reply.wait() {
+            match timeline.span(Track::Model, "wait reduction", Some(b), || reply.wait()) {
                 Ok(piece) => {
                     let acc = &mut self.buckets[b].piece;
                     if acc.is_empty() {

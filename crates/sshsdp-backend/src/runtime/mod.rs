@@ -43,6 +43,7 @@ use crate::config::{HsdpConfig, NonFinitePolicy};
 use crate::error::HsdpError;
 use crate::storage::Elems;
 use crate::tensor::{HsdpFloat, ParamHandle};
+use crate::timeline::{Span, Timeline, Track};
 use crate::views::with_f32_values;
 use crate::worker::Worker;
 use grad_sync::GradSync;
@@ -84,6 +85,7 @@ pub struct Runtime<B: Backend> {
     non_finite: NonFinitePolicy,
     state: Mutex<State<B>>,
     worker: Worker,
+    timeline: Arc<Timeline>,
     ids: OnceLock<Vec<DistributedParamId>>,
     /// Per parameter, how to re-register its current autodiff leaf (`None` without autodiff or
     /// gradient). Kept apart from `state`: re-registering takes Burn's graph locks.
@@ -118,7 +120,8 @@ impl<B: Backend> Runtime<B> {
                 ))
             })
             .collect::<Result<Vec<_>, HsdpError>>()?;
-        let worker = Worker::start(comm, plan.config().sharding, rank)?;
+        let timeline = Arc::new(Timeline::new(rank, config.trace));
+        let worker = Worker::start(comm, plan.config().sharding, rank, timeline.clone())?;
         let leaves = Mutex::new(vec![None; plan.params().len()]);
         let buckets = storage.len();
         Ok(Self {
@@ -132,6 +135,7 @@ impl<B: Backend> Runtime<B> {
             },
             non_finite: config.non_finite,
             worker,
+            timeline,
             leaves,
             state: Mutex::new(State {
                 storage,
@@ -256,7 +260,7 @@ impl<B: Backend> Runtime<B> {
             }
             Some((reply, _)) => {
                 // Queued for the other pass (every rank queued it): complete it, gather again.
-                if let Err(e) = reply.wait() {
+                if let Err(e) = self.wait(b, "wait stale prefetch", reply) {
                     st.failure = Some(e.to_string());
                     return false;
                 }
@@ -264,7 +268,7 @@ impl<B: Backend> Runtime<B> {
             }
             None => self.start_gather(st, b, which),
         };
-        let full = match reply.wait() {
+        let full = match self.wait(b, "wait gather", reply) {
             Ok(full) => full,
             Err(e) => {
                 st.failure = Some(e.to_string());
@@ -311,6 +315,17 @@ impl<B: Backend> Runtime<B> {
             part,
             counters,
         )
+    }
+
+    /// Waits for `reply`, timed as the model thread's wait on bucket `b`.
+    fn wait<T>(
+        &self,
+        b: usize,
+        name: &'static str,
+        reply: crate::worker::Reply<T>,
+    ) -> sshsdp_comm::CommResult<T> {
+        self.timeline
+            .span(Track::Model, name, Some(b), || reply.wait())
     }
 
     /// Counts the bytes of a completed gather.
@@ -431,7 +446,7 @@ impl<B: Backend> Runtime<B> {
         for b in 0..st.storage.len() {
             // A prefetch this step did not use still completed on every rank: drop its result.
             if let Some((reply, _)) = st.storage[b].take_gather() {
-                if let Err(e) = reply.wait() {
+                if let Err(e) = self.wait(b, "wait unused prefetch", reply) {
                     st.failure = Some(e.to_string());
                     return Err(e.into());
                 }
@@ -449,7 +464,14 @@ impl<B: Backend> Runtime<B> {
 
     /// The counters since the last call, reset to zero.
     pub fn take_counters(&self) -> Counters {
-        std::mem::take(&mut self.lock().counters)
+        let mut counters = std::mem::take(&mut self.lock().counters);
+        (counters.comm_wait_ns, counters.comm_busy_ns) = self.timeline.take_times();
+        counters
+    }
+
+    /// The timeline's spans since the last call (empty unless `HsdpConfig::with_trace`).
+    pub fn take_trace(&self) -> Vec<Span> {
+        self.timeline.take_spans()
     }
 
     /// A copy of parameter `index`'s current values, gathered (for checks and export).

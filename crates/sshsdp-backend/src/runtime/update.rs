@@ -10,6 +10,7 @@ use burn_backend::Backend;
 
 use super::{Runtime, State};
 use crate::config::NonFinitePolicy;
+use crate::timeline::{Timeline, Track};
 use crate::worker::Worker;
 use crate::HsdpError;
 
@@ -31,6 +32,7 @@ pub struct Piece<'a> {
 /// rank alone under DDP).
 pub struct UpdateGroup<'a> {
     pub(super) worker: &'a Worker,
+    pub(super) timeline: &'a Timeline,
     pub(super) piece: usize,
     pub(super) grad_norm: f64,
 }
@@ -38,7 +40,12 @@ pub struct UpdateGroup<'a> {
 impl UpdateGroup<'_> {
     /// Element-wise sum of `buf` over the update group (every rank calls it, in the same order).
     pub fn all_reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, HsdpError> {
-        Ok(self.worker.all_reduce(buf).wait()?)
+        let reply = self.worker.all_reduce(buf);
+        Ok(self
+            .timeline
+            .span(Track::Model, "wait optimizer all-reduce", None, || {
+                reply.wait()
+            })?)
     }
 
     /// This rank's piece index (what the plan's `ns_owner` refers to).
@@ -69,7 +76,7 @@ pub(super) fn run<B: Backend>(
         )));
     }
     for b in 0..st.storage.len() {
-        if let Err(e) = st.grads.collect(b) {
+        if let Err(e) = st.grads.collect(b, &rt.timeline) {
             st.failure.get_or_insert(e);
         }
     }
@@ -141,6 +148,7 @@ pub(super) fn run<B: Backend>(
         }
         let group = UpdateGroup {
             worker: &rt.worker,
+            timeline: &rt.timeline,
             piece,
             grad_norm,
         };
@@ -160,7 +168,7 @@ pub(super) fn run<B: Backend>(
         rebuilds.push((b, rt.worker.rebuild(shard)));
     }
     for (b, reply) in rebuilds {
-        match reply.wait() {
+        match rt.wait(b, "wait rebuild", reply) {
             Ok(shard) => st.storage[b].shard = Arc::new(shard),
             Err(e) => {
                 st.failure = Some(e.to_string());
@@ -185,7 +193,11 @@ fn global_grad_norm<B: Backend>(
         .flat_map(|(_, g)| g.iter())
         .map(|&g| f64::from(g) * f64::from(g))
         .sum();
-    let all = match rt.worker.gather_bytes(local.to_le_bytes().to_vec()).wait() {
+    let reply = rt.worker.gather_bytes(local.to_le_bytes().to_vec());
+    let norm = rt
+        .timeline
+        .span(Track::Model, "wait gradient norm", None, || reply.wait());
+    let all = match norm {
         Ok(all) => all,
         Err(e) => {
             st.failure = Some(e.to_string());
