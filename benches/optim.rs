@@ -41,9 +41,10 @@ use burn::optim::AdamWConfig;
 use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig, ShardedOptimizer};
+use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
+use sshsdp::optim::ShardedOptimizer;
 use sshsdp::optim::{newton_schulz, ns_flops, MuonConfig, NsPrecision, ShardedMuon};
 use sshsdp::plan::{Mesh, Role, RoleRule, RuntimeFormat, Sharding};
 

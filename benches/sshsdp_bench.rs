@@ -49,10 +49,11 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, CopyMode, Hsdp, HsdpConfig, ShardedOptimizer};
+use sshsdp::backend::{named_params, shard, CopyMode, Hsdp, HsdpConfig};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::ShardedOptimizer;
 use sshsdp::plan::projection::{StepTraffic, TrafficOptions};
 use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 

@@ -44,10 +44,11 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainLoader, TrainOutput, TrainStep, TrainingComponents,
     TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
-use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpRuntime, ShardedOptimizer};
+use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpRuntime};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::ShardedOptimizer;
 use sshsdp::plan::Mesh;
 
 type Inner = NdArray<f32>;

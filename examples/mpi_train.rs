@@ -15,11 +15,12 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig, HsdpError, ShardedOptimizer};
+use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig, HsdpError};
 use sshsdp::comm::mpi::MpiComm;
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::{Collective, ReduceOp};
 use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::ShardedOptimizer;
 use sshsdp::plan::Mesh;
 
 type B = Autodiff<Hsdp<NdArray<f32>>>;

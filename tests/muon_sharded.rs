@@ -351,7 +351,7 @@ fn checkpoint_of_another_model_is_refused() {
 /// checkpoint exports to an ordinary unsharded Burn module holding the trained weights.
 #[test]
 fn elementwise_checkpoint_resumes_and_exports_unsharded() {
-    use sshsdp::backend::ShardedOptimizer;
+    use sshsdp::optim::ShardedOptimizer;
     let init = initial();
     let dir = scratch_dir("adamw-4-to-2");
     let run = |mesh: Mesh, steps: std::ops::Range<usize>, load: bool, save: bool| {

@@ -7,10 +7,11 @@ use std::time::Duration;
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::AdamWConfig;
 use burn::tensor::{Int, Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, Counters, Hsdp, HsdpConfig, ShardedOptimizer};
+use sshsdp::backend::{named_params, shard, Counters, Hsdp, HsdpConfig};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::ShardedOptimizer;
 use sshsdp::optim::{MuonConfig, ShardedMuon};
 use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 

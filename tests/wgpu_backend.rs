@@ -11,10 +11,11 @@ use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_wgpu::Wgpu;
-use sshsdp::backend::{shard, Hsdp, HsdpConfig, ShardedOptimizer};
+use sshsdp::backend::{shard, Hsdp, HsdpConfig};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::ShardedOptimizer;
 use sshsdp::plan::{Mesh, RuntimeFormat};
 
 const STEPS: usize = 6;

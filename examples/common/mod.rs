@@ -22,12 +22,11 @@ use burn::optim::{AdamW, AdamWConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use indicatif::{ProgressBar, ProgressStyle};
-use sshsdp::backend::{
-    named_params, shard, Hsdp, HsdpConfig, HsdpError, HsdpRuntime, ShardedOptimizer,
-};
+use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig, HsdpError, HsdpRuntime};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::{Collective, ReduceOp};
 use sshsdp::optim::checkpoint::{self, PieceStates};
+use sshsdp::optim::ShardedOptimizer;
 use sshsdp::optim::{MuonConfig, ShardedMuon, UpdateScale};
 use sshsdp::plan::{Mesh, RuntimeFormat};
 

@@ -37,7 +37,7 @@ impl<B: Backend> HsdpRuntime<B> {
     }
 
     /// Updates this rank's pieces with `step(bucket, master, grad)`, one piece at a time (see
-    /// [`crate::ShardedOptimizer`] for Burn optimizers), and rebuilds the runtime shards.
+    /// `sshsdp_optim::ShardedOptimizer` for Burn optimizers), and rebuilds the runtime shards.
     pub fn update(
         &self,
         mut step: impl FnMut(usize, &mut [f32], &[f32]) -> Result<(), HsdpError>,

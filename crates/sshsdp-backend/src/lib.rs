@@ -4,7 +4,8 @@
 //! type B = Autodiff<Hsdp<NdArray>>;
 //! let model: MyModel<B> = MyModelConfig::new().init(&device);
 //! let (model, runtime) = sshsdp_backend::shard::<B, _, _>(model, HsdpConfig::new(mesh), comm, &device)?;
-//! let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
+//! // Optimizers live in `sshsdp-optim`; the backend hands them update views.
+//! let mut optim = sshsdp_optim::ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
 //! for batch in data {
 //!     let loss = model.forward(batch);
 //!     let _ = loss.backward();          // gradients are reduce-scattered as they become final
@@ -24,14 +25,12 @@
 
 mod backend;
 mod backend_ext;
-mod clip;
 mod codec;
 mod comm;
 mod config;
 mod error;
 mod handle;
 mod ops;
-mod optim;
 mod registry;
 mod runtime;
 mod shard;
@@ -43,11 +42,9 @@ mod worker;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
-pub use clip::{clip_factor, GradClip};
 pub use config::{CopyMode, HsdpConfig, NonFinitePolicy};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
-pub use optim::{step_slice, ShardedOptimizer, Slice};
 pub use runtime::{Counters, LeafRearm, Piece, UpdateGroup};
 pub use shard::{named_params, refresh_leaves, shard, NamedParam};
 pub use tensor::{HsdpFloat, ParamHandle};

@@ -7,11 +7,11 @@
 
 use std::collections::HashMap;
 
+use crate::GradClip;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
-use sshsdp_backend::GradClip;
 use sshsdp_plan::{Role, RoleRule};
 
 use crate::{Muon, MuonState};

@@ -14,7 +14,8 @@
 //! [`ShardedMuon`] does the same on a sharded model's update pieces ([`units_of`]), with
 //! distributed owner-compute Muon: each matrix is orthogonalised exactly once per update group,
 //! on the owner the plan assigned, and matrices whole on their owner need no communication.
-//! Element-wise optimizers alone run through `sshsdp_backend::ShardedOptimizer`.
+//! Element-wise optimizers alone run through [`ShardedOptimizer`]: any Burn `SimpleOptimizer`
+//! (SGD, Adam, AdamW, …) on flat pieces, with global-norm clipping ([`GradClip`]).
 //!
 //! [`checkpoint`]: sharded checkpoint files (one safetensors file per rank), re-sharding to
 //! any world size, and Burn optimizer states as re-shardable named arrays.
@@ -29,12 +30,16 @@
 #![deny(missing_docs)]
 
 pub mod checkpoint;
+mod clip;
+mod elementwise;
 mod hybrid;
 mod muon;
 mod newton_schulz;
 mod sharded;
 mod units;
 
+pub use clip::{clip_factor, GradClip};
+pub use elementwise::{step_slice, ShardedOptimizer, Slice};
 pub use hybrid::MuonWithElementwise;
 pub use muon::{MatrixLayout, Muon, MuonConfig, MuonState, NsStats, UpdateScale};
 pub use newton_schulz::{newton_schulz, ns_flops, NsPrecision, NS_COEFFICIENTS, NS_EPS};

@@ -24,7 +24,9 @@ use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{step_slice, GradClip, HsdpError, HsdpRuntime, ShardableBackend, Slice};
+use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend};
+
+use crate::{step_slice, GradClip, Slice};
 use sshsdp_plan::Role;
 
 use crate::checkpoint::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};

@@ -3,7 +3,7 @@
 //! the final weights as JSON.
 //!
 //! Usage: `plain-burn-reference IN.json OUT.json`. The model must stay identical to
-//! `crates/sshsdp-backend/tests/common.rs` (`TinyLm`); parameters are matched by module path,
+//! `crates/sshsdp-optim/tests/common.rs` (`TinyLm`); parameters are matched by module path,
 //! and a missing or extra path is an error.
 
 use std::collections::HashMap;

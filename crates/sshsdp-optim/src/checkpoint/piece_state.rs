@@ -1,12 +1,12 @@
-//! Checkpoints of `sshsdp_backend::ShardedOptimizer`, whose state is one record per bucket
+//! Checkpoints of [`crate::ShardedOptimizer`], whose state is one record per bucket
 //! piece: saving cuts each piece's state arrays into its units; loading assembles the units of
 //! a piece back into one array per state field (padding elements zero) and decodes the record.
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::ShardedOptimizer;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
-use sshsdp_backend::ShardedOptimizer;
 
 use super::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
 use crate::units::UpdateUnit;

@@ -9,11 +9,11 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::SgdConfig;
 use common::{batches, rows, TinyLm};
 use sshsdp_backend::{
-    chrome_trace, named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError,
-    ShardedOptimizer, Track,
+    chrome_trace, named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError, Track,
 };
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
+use sshsdp_optim::ShardedOptimizer;
 use sshsdp_plan::{Mesh, RuntimeFormat, Sharding};
 
 type Inner = NdArray<f32>;

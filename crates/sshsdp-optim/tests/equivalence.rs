@@ -14,9 +14,10 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::Backend;
 use common::{batches, rows, TinyLm};
-use sshsdp_backend::{named_params, shard, Hsdp, HsdpConfig, ShardedOptimizer};
+use sshsdp_backend::{named_params, shard, Hsdp, HsdpConfig};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
+use sshsdp_optim::ShardedOptimizer;
 use sshsdp_plan::{Mesh, RuntimeFormat, Sharding};
 
 type Inner = NdArray<f32>;

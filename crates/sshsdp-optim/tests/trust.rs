@@ -19,10 +19,10 @@ use burn::tensor::Tensor;
 use common::{batches, rows, TinyLm};
 use sshsdp_backend::{
     named_params, refresh_leaves, shard, Hsdp, HsdpConfig, HsdpError, NamedParam, NonFinitePolicy,
-    ShardedOptimizer,
 };
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
+use sshsdp_optim::ShardedOptimizer;
 use sshsdp_plan::{Mesh, Sharding};
 
 type Inner = NdArray<f32>;

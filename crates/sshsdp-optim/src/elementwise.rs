@@ -13,8 +13,9 @@ use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend};
+
 use crate::clip::GradClip;
-use crate::{HsdpError, HsdpRuntime, ShardableBackend};
 
 /// A Burn element-wise optimizer over sharded pieces.
 pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
@@ -68,7 +69,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     /// One optimizer step with learning rate `lr` on every piece of `runtime` that has a
     /// gradient; returns `module`, whose parameters now read the updated storage (as Burn's own
     /// optimizers return the module). Fails on every rank alike, e.g. with
-    /// [`HsdpError::NonFiniteGradient`] (nothing applied; see [`crate::NonFinitePolicy`]).
+    /// [`HsdpError::NonFiniteGradient`] (nothing applied; see [`sshsdp_backend::NonFinitePolicy`]).
     pub fn step<AB, M>(
         &mut self,
         lr: f64,

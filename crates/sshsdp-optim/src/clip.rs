@@ -3,7 +3,7 @@
 //! make up every bucket once; see [`UpdateGroup::grad_norm`]), so every rank scales by the same
 //! factor and clipping costs no collective of its own.
 
-use crate::runtime::UpdateGroup;
+use sshsdp_backend::UpdateGroup;
 
 /// Optional global-norm clipping, remembering the last norm it saw: what the sharded and
 /// single-device optimizers hold.
