@@ -12,7 +12,7 @@
 //!   per-parameter `GradientsParams` are ignored (the runtime already holds each piece's
 //!   reduce-scattered gradient: Autodiff handed every gradient to it during backward) and the
 //!   step runs through the runtime. Its `Record` is `()`: save optimizer state with
-//!   `sshsdp::optim::checkpoint` (per rank, re-shardable), not burn-train's checkpointer.
+//!   `sshsdp::checkpoint` (per rank, re-shardable), not burn-train's checkpointer.
 //! * [`ShardedStrategy`], a `TrainingStrategy::Custom`: burn-train's built-in strategies start
 //!   with `Learner::fork(device)`, i.e. `Param::fork` → `Tensor::to_device`, which turns every
 //!   sharded parameter into a gathered local copy (`Hsdp`'s `float_to_device` materialises

@@ -6,8 +6,10 @@
 //! - [`plan`]: the layout planner (mesh, parameter specs, buckets, runtime and update layouts,
 //!   memory accounting);
 //! - [`mx`]: the MXFP8 format reference (E4M3/E5M2 elements, E8M0 scales, row/column planes);
-//! - [`backend`]: `Hsdp<B>`, the Burn backend decorator, with `shard` and the sharded optimizer;
-//! - [`optim`]: Muon (single-device and distributed owner-compute) with element-wise groups;
+//! - [`backend`]: `Hsdp<B>`, the Burn backend decorator, with `shard` and update views;
+//! - [`optim`]: optimizer drivers on update views: any Burn element-wise optimizer
+//!   (`ShardedOptimizer`), clipping, Muon (single-device and distributed owner-compute);
+//! - [`checkpoint`]: sharded checkpoints, re-sharding to any world size or mesh;
 //! - [`models`]: a GPT-style model for the examples and benchmarks;
 //! - [`comm`]: collectives (the `Collective` trait, threads/MPI/NCCL engines, hierarchical
 //!   gradient paths).
@@ -17,6 +19,7 @@
 pub mod models;
 
 pub use sshsdp_backend as backend;
+pub use sshsdp_checkpoint as checkpoint;
 pub use sshsdp_comm as comm;
 pub use sshsdp_mx as mx;
 pub use sshsdp_optim as optim;

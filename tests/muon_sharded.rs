@@ -16,10 +16,11 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig};
+use sshsdp::checkpoint;
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
-use sshsdp::optim::{checkpoint, MuonConfig, MuonWithElementwise, ShardedMuon};
+use sshsdp::optim::{MuonConfig, MuonWithElementwise, ShardedMuon};
 use sshsdp::plan::{Mesh, Role, Sharding};
 
 type Inner = NdArray<f32>;

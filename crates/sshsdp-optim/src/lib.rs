@@ -17,8 +17,7 @@
 //! Element-wise optimizers alone run through [`ShardedOptimizer`]: any Burn `SimpleOptimizer`
 //! (SGD, Adam, AdamW, …) on flat pieces, with global-norm clipping ([`GradClip`]).
 //!
-//! [`checkpoint`]: sharded checkpoint files (one safetensors file per rank), re-sharding to
-//! any world size, and Burn optimizer states as re-shardable named arrays.
+//! Checkpoints of these optimizers (and of the weights) live in the `sshsdp-checkpoint` crate.
 //!
 //! # Reference numerics
 //! Momentum 0.95 with Nesterov, 5 Newton–Schulz steps with `(a, b, c) = (3.4445, −4.7750,
@@ -29,7 +28,6 @@
 
 #![deny(missing_docs)]
 
-pub mod checkpoint;
 mod clip;
 mod elementwise;
 mod hybrid;
@@ -43,5 +41,5 @@ pub use elementwise::{step_slice, ShardedOptimizer, Slice};
 pub use hybrid::MuonWithElementwise;
 pub use muon::{MatrixLayout, Muon, MuonConfig, MuonState, NsStats, UpdateScale};
 pub use newton_schulz::{newton_schulz, ns_flops, NsPrecision, NS_COEFFICIENTS, NS_EPS};
-pub use sharded::{MuonStepStats, ShardedMuon};
+pub use sharded::{MuonStepStats, ParamState, ShardedMuon};
 pub use units::{units_of, UpdateUnit};

@@ -18,7 +18,7 @@
 //! one per piece boundary). A point-to-point gather to the owner would move less; the
 //! engines' collective set has no gather-v yet.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use burn::module::Module;
 use burn::optim::SimpleOptimizer;
@@ -29,7 +29,6 @@ use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend};
 use crate::{step_slice, GradClip, Slice};
 use sshsdp_plan::Role;
 
-use crate::checkpoint::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
 use crate::units::{units_of, UpdateUnit};
 use crate::Muon;
 
@@ -42,6 +41,15 @@ pub struct MuonStepStats {
     pub ns_split: u64,
     /// Elements in each of the two exchange all-reduces (0 when no matrix is split).
     pub exchanged_elements: u64,
+}
+
+/// The optimizer state of one parameter's slice in a [`ShardedMuon`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum ParamState<S> {
+    /// Muon's momentum of a matrix slice (one value per element).
+    Momentum(Vec<f32>),
+    /// The element-wise optimizer's state record.
+    Elementwise(S),
 }
 
 /// Muon on matrices and an element-wise optimizer on the rest, over sharded pieces.
@@ -90,6 +98,37 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     /// Counts of the last step.
     pub fn last_step(&self) -> MuonStepStats {
         self.last
+    }
+
+    /// The device the optimizer state lives on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    /// The optimizer state of this rank's slice of parameter `param` (a plan index): Muon's
+    /// momentum for a matrix, the element-wise optimizer's record otherwise; `None` before its
+    /// first step. For checkpoints.
+    pub fn param_state(&self, param: usize) -> Option<ParamState<&O::State<1>>> {
+        match self.momentum.get(&param) {
+            Some(m) => Some(ParamState::Momentum(m.clone())),
+            None => self.states.get(&param).map(ParamState::Elementwise),
+        }
+    }
+
+    /// Replaces the state of this rank's slice of parameter `param` (`None`: no state yet).
+    /// For checkpoints.
+    pub fn set_param_state(&mut self, param: usize, state: Option<ParamState<O::State<1>>>) {
+        self.momentum.remove(&param);
+        self.states.remove(&param);
+        match state {
+            Some(ParamState::Momentum(m)) => {
+                self.momentum.insert(param, m);
+            }
+            Some(ParamState::Elementwise(s)) => {
+                self.states.insert(param, s);
+            }
+            None => {}
+        }
     }
 
     /// One step with learning rate `lr` (both optimizers); returns `module`, whose parameters
@@ -267,45 +306,4 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpErr
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| HsdpError::Failed(format!("reading optimizer values: {e:?}")))
-}
-
-/// Name of a Muon momentum slice in a checkpoint's state arrays.
-const MUON_MOMENTUM: &str = "muon.momentum";
-
-impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
-    fn optimizer_name(&self) -> Option<String> {
-        Some(format!("ShardedMuon<{}>", std::any::type_name::<O>()))
-    }
-
-    fn export_unit(&self, unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError> {
-        let param = unit.param;
-        if let Some(m) = self.momentum.get(&param) {
-            let arrays = BTreeMap::from([(MUON_MOMENTUM.to_string(), m.clone())]);
-            return Ok(Some((arrays, BTreeMap::new())));
-        }
-        match self.states.get(&param) {
-            Some(state) => Ok(Some(encode_state::<B, _>(state.clone())?)),
-            None => Ok(None),
-        }
-    }
-
-    fn import_unit(
-        &mut self,
-        unit: &UpdateUnit,
-        state: Option<EncodedState>,
-    ) -> Result<(), CheckpointError> {
-        let (param, len) = (unit.param, unit.in_param.len());
-        self.momentum.remove(&param);
-        self.states.remove(&param);
-        let Some((mut arrays, scalars)) = state else {
-            return Ok(());
-        };
-        if let Some(m) = arrays.remove(MUON_MOMENTUM) {
-            self.momentum.insert(param, m);
-        } else {
-            let state = decode_state::<B, O::State<1>>(&arrays, &scalars, len, &self.device)?;
-            self.states.insert(param, state);
-        }
-        Ok(())
-    }
 }

@@ -12,10 +12,10 @@ use std::path::Path;
 use burn::tensor::backend::Backend;
 use sshsdp_backend::{HsdpError, HsdpRuntime};
 
-use super::{
+use crate::{
     read_all, with_prefix, CheckpointError, Coverage, EncodedState, ShardFile, SliceEntry, MASTER,
 };
-use crate::units::{units_of, UpdateUnit};
+use sshsdp_optim::{units_of, UpdateUnit};
 
 /// Prefix of optimizer state arrays and scalars in a checkpoint.
 const STATE: &str = "state.";
@@ -214,9 +214,9 @@ pub fn load<B: Backend>(
                 .remove(MASTER)
                 .ok_or_else(|| mismatch(format!("no master weights for '{path}'")))?;
             pieces[unit.piece].master[unit.in_piece.clone()].copy_from_slice(&master);
-            let arrays = super::strip_prefix(&entry.arrays, STATE);
+            let arrays = crate::strip_prefix(&entry.arrays, STATE);
             let prefix = format!("{path}#{STATE}");
-            let state_scalars = super::strip_prefix(&scalars, &prefix);
+            let state_scalars = crate::strip_prefix(&scalars, &prefix);
             let state = (!arrays.is_empty() || !state_scalars.is_empty())
                 .then_some((arrays, state_scalars));
             optimizer.import_unit(unit, state)?;

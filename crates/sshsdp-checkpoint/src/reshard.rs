@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::path::PathBuf;
 
-use super::{CheckpointError, ShardFile, SliceEntry};
+use crate::{CheckpointError, ShardFile, SliceEntry};
 
 /// The name of the array holding a slice's fp32 master weights.
 pub const MASTER: &str = "master";

@@ -19,7 +19,7 @@ use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::CheckpointError;
+use crate::CheckpointError;
 
 /// The format version this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;

@@ -1,4 +1,5 @@
-//! Sharded checkpoint files, independent of the training runtime.
+//! Sharded checkpoints of SS-HSDP models: files independent of the training runtime, re-sharding
+//! to any world size or mesh, and the optimizers' states as re-shardable named arrays.
 //!
 //! A parameter is identified by its module path and shape; a rank owns *slices* of
 //! parameters, element ranges `[start, end)` of the row-major flattened parameter. A rank's
@@ -20,8 +21,11 @@
 //!   `SimpleOptimizer::State<1>`, e.g. `SgdState`, `AdamState`, `AdamWState`) to named `f32`
 //!   arrays plus scalars and back, so that state can be sliced and re-sharded like weights.
 
+#![deny(missing_docs)]
+
 mod export;
 mod format;
+mod muon_state;
 mod piece_state;
 mod reshard;
 mod runtime_io;

@@ -1,15 +1,15 @@
-//! Checkpoints of [`crate::ShardedOptimizer`], whose state is one record per bucket
+//! Checkpoints of [`ShardedOptimizer`], whose state is one record per bucket
 //! piece: saving cuts each piece's state arrays into its units; loading assembles the units of
 //! a piece back into one array per state field (padding elements zero) and decodes the record.
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::ShardedOptimizer;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 
-use super::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
-use crate::units::UpdateUnit;
+use sshsdp_optim::{ShardedOptimizer, UpdateUnit};
+
+use crate::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
 
 /// A [`ShardedOptimizer`] with the buffers a load assembles piece states in.
 pub struct PieceStates<'a, B: Backend, O: SimpleOptimizer<B>> {
@@ -28,7 +28,7 @@ struct Pending {
 }
 
 impl<'a, B: Backend, O: SimpleOptimizer<B>> PieceStates<'a, B, O> {
-    /// Wraps `optimizer` for [`super::save`] and [`super::load`].
+    /// Wraps `optimizer` for [`crate::save`] and [`crate::load`].
     pub fn new(optimizer: &'a mut ShardedOptimizer<B, O>) -> Self {
         Self {
             optimizer,

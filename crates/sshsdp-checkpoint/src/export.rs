@@ -7,7 +7,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use super::{CheckpointError, FullModel};
+use crate::{CheckpointError, FullModel};
 
 /// `module` with every float parameter replaced by the values `full` holds at its path (ids
 /// and `require_grad` kept). Every parameter must be in `full` with the same shape, and `full`

@@ -14,7 +14,7 @@ use burn::optim::{AdamConfig, AdamWConfig, SgdConfig, SimpleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use sshsdp_optim::checkpoint::{
+use sshsdp_checkpoint::{
     agreed_scalars, assemble, checkpoint_dir_files, decode_state, encode_state, export_full,
     read_all, shard_file_name, shard_full, strip_prefix, with_prefix, CheckpointError, Coverage,
     FullModel, ShardFile, SliceEntry, FORMAT_VERSION, MASTER,

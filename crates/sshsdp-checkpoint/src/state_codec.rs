@@ -19,7 +19,7 @@ use serde::de::{self, IntoDeserializer, Visitor};
 use serde::ser::{self, Serialize};
 use serde::{Deserialize, Deserializer};
 
-use super::CheckpointError;
+use crate::CheckpointError;
 
 /// Integers up to this magnitude are exact in an `f64`.
 const MAX_EXACT: u64 = 1 << 53;

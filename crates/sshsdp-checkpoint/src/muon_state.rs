@@ -1,0 +1,52 @@
+//! Checkpoints of [`ShardedMuon`]: one state per parameter slice (Muon's momentum for matrices,
+//! the element-wise optimizer's record for the rest), saved and re-sharded per update unit.
+
+use std::collections::BTreeMap;
+
+use burn::optim::SimpleOptimizer;
+use burn::tensor::backend::Backend;
+use sshsdp_optim::{ParamState, ShardedMuon, UpdateUnit};
+
+use crate::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
+
+/// Name of a Muon momentum slice in a checkpoint's state arrays.
+const MUON_MOMENTUM: &str = "muon.momentum";
+
+impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
+    fn optimizer_name(&self) -> Option<String> {
+        Some(format!("ShardedMuon<{}>", std::any::type_name::<O>()))
+    }
+
+    fn export_unit(&self, unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError> {
+        match self.param_state(unit.param) {
+            Some(ParamState::Momentum(m)) => {
+                let arrays = BTreeMap::from([(MUON_MOMENTUM.to_string(), m)]);
+                Ok(Some((arrays, BTreeMap::new())))
+            }
+            Some(ParamState::Elementwise(state)) => Ok(Some(encode_state::<B, _>(state.clone())?)),
+            None => Ok(None),
+        }
+    }
+
+    fn import_unit(
+        &mut self,
+        unit: &UpdateUnit,
+        state: Option<EncodedState>,
+    ) -> Result<(), CheckpointError> {
+        let (param, len) = (unit.param, unit.in_param.len());
+        let state = match state {
+            None => None,
+            Some((mut arrays, scalars)) => Some(match arrays.remove(MUON_MOMENTUM) {
+                Some(m) => ParamState::Momentum(m),
+                None => ParamState::Elementwise(decode_state::<B, O::State<1>>(
+                    &arrays,
+                    &scalars,
+                    len,
+                    self.device(),
+                )?),
+            }),
+        };
+        self.set_param_state(param, state);
+        Ok(())
+    }
+}
