@@ -1,0 +1,200 @@
+//! Command-line options shared by the training examples.
+
+use std::path::PathBuf;
+
+use sshsdp::plan::{Mesh, RuntimeFormat};
+
+/// Which optimizer steps the parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimKind {
+    /// Distributed Muon on hidden matrices, AdamW on embeddings, norms, biases and heads.
+    Muon,
+    /// AdamW on everything.
+    AdamW,
+}
+
+/// Options every training example accepts (see [`COMMON_USAGE`]).
+#[derive(Clone, Debug)]
+pub struct Args {
+    /// `--ranks N`: world size on the threads engine.
+    pub ranks: Option<usize>,
+    /// `--mesh RxS`: replicas × shards.
+    pub mesh: Option<Mesh>,
+    /// `--steps N`: optimizer steps in this invocation.
+    pub steps: usize,
+    /// `--optim muon|adamw`.
+    pub optim: OptimKind,
+    /// `--format bf16|f32|mxfp8`: runtime parameter format.
+    pub format: RuntimeFormat,
+    /// `--clip MAX_NORM` (`--clip 0` turns clipping off).
+    pub clip: Option<f64>,
+    /// `--lr LR`: peak learning rate (both optimizers).
+    pub lr: f64,
+    /// `--warmup N`: linear warm-up steps.
+    pub warmup: usize,
+    /// `--eval-every N`: steps between held-out evaluations (0: only at the end).
+    pub eval_every: usize,
+    /// `--out DIR`: where metrics, plot and samples go.
+    pub out: PathBuf,
+    /// `--save DIR`: write a sharded checkpoint at the end.
+    pub save: Option<PathBuf>,
+    /// `--resume DIR`: continue from a checkpoint (any world size or mesh).
+    pub resume: Option<PathBuf>,
+    /// `--seed N`: initial weights and data order.
+    pub seed: u64,
+    /// `--trace FILE`: write a Chrome trace of every rank's communication timeline.
+    pub trace: Option<PathBuf>,
+}
+
+/// Per-example defaults of [`Args`].
+pub struct Defaults {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Warm-up steps.
+    pub warmup: usize,
+    /// Steps between evaluations.
+    pub eval_every: usize,
+    /// Output directory.
+    pub out: &'static str,
+}
+
+/// Help text of the options in [`Args`].
+pub const COMMON_USAGE: &str = "\
+Engine and sharding:
+  --ranks N            in-process ranks (threads engine; default 2)
+  --mesh RxS           R replicas x S shards (hierarchical: runtime shards over S, update
+                       shards over all R*S ranks)
+  Under mpirun (built with --features mpi) every process is one rank and the world size is
+  mpirun's -n; --mesh may still split it into replicas x shards.
+Optimization:
+  --steps N            optimizer steps in this run
+  --optim muon|adamw   muon: distributed Muon on hidden matrices + AdamW on the rest (default)
+  --lr LR              peak learning rate of both optimizers (linear warm-up, cosine decay to 10%)
+  --warmup N           warm-up steps
+  --clip MAX_NORM      global gradient-norm clipping (default 1; 0 turns it off)
+  --format FORMAT      runtime parameters: bf16 (default), f32 or mxfp8
+  --seed N             initial weights and data order (default 0)
+Output:
+  --out DIR            metrics.csv, loss.svg and samples (default runs/<example>/)
+  --eval-every N       steps between held-out evaluations (0: at the end only)
+  --save DIR           write a sharded checkpoint at the end
+  --resume DIR         continue from a checkpoint written at any world size or mesh
+  --trace FILE         Chrome-trace JSON of every collective and every wait on one (open it in
+                       Perfetto); under mpirun rank r > 0 writes FILE.rank<r>
+  -h, --help           this help";
+
+/// Parses a value of option `flag`.
+pub fn parse_num<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, String>
+where
+    T::Err: std::fmt::Display,
+{
+    value
+        .parse()
+        .map_err(|e| format!("{flag}: `{value}` is not valid ({e})"))
+}
+
+/// Parses the command line: the options of [`Args`], and the example's own through `extra`
+/// (called with each unknown flag and a function that takes its value; it returns `Ok(false)`
+/// for flags it does not know). `Ok(None)` means `--help` was asked for.
+pub fn parse_args(
+    args: impl IntoIterator<Item = String>,
+    defaults: &Defaults,
+    mut extra: impl FnMut(&str, &mut dyn FnMut() -> Result<String, String>) -> Result<bool, String>,
+) -> Result<Option<Args>, String> {
+    let mut out = Args {
+        ranks: None,
+        mesh: None,
+        steps: defaults.steps,
+        optim: OptimKind::Muon,
+        format: RuntimeFormat::Bf16,
+        clip: Some(1.0),
+        lr: defaults.lr,
+        warmup: defaults.warmup,
+        eval_every: defaults.eval_every,
+        out: PathBuf::from(defaults.out),
+        save: None,
+        resume: None,
+        seed: 0,
+        trace: None,
+    };
+    let mut args = args.into_iter();
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--ranks" => {
+                let n: usize = parse_num(&flag, &value()?)?;
+                if n == 0 {
+                    return Err("--ranks must be at least 1".into());
+                }
+                out.ranks = Some(n);
+            }
+            "--mesh" => {
+                let v = value()?;
+                let (r, s) = v
+                    .split_once('x')
+                    .ok_or_else(|| format!("--mesh is REPLICASxSHARDS (e.g. 2x2), not `{v}`"))?;
+                let mesh = Mesh::new(parse_num("--mesh", r)?, parse_num("--mesh", s)?)
+                    .map_err(|e| format!("--mesh {v}: {e}"))?;
+                out.mesh = Some(mesh);
+            }
+            "--steps" => {
+                out.steps = parse_num(&flag, &value()?)?;
+                if out.steps == 0 {
+                    return Err("--steps must be at least 1".into());
+                }
+            }
+            "--optim" => {
+                out.optim = match value()?.as_str() {
+                    "muon" => OptimKind::Muon,
+                    "adamw" => OptimKind::AdamW,
+                    o => return Err(format!("--optim is muon or adamw, not `{o}`")),
+                }
+            }
+            "--format" => {
+                out.format = match value()?.as_str() {
+                    "bf16" => RuntimeFormat::Bf16,
+                    "f32" => RuntimeFormat::F32,
+                    "mxfp8" => RuntimeFormat::Mxfp8,
+                    f => return Err(format!("--format is bf16, f32 or mxfp8, not `{f}`")),
+                }
+            }
+            "--clip" => {
+                let c: f64 = parse_num(&flag, &value()?)?;
+                if !(c >= 0.0 && c.is_finite()) {
+                    return Err(format!("--clip must be a finite norm >= 0, not {c}"));
+                }
+                out.clip = (c > 0.0).then_some(c);
+            }
+            "--lr" => {
+                out.lr = parse_num(&flag, &value()?)?;
+                if !(out.lr > 0.0 && out.lr.is_finite()) {
+                    return Err(format!("--lr must be positive, not {}", out.lr));
+                }
+            }
+            "--warmup" => out.warmup = parse_num(&flag, &value()?)?,
+            "--eval-every" => out.eval_every = parse_num(&flag, &value()?)?,
+            "--seed" => out.seed = parse_num(&flag, &value()?)?,
+            "--out" => out.out = PathBuf::from(value()?),
+            "--save" => out.save = Some(PathBuf::from(value()?)),
+            "--resume" => out.resume = Some(PathBuf::from(value()?)),
+            "--trace" => out.trace = Some(PathBuf::from(value()?)),
+            other => {
+                if !extra(other, &mut value)? {
+                    return Err(format!("unknown option `{other}` (see --help)"));
+                }
+            }
+        }
+    }
+    if let (Some(n), Some(mesh)) = (out.ranks, out.mesh) {
+        if n != mesh.world_size() {
+            return Err(format!(
+                "--ranks {n} and --mesh {mesh} disagree (the mesh has {} ranks)",
+                mesh.world_size()
+            ));
+        }
+    }
+    Ok(Some(out))
+}

@@ -1,0 +1,189 @@
+//! The engine (in-process threads, or one process per rank under `mpirun`) and the examples'
+//! entry point.
+
+use std::process::ExitCode;
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use sshsdp::backend::named_params;
+use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
+#[cfg(feature = "mpi")]
+use sshsdp::comm::Collective;
+use sshsdp::plan::Mesh;
+
+use super::*;
+
+/// How the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// One thread per rank in this process.
+    Threads,
+    /// One process per rank, launched by `mpirun`.
+    #[cfg(feature = "mpi")]
+    Mpi,
+}
+
+/// The world size `mpirun` (Open MPI) or a PMI launcher (MPICH, Slurm) gave this process.
+pub(crate) fn mpi_launch_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+}
+
+/// The engine and mesh of this run: MPI when launched by `mpirun`, threads otherwise.
+pub fn engine_and_mesh(args: &Args, example: &str) -> Result<(Engine, Mesh), String> {
+    let flat = |n| Mesh::flat(n).map_err(|e| e.to_string());
+    match mpi_launch_size() {
+        Some(size) => {
+            #[cfg(feature = "mpi")]
+            {
+                let mesh = match args.mesh {
+                    Some(m) => m,
+                    None => flat(size)?,
+                };
+                if mesh.world_size() != size || args.ranks.is_some_and(|n| n != size) {
+                    return Err(format!(
+                        "launched as {size} MPI processes but asked for {} ranks; drop \
+                         --ranks/--mesh or match mpirun -n",
+                        args.ranks.unwrap_or(mesh.world_size())
+                    ));
+                }
+                Ok((Engine::Mpi, mesh))
+            }
+            #[cfg(not(feature = "mpi"))]
+            {
+                let _ = (&args, flat);
+                Err(format!(
+                    "launched by mpirun ({size} processes) but built without MPI: \
+                     cargo build --release --features mpi --example {example}"
+                ))
+            }
+        }
+        None => {
+            let _ = example;
+            let mesh = match (args.mesh, args.ranks) {
+                (Some(m), _) => m,
+                (None, n) => flat(n.unwrap_or(2))?,
+            };
+            Ok((Engine::Threads, mesh))
+        }
+    }
+}
+
+/// Number of parameters of `model`.
+pub fn parameter_count<M: Module<B>>(model: &M) -> usize {
+    named_params(model)
+        .map(|ps| ps.iter().map(|p| p.values.len()).sum())
+        .unwrap_or(0)
+}
+
+/// Runs `task` with `args` on the engine the launch calls for; returns rank 0's report (`None`
+/// on the other MPI processes).
+pub fn run<T: Task>(task: &T, args: &Args) -> Result<Option<Report>, String> {
+    let (engine, mesh) = engine_and_mesh(args, task.name())?;
+    let world = mesh.world_size();
+    if task.global_batch() % world != 0 {
+        return Err(format!(
+            "the global batch of {} does not split over {world} ranks",
+            task.global_batch()
+        ));
+    }
+    std::fs::create_dir_all(&args.out)
+        .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
+    let device = Device::default();
+    let init = || {
+        B::seed(&device, args.seed);
+        task.init(&device)
+    };
+    match engine {
+        Engine::Threads => {
+            let init = init();
+            println!(
+                "{}: {:.2}M parameters, {world} in-process ranks (mesh {mesh}), {} runtime \
+                 parameters, {} steps",
+                task.name(),
+                parameter_count(&init) as f64 / 1e6,
+                format_name(args.format),
+                args.steps
+            );
+            let results = ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
+                train_rank(task, args, mesh, comm, &init)
+            })
+            .map_err(|e| e.to_string())?;
+            let mut report = None;
+            for (rank, r) in results.into_iter().enumerate() {
+                match r {
+                    Ok(Ok(Some(r))) => report = Some(r),
+                    Ok(Ok(None)) => {}
+                    Ok(Err(e)) => {
+                        return Err(if rank == 0 {
+                            e
+                        } else {
+                            format!("rank {rank}: {e}")
+                        })
+                    }
+                    Err(_) => return Err(format!("rank {rank} panicked")),
+                }
+            }
+            if let Some(path) = &args.trace {
+                write_trace(path, None)?;
+            }
+            Ok(report)
+        }
+        #[cfg(feature = "mpi")]
+        Engine::Mpi => {
+            let comm = sshsdp::comm::mpi::MpiComm::init().map_err(|e| e.to_string())?;
+            let init = init();
+            if comm.rank() == 0 {
+                println!(
+                    "{}: {:.2}M parameters, {world} MPI processes (mesh {mesh}), {} runtime \
+                     parameters, {} steps",
+                    task.name(),
+                    parameter_count(&init) as f64 / 1e6,
+                    format_name(args.format),
+                    args.steps
+                );
+            }
+            let rank = comm.rank();
+            let report = train_rank(task, args, mesh, comm, &init)?;
+            if let Some(path) = &args.trace {
+                write_trace(path, Some(rank))?;
+            }
+            Ok(report)
+        }
+    }
+}
+
+/// An example's whole `main`: `setup` parses the command line (`Ok(None)` after `--help`,
+/// which prints `usage`), `banner` describes the data, [`run`] trains, and `finish` prints what
+/// is particular to the example after the common report. Errors print one line and exit 1.
+pub fn main<T: Task>(
+    usage: &str,
+    setup: impl FnOnce() -> Result<Option<(T, Args)>, String>,
+    banner: impl FnOnce(&T),
+    finish: impl FnOnce(&T, &Report),
+) -> ExitCode {
+    let (task, args) = match setup() {
+        Ok(Some(x)) => x,
+        Ok(None) => {
+            println!("{usage}\n{COMMON_USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    banner(&task);
+    match run(&task, &args) {
+        Ok(Some(report)) => {
+            finish(&task, &report);
+            ExitCode::SUCCESS
+        }
+        Ok(None) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,127 @@
+//! Measurements and outputs of a run: memory, number formatting, the metrics CSV, the loss
+//! curves read back, and the Chrome trace of `--trace`.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use sshsdp::plan::RuntimeFormat;
+
+/// Resident set size of this process (all ranks of the threads engine), bytes.
+pub fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Bytes as MiB.
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// A count with a k/M suffix.
+pub fn human(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else if x >= 1e3 {
+        format!("{:.1}k", x / 1e3)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+/// Name of a runtime format as `--format` spells it.
+pub fn format_name(format: RuntimeFormat) -> &'static str {
+    match format {
+        RuntimeFormat::F32 => "f32",
+        RuntimeFormat::Bf16 => "bf16",
+        RuntimeFormat::Mxfp8 => "mxfp8",
+    }
+}
+
+/// The metrics file: one row per step.
+pub(crate) struct Metrics {
+    file: BufWriter<File>,
+}
+
+impl Metrics {
+    const HEADER: &'static str = "step,loss,eval_loss,lr,grad_norm,tokens_per_s,elapsed_s,\
+                                  rss_mib,shard_mib,peak_gathered_mib,gathered_mib";
+
+    pub(crate) fn create(path: &Path, append: bool) -> Result<Self, String> {
+        let exists = path.exists();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|e| format!("creating {}: {e}", path.display()))?;
+        let mut m = Metrics {
+            file: BufWriter::new(file),
+        };
+        if !(append && exists) {
+            m.line(Self::HEADER)?;
+        }
+        Ok(m)
+    }
+
+    pub(crate) fn line(&mut self, line: &str) -> Result<(), String> {
+        writeln!(self.file, "{line}")
+            .and_then(|_| self.file.flush())
+            .map_err(|e| format!("writing metrics: {e}"))
+    }
+}
+
+/// `(step, loss)` points.
+pub(crate) type Curve = Vec<(f64, f64)>;
+
+/// Reads `step,loss,eval_loss` back from a metrics file (the whole history, across resumed
+/// runs) for the plot.
+pub(crate) fn read_curves(path: &Path) -> (Curve, Curve) {
+    let (mut train, mut eval) = (Vec::new(), Vec::new());
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    for line in text.lines().skip(1) {
+        let mut cols = line.split(',');
+        let (Some(step), Some(loss), Some(ev)) = (cols.next(), cols.next(), cols.next()) else {
+            continue;
+        };
+        let Ok(step) = step.parse::<f64>() else {
+            continue;
+        };
+        if let Ok(l) = loss.parse::<f64>() {
+            train.push((step, l));
+        }
+        if let Ok(e) = ev.parse::<f64>() {
+            eval.push((step, e));
+        }
+    }
+    (train, eval)
+}
+
+/// The timeline spans the ranks of this process recorded (`--trace`).
+pub(crate) fn trace_spans() -> std::sync::MutexGuard<'static, Vec<sshsdp::backend::Span>> {
+    static SPANS: std::sync::Mutex<Vec<sshsdp::backend::Span>> = std::sync::Mutex::new(Vec::new());
+    SPANS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Writes the spans this process's ranks recorded to `path` (`rank`: this process's rank under
+/// MPI, whose ranks > 0 write `path.rank<r>`).
+pub(crate) fn write_trace(path: &Path, rank: Option<usize>) -> Result<(), String> {
+    let path = match rank {
+        Some(r) if r > 0 => PathBuf::from(format!("{}.rank{r}", path.display())),
+        _ => path.to_path_buf(),
+    };
+    let spans = std::mem::take(&mut *trace_spans());
+    std::fs::write(&path, sshsdp::backend::chrome_trace(&spans))
+        .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    if rank.unwrap_or(0) == 0 {
+        println!(
+            "trace: {} spans written to {} (open it in https://ui.perfetto.dev)",
+            spans.len(),
+            path.display()
+        );
+    }
+    Ok(())
+}

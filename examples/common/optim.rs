@@ -1,0 +1,98 @@
+//! The examples' optimizers (distributed Muon + AdamW, or AdamW alone) and learning-rate schedule.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::optim::{AdamW, AdamWConfig};
+use sshsdp::backend::{HsdpError, HsdpRuntime};
+use sshsdp::checkpoint::{self, PieceStates};
+use sshsdp::optim::ShardedOptimizer;
+use sshsdp::optim::{MuonConfig, ShardedMuon, UpdateScale};
+
+use super::*;
+
+/// The optimizer of a run.
+pub(crate) enum Optim {
+    Muon(ShardedMuon<Inner, AdamW>),
+    AdamW(ShardedOptimizer<Inner, AdamW>),
+}
+
+impl Optim {
+    pub(crate) fn new(kind: OptimKind, clip: Option<f64>, device: &Device) -> Self {
+        let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
+        match kind {
+            OptimKind::Muon => {
+                // Moonshot's scale matches AdamW's update RMS, so one learning rate serves
+                // both optimizers.
+                let muon = MuonConfig::new()
+                    .with_scale(UpdateScale::MatchAdamW)
+                    .with_weight_decay(0.01)
+                    .init();
+                let mut o = ShardedMuon::new(muon, adamw, *device);
+                if let Some(c) = clip {
+                    o = o.with_grad_clipping(c);
+                }
+                Optim::Muon(o)
+            }
+            OptimKind::AdamW => {
+                let mut o = ShardedOptimizer::new(adamw, *device);
+                if let Some(c) = clip {
+                    o = o.with_grad_clipping(c);
+                }
+                Optim::AdamW(o)
+            }
+        }
+    }
+
+    pub(crate) fn step<M: Module<B>>(
+        &mut self,
+        lr: f64,
+        model: M,
+        runtime: &HsdpRuntime<Inner>,
+    ) -> Result<M, HsdpError> {
+        match self {
+            Optim::Muon(o) => o.step(lr, model, runtime),
+            Optim::AdamW(o) => o.step(lr, model, runtime),
+        }
+    }
+
+    pub(crate) fn last_grad_norm(&self) -> Option<f64> {
+        match self {
+            Optim::Muon(o) => o.last_grad_norm(),
+            Optim::AdamW(o) => o.last_grad_norm(),
+        }
+    }
+
+    pub(crate) fn save(
+        &mut self,
+        dir: &Path,
+        runtime: &HsdpRuntime<Inner>,
+        step: u64,
+    ) -> Result<(), String> {
+        let r = match self {
+            Optim::Muon(o) => checkpoint::save(dir, runtime, o, step),
+            Optim::AdamW(o) => checkpoint::save(dir, runtime, &PieceStates::new(o), step),
+        };
+        r.map(|_| ())
+            .map_err(|e| format!("saving to {}: {e}", dir.display()))
+    }
+
+    pub(crate) fn load(&mut self, dir: &Path, runtime: &HsdpRuntime<Inner>) -> Result<u64, String> {
+        let r = match self {
+            Optim::Muon(o) => checkpoint::load(dir, runtime, o),
+            Optim::AdamW(o) => checkpoint::load(dir, runtime, &mut PieceStates::new(o)),
+        };
+        r.map_err(|e| format!("resuming from {}: {e}", dir.display()))
+    }
+}
+
+/// Learning rate at `step` of a run ending at `last`: linear warm-up over `warmup` steps from
+/// the start of training, then cosine decay to 10 % at `last`.
+pub fn learning_rate(peak: f64, warmup: usize, step: usize, last: usize) -> f64 {
+    if step < warmup {
+        return peak * (step + 1) as f64 / warmup as f64;
+    }
+    let span = last.saturating_sub(warmup).max(1) as f64;
+    let progress = ((step - warmup) as f64 / span).min(1.0);
+    peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
+}

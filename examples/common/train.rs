@@ -1,0 +1,229 @@
+//! One rank's training: shard, (resume,) train, (save,) finish.
+
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use sshsdp::backend::{shard, HsdpConfig};
+use sshsdp::comm::{Collective, ReduceOp};
+use sshsdp::plan::Mesh;
+
+use super::*;
+
+/// Per-rank training: shard, (resume,) train, (save,) finish.
+pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
+    task: &T,
+    args: &Args,
+    mesh: Mesh,
+    comm: C,
+    init: &T::Model,
+) -> Result<Option<Report>, String> {
+    let start = Instant::now();
+    let (rank, world) = (comm.rank(), comm.size());
+    let lead = rank == 0;
+    // A second communicator for the metrics (the first moves into the runtime).
+    let stats = comm.split(0, rank).map_err(|e| e.to_string())?;
+    let device = Device::default();
+    let config = HsdpConfig::new(mesh)
+        .with_format(args.format)
+        .with_trace(args.trace.is_some());
+    let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device)
+        .map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;
+    let mut optim = Optim::new(args.optim, args.clip, &device);
+    let first = match &args.resume {
+        Some(dir) => optim.load(dir, &runtime)? as usize,
+        None => 0,
+    };
+    let last = first + args.steps;
+    let per_rank_bytes = runtime.shard_bytes() + runtime.master_bytes();
+    if lead {
+        let plan = runtime.plan().to_string();
+        println!("{}", plan.lines().next().unwrap_or_default());
+        println!(
+            "per rank: {:.2} MiB runtime shard + {:.2} MiB fp32 master; {}",
+            mib(runtime.shard_bytes()),
+            mib(runtime.master_bytes()),
+            match args.optim {
+                OptimKind::Muon => "Muon (hidden matrices) + AdamW (the rest)",
+                OptimKind::AdamW => "AdamW",
+            }
+        );
+        if first > 0 {
+            println!(
+                "resumed at step {first} from {}",
+                args.resume.as_ref().unwrap().display()
+            );
+        }
+    }
+    let csv = args.out.join("metrics.csv");
+    let svg = args.out.join("loss.svg");
+    let mut metrics = if lead {
+        Some(Metrics::create(&csv, first > 0)?)
+    } else {
+        None
+    };
+    let progress = lead.then(|| {
+        let bar = ProgressBar::new(args.steps as u64);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{prefix} [{elapsed_precise}<{eta_precise}] {wide_bar} {pos}/{len}\n  {msg}",
+            )
+            .expect("a valid template")
+            .progress_chars("=> "),
+        );
+        bar.set_prefix(task.name().to_string());
+        bar
+    });
+    // Plain log lines where the bar cannot draw (output to a file or pipe).
+    let plain = lead && !std::io::stderr().is_terminal();
+    let log_every = (args.steps / 20).max(1);
+    let all_reduce = |values: &mut [f32]| {
+        stats
+            .all_reduce(values, ReduceOp::Avg)
+            .map_err(|e| e.to_string())
+    };
+    let evaluate = |model: &T::Model| -> Result<f32, String> {
+        let mut v = [task.eval_loss(model, rank, world)];
+        all_reduce(&mut v)?;
+        Ok(v[0])
+    };
+    let mut eval = None;
+    if args.eval_every > 0 {
+        let e = evaluate(&model)?;
+        eval = Some((e, e));
+        if lead && plain {
+            println!("step {first:>5}  held-out loss {e:.4}");
+        }
+    }
+    let mut losses = Vec::with_capacity(args.steps);
+    let mut train_s = 0.0;
+    let mut peak_rss = 0;
+    let mut recent: Vec<f64> = Vec::new();
+    for step in first..last {
+        let t0 = Instant::now();
+        let lr = learning_rate(args.lr, args.warmup, step, last);
+        let loss = task.train_loss(&model, step, rank, world);
+        let local = loss.clone().into_scalar();
+        let _ = loss.backward();
+        model = optim.step(lr, model, &runtime).map_err(|e| e.to_string())?;
+        let dt = t0.elapsed().as_secs_f64();
+        train_s += dt;
+        let mut global = [local];
+        all_reduce(&mut global)?;
+        let global = global[0];
+        if !global.is_finite() {
+            return Err(format!("the loss diverged at step {step} ({global})"));
+        }
+        losses.push(global);
+        let done = step + 1 == last;
+        let ev = if (args.eval_every > 0 && (step + 1) % args.eval_every == 0) || done {
+            let e = evaluate(&model)?;
+            eval = Some((eval.map_or(e, |(f, _)| f), e));
+            Some(e)
+        } else {
+            None
+        };
+        let counters = runtime.take_counters();
+        if let (Some(metrics), Some(bar)) = (metrics.as_mut(), progress.as_ref()) {
+            let rss = rss_bytes().unwrap_or(0);
+            peak_rss = peak_rss.max(rss);
+            recent.push(dt);
+            if recent.len() > 10 {
+                recent.remove(0);
+            }
+            let rate =
+                task.items_per_step() as f64 * recent.len() as f64 / recent.iter().sum::<f64>();
+            let grad_norm = optim.last_grad_norm();
+            metrics.line(&format!(
+                "{step},{global:.5},{},{lr:.6e},{},{:.1},{:.2},{:.1},{:.3},{:.3},{:.3}",
+                ev.map_or(String::new(), |e| format!("{e:.5}")),
+                grad_norm.map_or(String::new(), |g| format!("{g:.4}")),
+                task.items_per_step() as f64 / dt,
+                start.elapsed().as_secs_f64(),
+                mib(rss),
+                mib(per_rank_bytes),
+                mib(counters.peak_resident_bytes),
+                mib(counters.gathered_bytes),
+            ))?;
+            let mut msg = format!(
+                "loss {global:.4}  lr {lr:.2e}  {} tok/s  rss {:.0} MiB  shard {:.2} MiB/rank  \
+                 gathered peak {:.2} MiB",
+                human(rate),
+                mib(rss),
+                mib(per_rank_bytes),
+                mib(counters.peak_resident_bytes)
+            );
+            if let Some((_, e)) = eval {
+                let _ = write!(msg, "  held-out {e:.4}");
+            }
+            bar.set_message(msg);
+            bar.inc(1);
+            if plain && ((step - first) % log_every == 0 || done || ev.is_some()) {
+                let mut line = format!(
+                    "step {step:>5}  loss {global:.4}  lr {lr:.2e}  {} tok/s  rss {:.0} MiB",
+                    human(rate),
+                    mib(rss)
+                );
+                if let Some(e) = ev {
+                    let _ = write!(line, "  held-out {e:.4}");
+                }
+                println!("{line}");
+            }
+        }
+    }
+    if let Some(bar) = &progress {
+        bar.finish();
+    }
+    drop(metrics);
+    if args.trace.is_some() {
+        trace_spans().extend(runtime.take_trace());
+    }
+    if let Some(dir) = &args.save {
+        optim.save(dir, &runtime, last as u64)?;
+        if lead {
+            println!(
+                "saved a {world}-rank checkpoint at step {last} to {}",
+                dir.display()
+            );
+        }
+    }
+    if lead {
+        let (train, eval_points) = read_curves(&csv);
+        let baseline = task.baseline();
+        let chart = plot::Chart {
+            title: format!("{}: loss per step", task.name()),
+            x_label: "step".into(),
+            y_label: "loss".into(),
+            series: vec![
+                plot::Series::new("train loss (global batch)", "#9ab8d8", train.clone()),
+                plot::Series::new(
+                    "train loss (moving average, 20 steps)",
+                    "#1f5fa8",
+                    plot::moving_average(&train, 20),
+                ),
+                plot::Series::new("held-out loss", "#d2691e", eval_points).with_markers(),
+            ],
+            baseline: baseline.clone(),
+        };
+        std::fs::write(&svg, chart.to_svg())
+            .map_err(|e| format!("writing {}: {e}", svg.display()))?;
+    }
+    let mut broadcast = |values: &mut [f32]| stats.broadcast(values, 0).map_err(|e| e.to_string());
+    let finish = task.finish(&model, rank, &args.out, &mut broadcast)?;
+    let tail = &losses[losses.len().saturating_sub(20)..];
+    Ok(lead.then(|| Report {
+        first_loss: losses[0],
+        final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
+        eval,
+        steps: args.steps,
+        first_step: first,
+        train_s,
+        wall_s: start.elapsed().as_secs_f64(),
+        items_per_s: (task.items_per_step() * args.steps) as f64 / train_s,
+        peak_rss,
+        csv,
+        svg,
+        finish,
+    }))
+}
