@@ -49,7 +49,7 @@ use sshsdp::optim::{newton_schulz, ns_flops, MuonConfig, NsPrecision, ShardedMuo
 use sshsdp::plan::{Mesh, Role, RoleRule, RuntimeFormat, Sharding};
 
 mod common;
-use common::{LIVE, PEAK};
+use common::{cpu_ticks, median, others_share, LIVE, PEAK};
 
 type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
@@ -136,11 +136,6 @@ fn tokens(step: usize, rank: usize, device: &burn::tensor::Device<B>) -> Tensor<
         .map(|i| ((i + 31 * step + 977 * rank) * 2_654_435_761 % VOCAB) as i64)
         .collect();
     Tensor::from_data(TensorData::new(data, [1, TOKENS]), device)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -367,46 +362,6 @@ fn kernels(ns_steps: usize, cores: usize) -> Kernels {
         matmul_all: cores as f64 * mm_flops / all / 1e9,
         ns_square: ns([D, D]),
         ns_wide: ns([D, MLP]),
-    }
-}
-
-/// CPU clock ticks since boot: (all cores' total, all cores' busy, this process's own).
-fn cpu_ticks() -> Option<(u64, u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let cpu: Vec<u64> = stat
-        .lines()
-        .next()?
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal ...
-    let total: u64 = cpu.iter().take(8).sum();
-    let idle = cpu.get(3)? + cpu.get(4)?;
-    let own = std::fs::read_to_string("/proc/self/stat").ok()?;
-    let fields: Vec<u64> = own
-        .rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    Some((total, total - idle, fields.iter().sum()))
-}
-
-/// Share of the cores' time that other processes used between two `cpu_ticks` readings.
-fn others_share(start: Option<(u64, u64, u64)>) -> String {
-    match (start, cpu_ticks()) {
-        (Some((t0, b0, o0)), Some((t1, b1, o1))) if t1 > t0 => {
-            let others = (b1 - b0).saturating_sub(o1 - o0);
-            format!(
-                "other processes used {:.0}% of the cores' time, this bench {:.0}%",
-                100.0 * others as f64 / (t1 - t0) as f64,
-                100.0 * (o1 - o0) as f64 / (t1 - t0) as f64
-            )
-        }
-        _ => "CPU shares unknown (no /proc)".into(),
     }
 }
 

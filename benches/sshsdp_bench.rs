@@ -58,7 +58,7 @@ use sshsdp::plan::projection::{StepTraffic, TrafficOptions};
 use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 
 mod common;
-use common::{LIVE, PEAK};
+use common::{cpu_ticks, median, others_share, LIVE, PEAK};
 
 type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
@@ -85,11 +85,6 @@ fn tokens(rows: usize, offset: usize, device: &burn::tensor::Device<B>) -> Tenso
         .map(|i| ((i + offset * 7919) * 2_654_435_761 % VOCAB) as i64)
         .collect();
     Tensor::from_data(TensorData::new(data, [rows, SEQ + 1]), device)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// One measured configuration.
@@ -359,6 +354,7 @@ fn main() {
         .unwrap_or(DEFAULT_STEPS);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let load_start = load_average();
+    let ticks = cpu_ticks();
     let started = first_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
 
     let device = Default::default();
@@ -405,13 +401,14 @@ fn main() {
         }
     }
     let load_end = load_average();
+    let shares = others_share(ticks);
 
     let mib = |b: f64| b / (1024.0 * 1024.0);
     println!("## sshsdp-bench\n");
     println!("Command: `cargo bench --bench sshsdp-bench`");
     println!(
         "Machine: {} ({cores} cores), {} RAM; {}; load average {load_start} at start, \
-         {load_end} at end{}.\n",
+         {load_end} at end ({shares}){}.\n",
         proc_field("/proc/cpuinfo", "model name").unwrap_or_else(|| "unknown CPU".into()),
         proc_field("/proc/meminfo", "MemTotal").unwrap_or_else(|| "unknown".into()),
         first_line("rustc", &["-V"]).unwrap_or_else(|| "rustc unknown".into()),

@@ -114,14 +114,10 @@
 //!
 //! [`split`]: Collective::split
 
-use std::any::TypeId;
 use std::cell::RefCell;
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use half::bf16;
-use mpi::collective::SystemOperation;
-use mpi::datatype::Equivalence;
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
@@ -129,13 +125,14 @@ use mpi::topology::{Color, Communicator, SimpleCommunicator};
 /// rsmpi's MPI environment handle, re-exported: one per process; dropping it finalises MPI.
 pub use mpi::environment::Universe;
 
+mod policy;
+mod raw;
+
+pub use policy::{ReduceScatterAlgo, ReduceScatterPolicy, DEFAULT_ALLREDUCE_FROM_BYTES};
+use raw::*;
+
 use crate::collective::{check_chunks, check_root, equal_chunks};
 use crate::{Collective, CommError, CommResult, Element, ReduceOp, Reducible};
-
-/// Default size of a reduce-scatter's `send` buffer, in bytes, from which
-/// [`Collective::reduce_scatter`] runs as an all-reduce into a scratch buffer instead of
-/// `MPI_Reduce_scatter` (measured; see the module docs).
-pub const DEFAULT_ALLREDUCE_FROM_BYTES: usize = 32 << 20;
 
 /// One rank's communicator in an MPI job.
 ///
@@ -156,67 +153,6 @@ pub struct MpiComm {
     /// [`MpiComm::release_scratch`]).
     scratch: RefCell<Vec<f32>>,
     universe: Arc<Universe>,
-}
-
-/// An MPI call a reduce-scatter can run as.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ReduceScatterAlgo {
-    /// `MPI_Reduce_scatter_block(send, recv)`: no copy.
-    Block,
-    /// `MPI_Reduce_scatter(send, recv, counts)` with equal counts: no copy.
-    Varcount,
-    /// `MPI_Allreduce(send, scratch)` into a buffer kept by the communicator, then this rank's
-    /// chunk is copied to `recv` (for `bf16`: in place on the widened `f32` copy).
-    AllReduce,
-}
-
-/// Which [`ReduceScatterAlgo`] a reduce-scatter uses, by the size of `send` in bytes (as `f32`:
-/// a `bf16` reduction is decided by its widened size). Must be equal on all ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ReduceScatterPolicy {
-    /// Used below `large_from_bytes`.
-    pub small: ReduceScatterAlgo,
-    /// Used from `large_from_bytes` on.
-    pub large: ReduceScatterAlgo,
-    /// The threshold, in bytes of `f32` `send`.
-    pub large_from_bytes: usize,
-}
-
-impl ReduceScatterPolicy {
-    /// One algorithm for every size.
-    pub fn always(algo: ReduceScatterAlgo) -> Self {
-        Self {
-            small: algo,
-            large: algo,
-            large_from_bytes: 0,
-        }
-    }
-
-    /// The algorithm for a `send` of `bytes`.
-    pub fn algo(&self, bytes: usize) -> ReduceScatterAlgo {
-        if bytes >= self.large_from_bytes {
-            self.large
-        } else {
-            self.small
-        }
-    }
-}
-
-impl ReduceScatterPolicy {
-    /// The measured default for a communicator of `ranks` ranks (see the module docs):
-    /// `Varcount` below [`DEFAULT_ALLREDUCE_FROM_BYTES`]; from there on `AllReduce` for two
-    /// ranks and `Block` for more.
-    pub fn measured(ranks: usize) -> Self {
-        Self {
-            small: ReduceScatterAlgo::Varcount,
-            large: if ranks <= 2 {
-                ReduceScatterAlgo::AllReduce
-            } else {
-                ReduceScatterAlgo::Block
-            },
-            large_from_bytes: DEFAULT_ALLREDUCE_FROM_BYTES,
-        }
-    }
 }
 
 // SAFETY: MPI handles may be used from any thread once MPI runs at MPI_THREAD_MULTIPLE, which
@@ -571,93 +507,4 @@ impl Collective for MpiComm {
             Arc::clone(&self.universe),
         )
     }
-}
-
-/// `MPI_IN_PLACE` of the MPI library named by `MPI_Get_library_version`, if known.
-fn in_place_sentinel(library_version: &str) -> Option<*mut c_void> {
-    if library_version.contains("Open MPI") {
-        // Open MPI's mpi.h: `#define MPI_IN_PLACE ((void *) 1)`.
-        Some(std::ptr::without_provenance_mut(1))
-    } else if library_version.contains("MPICH") {
-        // MPICH's mpi.h (and MVAPICH's, Intel MPI's): `#define MPI_IN_PLACE (void *) -1`.
-        Some(std::ptr::without_provenance_mut(usize::MAX))
-    } else {
-        None
-    }
-}
-
-/// The MPI datatype `T` moves as: `f32` → `MPI_FLOAT`, `bf16` → `MPI_UINT16_T` (its bit
-/// pattern), `u8` → `MPI_UINT8_T`. Decided by `TypeId`, not by the safe [`Element::KIND`], so
-/// a foreign type claiming a kind can never make MPI write bytes of the wrong size or validity.
-fn datatype<T: Element>(op: &str) -> CommResult<ffi::MPI_Datatype> {
-    let id = TypeId::of::<T>();
-    if id == TypeId::of::<f32>() {
-        Ok(f32_datatype())
-    } else if id == TypeId::of::<bf16>() {
-        Ok(u16::equivalent_datatype().as_raw())
-    } else if id == TypeId::of::<u8>() {
-        Ok(u8::equivalent_datatype().as_raw())
-    } else {
-        Err(CommError::InvalidArgument(format!(
-            "{op}: element type {} has no MPI datatype",
-            std::any::type_name::<T>()
-        )))
-    }
-}
-
-fn f32_datatype() -> ffi::MPI_Datatype {
-    f32::equivalent_datatype().as_raw()
-}
-
-fn sum_op() -> ffi::MPI_Op {
-    SystemOperation::sum().as_raw()
-}
-
-/// `buf` as `f32`s if `T` is `f32`.
-fn as_f32<T: 'static>(buf: &[T]) -> Option<&[f32]> {
-    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| {
-        // SAFETY: T is f32 (same TypeId), so this is the same slice at the same type.
-        unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<f32>(), buf.len()) }
-    })
-}
-
-/// `buf` as `f32`s if `T` is `f32`.
-fn as_f32_mut<T: 'static>(buf: &mut [T]) -> Option<&mut [f32]> {
-    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| {
-        // SAFETY: T is f32 (same TypeId), so this is the same slice at the same type, and the
-        // exclusive borrow moves into the result.
-        unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<f32>(), buf.len()) }
-    })
-}
-
-/// An element count as MPI's `int`.
-fn mpi_count(op: &str, len: usize) -> CommResult<c_int> {
-    c_int::try_from(len).map_err(|_| {
-        CommError::InvalidArgument(format!(
-            "{op}: {len} elements exceed MPI's int count; split the buffer"
-        ))
-    })
-}
-
-fn engine(msg: &str) -> CommError {
-    CommError::Engine(msg.into())
-}
-
-/// Turns an MPI return code into a result (the communicators use `MPI_ERRORS_RETURN`).
-fn check(call: &str, code: c_int) -> CommResult<()> {
-    if code == ffi::MPI_SUCCESS as c_int {
-        return Ok(());
-    }
-    let mut text = [0 as c_char; ffi::MPI_MAX_ERROR_STRING as usize + 1];
-    let mut len: c_int = 0;
-    // SAFETY: `text` holds MPI_MAX_ERROR_STRING characters as MPI_Error_string requires.
-    let ok = unsafe { ffi::MPI_Error_string(code, text.as_mut_ptr(), &mut len) };
-    let msg = if ok == ffi::MPI_SUCCESS as c_int {
-        let len = usize::try_from(len).unwrap_or(0).min(text.len());
-        let bytes: Vec<u8> = text[..len].iter().map(|&c| c as u8).collect();
-        String::from_utf8_lossy(&bytes).into_owned()
-    } else {
-        format!("error code {code}")
-    };
-    Err(CommError::Engine(format!("{call}: {msg}")))
 }

@@ -1,0 +1,207 @@
+//! The projection's formulas and its traffic on hand-checked plans.
+
+use super::*;
+use crate::{DType, ParamSpec, PlanConfig, RuntimeFormat};
+
+fn specs() -> Vec<ParamSpec> {
+    (0..6)
+        .flat_map(|l| {
+            [
+                ParamSpec::new(format!("l{l}.w"), vec![256, 512], DType::F32).with_order(2 * l),
+                ParamSpec::new(format!("l{l}.norm"), vec![256], DType::F32).with_order(2 * l + 1),
+            ]
+        })
+        .collect()
+}
+
+fn plan(replicas: usize, shards: usize, sharding: Sharding, format: RuntimeFormat) -> Plan {
+    let config = PlanConfig::default()
+        .with_sharding(sharding)
+        .with_format(format)
+        .with_bucket_elements(300_000);
+    Plan::build(specs(), Mesh::new(replicas, shards).unwrap(), config).unwrap()
+}
+
+fn total(plan: &Plan, f: impl Fn(usize) -> u64) -> u64 {
+    (0..plan.buckets().len()).map(f).sum()
+}
+
+#[test]
+fn ring_formulas() {
+    let c = Collective {
+        purpose: Purpose::ForwardGather,
+        kind: CollectiveKind::AllGather,
+        group: GroupKind::Shard,
+        ranks: 4,
+        bytes: 4000,
+    };
+    assert_eq!(c.wire_bytes(), 3000.0);
+    assert_eq!(c.ring_steps(), 3);
+    let ar = Collective {
+        kind: CollectiveKind::AllReduce,
+        ..c
+    };
+    assert_eq!(ar.wire_bytes(), 6000.0);
+    assert_eq!(ar.ring_steps(), 6);
+    // 8 Gbit/s = 1e9 B/s, 1 µs per step.
+    let links = Links::from_gbps(8, 8.0, 8.0, 1.0, 1.0);
+    let mesh = Mesh::flat(4).unwrap();
+    assert!((c.seconds(mesh, &links) - (3000.0 / 1e9 + 3e-6)).abs() < 1e-15);
+    let alone = Collective { ranks: 1, ..c };
+    assert_eq!(alone.seconds(mesh, &links), 0.0);
+}
+
+#[test]
+fn groups_within_or_across_nodes() {
+    let links = Links::from_gbps(8, 100.0, 10.0, 1.0, 5.0);
+    let mesh = Mesh::new(4, 8).unwrap();
+    assert!(links.within_node(mesh, GroupKind::Shard));
+    assert!(!links.within_node(mesh, GroupKind::Replica));
+    assert!(!links.within_node(mesh, GroupKind::World));
+    assert_eq!(links.link_of(mesh, GroupKind::Shard).0, 100e9 / 8.0);
+    assert_eq!(links.link_of(mesh, GroupKind::Replica).0, 10e9 / 8.0);
+    let small = Mesh::new(2, 4).unwrap();
+    assert!(links.within_node(small, GroupKind::World));
+    assert!(links.within_node(small, GroupKind::Replica));
+    let flat = Mesh::flat(16).unwrap();
+    assert!(!links.within_node(flat, GroupKind::Shard));
+}
+
+#[test]
+fn flat_sharding_gathers_and_reduces_every_bucket_once() {
+    let plan = plan(1, 4, Sharding::Hierarchical, RuntimeFormat::Bf16);
+    let t = StepTraffic::of(&plan, TrafficOptions::default());
+    let buffers = total(&plan, |b| plan.buffer_bytes(b));
+    assert_eq!(t.gathered_bytes(), buffers - buffers / 4);
+    // bf16 runtime: one fp32 gradient element per 2-byte runtime element.
+    assert_eq!(t.reduced_bytes(), 2 * buffers);
+    assert_eq!(
+        t.wire_bytes(Purpose::ForwardGather),
+        (buffers * 3 / 4) as f64
+    );
+    // One replica: the replica reductions and rebuilds move nothing.
+    let links = Links::from_gbps(8, 8.0, 8.0, 0.0, 0.0);
+    let time = t.time(plan.mesh(), &links);
+    assert_eq!(time.shard_rebuild, 0.0);
+    let expected = (buffers * 3 / 4 + 2 * buffers * 3 / 4) as f64 / 1e9;
+    assert!((time.total() - expected).abs() < 1e-12);
+}
+
+#[test]
+fn resharding_gathers_all_but_the_last_bucket_again() {
+    let plan = plan(1, 2, Sharding::Hierarchical, RuntimeFormat::F32);
+    assert!(plan.buckets().len() > 2);
+    let options = TrafficOptions {
+        reshard_after_forward: true,
+        ..Default::default()
+    };
+    let t = StepTraffic::of(&plan, options);
+    let last = plan.buckets().len() - 1;
+    let buffers = total(&plan, |b| plan.buffer_bytes(b));
+    let again = buffers - plan.buffer_bytes(last);
+    assert_eq!(t.gathered_bytes(), (buffers + again) / 2);
+}
+
+#[test]
+fn hierarchical_hsdp_and_ddp_differ_in_replica_traffic() {
+    let links = Links::from_gbps(2, 800.0, 80.0, 0.0, 0.0);
+    let hier = plan(2, 2, Sharding::Hierarchical, RuntimeFormat::Bf16);
+    let hsdp = plan(2, 2, Sharding::Hsdp, RuntimeFormat::Bf16);
+    let ddp = plan(2, 2, Sharding::Ddp, RuntimeFormat::Bf16);
+    let (th, ts, td) = (
+        StepTraffic::of(&hier, TrafficOptions::default()),
+        StepTraffic::of(&hsdp, TrafficOptions::default()),
+        StepTraffic::of(&ddp, TrafficOptions::default()),
+    );
+    // Replica step: hierarchical reduce-scatters (G/S)/2 per rank and re-gathers a quarter of
+    // the runtime bytes; HSDP all-reduces (twice the reduce-scatter, no rebuild).
+    let replica_rs: f64 = th
+        .collectives
+        .iter()
+        .filter(|c| c.group == GroupKind::Replica && c.purpose == Purpose::GradientReduction)
+        .map(Collective::wire_bytes)
+        .sum();
+    let replica_ar: f64 = ts
+        .collectives
+        .iter()
+        .filter(|c| c.group == GroupKind::Replica)
+        .map(Collective::wire_bytes)
+        .sum();
+    assert!(replica_rs > 0.0 && replica_rs <= replica_ar / 2.0 + 64.0);
+    assert!(th.wire_bytes(Purpose::ShardRebuild) > 0.0);
+    assert_eq!(ts.wire_bytes(Purpose::ShardRebuild), 0.0);
+    // DDP: no gathers, one world all-reduce of every gradient.
+    assert_eq!(td.gathered_bytes(), 0);
+    let buffers = total(&ddp, |b| ddp.buffer_bytes(b));
+    assert_eq!(td.reduced_bytes(), 2 * buffers);
+    assert!(td.time(ddp.mesh(), &links).gradient_reduction > 0.0);
+}
+
+#[test]
+fn muon_exchange_all_reduces_split_matrices_twice() {
+    let plan = plan(1, 8, Sharding::Hierarchical, RuntimeFormat::F32);
+    let split: u64 = plan
+        .params()
+        .iter()
+        .filter(|p| p.spec.role == Role::Matrix && p.split)
+        .map(|p| p.spec.numel())
+        .sum();
+    assert!(split > 0);
+    let options = TrafficOptions {
+        muon_exchange: true,
+        ..Default::default()
+    };
+    let t = StepTraffic::of(&plan, options);
+    let exchange: Vec<_> = t
+        .collectives
+        .iter()
+        .filter(|c| c.purpose == Purpose::MuonExchange)
+        .collect();
+    assert_eq!(exchange.len(), 2);
+    assert!(exchange
+        .iter()
+        .all(|c| c.bytes == 4 * split && c.ranks == 8));
+    let without = StepTraffic::of(&plan, TrafficOptions::default());
+    assert_eq!(without.wire_bytes(Purpose::MuonExchange), 0.0);
+}
+
+#[test]
+fn mxfp8_with_both_planes_gathers_about_as_much_as_bf16() {
+    let bf16 = plan(1, 4, Sharding::Hierarchical, RuntimeFormat::Bf16);
+    let mx = plan(1, 4, Sharding::Hierarchical, RuntimeFormat::Mxfp8);
+    let (tb, tm) = (
+        StepTraffic::of(&bf16, TrafficOptions::default()),
+        StepTraffic::of(&mx, TrafficOptions::default()),
+    );
+    // Both planes with their scales: 2 · 33/32 bytes per element against bf16's 2.
+    let ratio = tm.gathered_bytes() as f64 / tb.gathered_bytes() as f64;
+    assert!(ratio > 1.0 && ratio < 66.0 / 64.0 + 0.01, "{ratio}");
+    // fp32 gradients either way: the real elements, plus (MXFP8) pieces padded to the
+    // largest, which holds at most one band (32 × 512 elements) more than another.
+    let elements: u64 = specs().iter().map(|s| s.numel()).sum();
+    assert!(tm.reduced_bytes() >= 4 * elements);
+    let buckets = mx.buckets().len() as u64;
+    assert!(tm.reduced_bytes() <= 4 * (elements + buckets * 4 * 32 * 512));
+}
+
+#[test]
+fn mxfp8_with_resharding_gathers_each_pass_its_own_plane() {
+    let mx = plan(1, 4, Sharding::Hierarchical, RuntimeFormat::Mxfp8);
+    let options = TrafficOptions {
+        reshard_after_forward: true,
+        ..Default::default()
+    };
+    let (whole, split) = (
+        StepTraffic::of(&mx, TrafficOptions::default()),
+        StepTraffic::of(&mx, options),
+    );
+    // Forward and backward each gather about half of both planes, every bucket.
+    let ratio = split.gathered_bytes() as f64 / whole.gathered_bytes() as f64;
+    assert!(ratio > 0.95 && ratio < 1.1, "{ratio}");
+    let backward = split
+        .collectives
+        .iter()
+        .filter(|c| c.purpose == Purpose::BackwardGather)
+        .count();
+    assert_eq!(backward, mx.buckets().len());
+}
