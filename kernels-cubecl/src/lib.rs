@@ -48,6 +48,7 @@ mod gemm;
 pub mod layout;
 mod matmul;
 mod newton_schulz;
+mod planes;
 mod quantize;
 
 pub use adamw::{adamw_reference, adamw_step, AdamWFactors, AdamWParams};
@@ -59,5 +60,6 @@ pub use matmul::mx_matmul;
 pub use newton_schulz::{
     newton_schulz, ns_step, NsPrecision, NsWorkspace, NS_COEFFICIENTS, NS_EPS,
 };
+pub use planes::{dequantize_plane, quantize_plane, PlaneAt};
 pub use quantize::{quantize_tiled, InputDType};
 pub use sshsdp_mx::{Plane, ScaleRule};

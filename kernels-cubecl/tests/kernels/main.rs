@@ -8,3 +8,4 @@ mod gpu_check;
 mod matmul;
 mod mxfp8;
 mod optim;
+mod planes;
