@@ -271,10 +271,12 @@ impl BucketCodec {
                     let shape = MxShape::new(src.len() / cols, cols);
                     let (fmt, rule) = MX_FORMAT;
                     let row = &mut out[self.bytes_of(v, Section::Row, Part::All)];
-                    let (data, scales) = row.split_at_mut(shape.row_data_bytes());
+                    let (data, rest) = row.split_at_mut(shape.row_data_bytes());
+                    let scales = &mut rest[..shape.row_scale_bytes()];
                     sshsdp_mx::encode_rows(src, shape, fmt, rule, data, scales).map_err(err)?;
                     let col = &mut out[self.bytes_of(v, Section::Col, Part::All)];
-                    let (data, scales) = col.split_at_mut(shape.col_data_bytes());
+                    let (data, rest) = col.split_at_mut(shape.col_data_bytes());
+                    let scales = &mut rest[..shape.col_scale_bytes()];
                     sshsdp_mx::encode_cols(src, shape, fmt, rule, data, scales).map_err(err)?;
                 }
                 Encoding::Bf16 | Encoding::F32 => {
@@ -331,10 +333,12 @@ impl BucketCodec {
                         let src = &piece[self.bytes_of(v, plane, which)];
                         let fmt = MX_FORMAT.0;
                         let decoded = if plane == Section::Row {
-                            let (data, scales) = src.split_at(shape.row_data_bytes());
+                            let (data, rest) = src.split_at(shape.row_data_bytes());
+                            let scales = &rest[..shape.row_scale_bytes()];
                             sshsdp_mx::decode_rows(data, scales, shape, fmt, dst)
                         } else {
-                            let (data, scales) = src.split_at(shape.col_data_bytes());
+                            let (data, rest) = src.split_at(shape.col_data_bytes());
+                            let scales = &rest[..shape.col_scale_bytes()];
                             sshsdp_mx::decode_cols(data, scales, shape, fmt, dst)
                         };
                         decoded.map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
@@ -458,8 +462,11 @@ mod tests {
                 let shape = MxShape::new(us(v.len() / cols), us(cols));
                 let row = shape.row_data_bytes() + shape.row_scale_bytes();
                 let col = shape.col_data_bytes() + shape.col_scale_bytes();
-                assert_eq!(range(&v.row).len(), row);
-                assert_eq!(range(&v.col).len(), col);
+                assert_eq!(v.encoded_bytes(Section::Row) as usize, row);
+                assert_eq!(v.encoded_bytes(Section::Col) as usize, col);
+                assert_eq!(range(&v.row).len(), row.next_multiple_of(32));
+                assert_eq!(range(&v.col).len(), col.next_multiple_of(32));
+                assert!(v.row.start % 32 == 0 && v.col.start % 32 == 0);
             }
         }
     }

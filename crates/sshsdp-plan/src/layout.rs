@@ -19,7 +19,9 @@
 //!   positions `i · total / pieces` moved to the nearest band (or element) edge, so pieces
 //!   differ by at most one band and most matrices stay whole in one piece (which keeps Muon's
 //!   orthogonalisation local). A piece's bytes are three [`Section`]s, each padded to the
-//!   largest piece's: row-wise planes, bf16 runs, column-wise planes. Forward decodes the
+//!   largest piece's: row-wise planes, bf16 runs, column-wise planes; every view's bytes in a
+//!   section start on a 32-byte boundary (a plane's data, then its scales, then zero padding),
+//!   so device kernels address them by whole words. Forward decodes the
 //!   column-wise planes and bf16, backward the row-wise planes and bf16, so a pass can gather
 //!   only its own sections ([`Part`]). Elements sit one piece after the other (each piece padded
 //!   to the largest), and the decoded compute buffer holds the parameters back to back.
@@ -122,12 +124,25 @@ impl UpdateView {
         }
     }
 
-    /// Runtime bytes of the view over all sections.
+    /// Runtime bytes of the view over all sections, alignment padding included.
     pub fn runtime_bytes(&self) -> u64 {
         [&self.row, &self.linear, &self.col]
             .iter()
             .map(|r| r.end - r.start)
             .sum()
+    }
+
+    /// Bytes of the view's encoding in `section`, without alignment padding: the first
+    /// `encoded_bytes(section)` bytes of [`Self::bytes_in`] (an MXFP8 plane's data, then its
+    /// scales).
+    pub fn encoded_bytes(&self, section: Section) -> u64 {
+        match (self.encoding, section) {
+            (Encoding::Mxfp8 { cols }, Section::Row) => mx_row_plane_bytes(self.len() / cols, cols),
+            (Encoding::Mxfp8 { cols }, Section::Col) => mx_col_plane_bytes(self.len() / cols, cols),
+            (Encoding::F32, Section::Linear) => 4 * self.len(),
+            (Encoding::Bf16, Section::Linear) => 2 * self.len(),
+            _ => 0,
+        }
     }
 }
 
@@ -177,11 +192,13 @@ impl Bucket {
         self.sections[Section::Row as usize] + self.sections[Section::Col as usize] > 0
     }
 
-    /// Bytes of `piece` covered by parameter encodings (the rest is padding).
+    /// Bytes of `piece` holding parameter encodings (the rest is padding: alignment, and
+    /// pieces padded to equal size).
     pub fn covered_bytes(&self, piece: usize) -> u64 {
+        let sections = [Section::Row, Section::Linear, Section::Col];
         self.views[piece]
             .iter()
-            .map(UpdateView::runtime_bytes)
+            .map(|v| sections.iter().map(|&s| v.encoded_bytes(s)).sum::<u64>())
             .sum()
     }
 }
@@ -426,6 +443,9 @@ fn banded(members: &mut [PlannedParam], first: usize, b: usize, pieces: usize) -
                 }
                 _ => sizes[Section::Linear as usize] = 2 * len,
             }
+            // Every view's bytes start on a 32-byte boundary of their section, so a device
+            // kernel addresses each plane's data and scales by whole words.
+            let sizes = sizes.map(|n| n.next_multiple_of(MX_BLOCK));
             let at = |s: Section| used[s as usize]..used[s as usize] + sizes[s as usize];
             list.push(UpdateView {
                 param: first + k,

@@ -143,8 +143,14 @@ fn mxfp8_parameters_are_bands_and_vectors_fall_back() {
         // Whole bands, both planes of exactly those rows, nothing linear.
         assert_eq!(v.elements.start % (32 * 256), 0);
         let rows = v.len() / 256;
-        assert_eq!(v.row.end - v.row.start, mx_row_plane_bytes(rows, 256));
-        assert_eq!(v.col.end - v.col.start, mx_col_plane_bytes(rows, 256));
+        assert_eq!(v.encoded_bytes(Section::Row), mx_row_plane_bytes(rows, 256));
+        assert_eq!(v.encoded_bytes(Section::Col), mx_col_plane_bytes(rows, 256));
+        // Word-addressable: every view starts on 32 bytes and is padded to them.
+        assert_eq!(
+            v.row.end - v.row.start,
+            mx_row_plane_bytes(rows, 256).next_multiple_of(32)
+        );
+        assert!(v.row.start % 32 == 0 && v.col.start % 32 == 0);
         assert!(v.linear.is_empty());
     }
     // A looser limit keeps the padded shapes in MXFP8.

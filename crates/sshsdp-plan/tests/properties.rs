@@ -96,12 +96,19 @@ proptest! {
                             prop_assert_eq!(v.elements.start % band, 0);
                             prop_assert!(v.elements.end % band == 0 || v.elements.end == p.spec.numel());
                             let rows = v.len() / cols;
-                            prop_assert_eq!(v.row.end - v.row.start, mx_row_plane_bytes(rows, cols));
-                            prop_assert_eq!(v.col.end - v.col.start, mx_col_plane_bytes(rows, cols));
+                            prop_assert_eq!(v.encoded_bytes(Section::Row), mx_row_plane_bytes(rows, cols));
+                            prop_assert_eq!(v.encoded_bytes(Section::Col), mx_col_plane_bytes(rows, cols));
+                            for s in [Section::Row, Section::Col] {
+                                let r = v.bytes_in(s);
+                                prop_assert_eq!(r.start % MX_BLOCK, 0);
+                                prop_assert_eq!(r.end - r.start, v.encoded_bytes(s).next_multiple_of(MX_BLOCK));
+                            }
                         }
                         Encoding::F32 | Encoding::Bf16 => {
                             let size = if v.encoding == Encoding::F32 { 4 } else { 2 };
-                            prop_assert_eq!(v.linear.end - v.linear.start, size * v.len());
+                            prop_assert_eq!(v.encoded_bytes(Section::Linear), size * v.len());
+                            let held = v.linear.end - v.linear.start;
+                            prop_assert!(held >= size * v.len() && held < size * v.len() + MX_BLOCK);
                         }
                     }
                     runs[v.param].push((v.elements.start, v.len()));
