@@ -9,10 +9,10 @@
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
-use sshsdp_mx::{MxShape, Plane};
+use sshsdp_mx::Plane;
 
 use crate::e4m3::{byte_of, decode_e4m3, decode_e4m3_fast, FAST_DECODE_MAX, FAST_DECODE_MIN};
-use crate::error::{check_size, to_u32, KernelError};
+use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::layout::{COL_DATA_W, ROW_DATA_W, TILE_WORDS};
 use crate::quantize::tile_grid;
 
@@ -86,13 +86,9 @@ pub fn dequantize_tiled<R: Runtime>(
     plane: Plane,
     out: &Handle,
 ) -> Result<(), KernelError> {
-    let shape = MxShape::new(rows, cols);
-    shape
-        .validate()
-        .map_err(|e| KernelError::Shape(e.to_string()))?;
-    if shape.is_empty() {
+    let Some(shape) = checked_shape(rows, cols)? else {
         return Ok(());
-    }
+    };
     let src_words = word_offset + shape.tiled_bytes() / 4;
     check_size("src", src, src_words as u64 * 4)?;
     check_size("out", out, shape.len() as u64 * 4)?;

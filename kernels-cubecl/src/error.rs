@@ -44,3 +44,16 @@ pub(crate) fn check_size(
 pub(crate) fn to_u32(what: &'static str, value: u64) -> Result<u32, KernelError> {
     u32::try_from(value).map_err(|_| KernelError::TooLarge { what, value })
 }
+
+/// The shape `[rows, cols]` once it is checked to fit in memory, or `None` when it is empty (the
+/// kernels then have nothing to do).
+pub(crate) fn checked_shape(
+    rows: usize,
+    cols: usize,
+) -> Result<Option<sshsdp_mx::MxShape>, KernelError> {
+    let shape = sshsdp_mx::MxShape::new(rows, cols);
+    shape
+        .validate()
+        .map_err(|e| KernelError::Shape(e.to_string()))?;
+    Ok((!shape.is_empty()).then_some(shape))
+}

@@ -23,7 +23,7 @@ use crate::e4m3::{
     byte_of, decode_e4m3, decode_e4m3_fast, encode_word, scale_byte, FAST_DECODE_MAX,
     FAST_DECODE_MIN,
 };
-use crate::error::{check_size, to_u32, KernelError};
+use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::layout::MAX_CUBES;
 use crate::quantize::{load_bits, InputDType};
 
@@ -250,13 +250,9 @@ pub fn quantize_plane<R: Runtime>(
     at: PlaneAt,
     out: &Handle,
 ) -> Result<(), KernelError> {
-    let shape = MxShape::new(at.rows, at.cols);
-    shape
-        .validate()
-        .map_err(|e| KernelError::Shape(e.to_string()))?;
-    if shape.is_empty() {
+    let Some(shape) = checked_shape(at.rows, at.cols)? else {
         return Ok(());
-    }
+    };
     let elem_bytes = match dtype {
         InputDType::F32 => 4,
         InputDType::Bf16 => 2,
@@ -307,13 +303,9 @@ pub fn dequantize_plane<R: Runtime>(
     at: PlaneAt,
     out: &Handle,
 ) -> Result<(), KernelError> {
-    let shape = MxShape::new(at.rows, at.cols);
-    shape
-        .validate()
-        .map_err(|e| KernelError::Shape(e.to_string()))?;
-    if shape.is_empty() {
+    let Some(shape) = checked_shape(at.rows, at.cols)? else {
         return Ok(());
-    }
+    };
     check_plane(&at, src, "src")?;
     check_size("out", out, ((at.values_offset + shape.len()) * 4) as u64)?;
     to_u32(

@@ -11,10 +11,10 @@
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
-use sshsdp_mx::{MxShape, ScaleRule};
+use sshsdp_mx::ScaleRule;
 
 use crate::e4m3::{encode_word, scale_byte};
-use crate::error::{check_size, to_u32, KernelError};
+use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::layout::{
     COL_DATA_W, COL_SCALES_W, MAX_CUBES, ROW_DATA_W, ROW_SCALES_W, TILE_CUBE, TILE_WORDS,
 };
@@ -168,13 +168,9 @@ pub fn quantize_tiled<R: Runtime>(
     out: &Handle,
     word_offset: usize,
 ) -> Result<(), KernelError> {
-    let shape = MxShape::new(rows, cols);
-    shape
-        .validate()
-        .map_err(|e| KernelError::Shape(e.to_string()))?;
-    if shape.is_empty() {
+    let Some(shape) = checked_shape(rows, cols)? else {
         return Ok(());
-    }
+    };
     let elem_bytes = match dtype {
         InputDType::F32 => 4,
         InputDType::Bf16 => 2,
