@@ -2,6 +2,10 @@
 //! MXFP8 runtime parameters at world 2 and follows the same losses as `Autodiff<Hsdp<NdArray>>`
 //! (float differences between the backends' kernels only). On a CPU-only machine wgpu runs over
 //! Mesa's lavapipe; run with `cargo test --features wgpu --test wgpu_backend`.
+//!
+//! Also the storage seam's proof on a device: with the fp32 masters on the Wgpu device
+//! (`Placement::Device`: masters and AdamW state in device buffers, collectives through the
+//! host) training is bitwise the same as with host masters.
 
 use std::time::Duration;
 
@@ -11,7 +15,7 @@ use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_wgpu::Wgpu;
-use sshsdp::backend::{shard, Hsdp, HsdpConfig};
+use sshsdp::backend::{shard, Hsdp, HsdpConfig, Placement};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
@@ -78,6 +82,25 @@ fn train<I: Backend>(format: RuntimeFormat, device: I::Device) -> Vec<f32>
 where
     I::Device: Default,
 {
+    train_placed::<I>(format, Placement::Host, device).losses
+}
+
+/// What a run leaves.
+#[derive(Debug, PartialEq)]
+struct Run {
+    /// Losses of every rank's local batch, averaged, at each step.
+    losses: Vec<f32>,
+    /// Rank 0's final weights, parameter by parameter.
+    weights: Vec<Vec<f32>>,
+    /// Rank 0's master bytes on the host and on the device.
+    master_bytes: (u64, u64),
+}
+
+/// [`train`] with the fp32 masters in `placement`.
+fn train_placed<I: Backend>(format: RuntimeFormat, placement: Placement, device: I::Device) -> Run
+where
+    I::Device: Default,
+{
     let record = initial_record();
     let world = 2;
     let config = ThreadsConfig {
@@ -88,7 +111,9 @@ where
         let rank = comm.rank();
         let model: Gpt<A<I>> = CONFIG.init(&device);
         let model = model.map(&mut Load(record.iter()));
-        let config = HsdpConfig::new(Mesh::flat(world).unwrap()).with_format(format);
+        let config = HsdpConfig::new(Mesh::flat(world).unwrap())
+            .with_format(format)
+            .with_master_placement(placement);
         let (mut model, runtime) = shard::<A<I>, _, _>(model, config, comm, &device).unwrap();
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
         let mut losses = Vec::new();
@@ -98,16 +123,46 @@ where
             let _ = loss.backward();
             model = optim.step(1e-2, model, &runtime).unwrap();
         }
-        losses
+        let weights: Vec<Vec<f32>> = runtime
+            .plan()
+            .params()
+            .iter()
+            .map(|p| runtime.param_values(&p.spec.path).unwrap())
+            .collect();
+        let bytes = (runtime.master_bytes(), runtime.device_master_bytes());
+        (losses, weights, bytes)
     })
     .unwrap();
-    let ranks: Vec<Vec<f32>> = ranks
+    let mut ranks: Vec<_> = ranks
         .into_iter()
         .map(|r| r.expect("rank panicked"))
         .collect();
-    (0..STEPS)
-        .map(|s| ranks.iter().map(|l| l[s]).sum::<f32>() / world as f32)
-        .collect()
+    let losses = (0..STEPS)
+        .map(|s| ranks.iter().map(|r| r.0[s]).sum::<f32>() / world as f32)
+        .collect();
+    let (_, weights, master_bytes) = ranks.swap_remove(0);
+    Run {
+        losses,
+        weights,
+        master_bytes,
+    }
+}
+
+#[test]
+fn device_masters_on_wgpu_train_bitwise_like_host_masters() {
+    for format in [RuntimeFormat::F32, RuntimeFormat::Mxfp8] {
+        let host = train_placed::<Wgpu>(format, Placement::Host, Default::default());
+        let device = train_placed::<Wgpu>(format, Placement::Device, Default::default());
+        assert_eq!(host.losses, device.losses, "{format:?}");
+        assert_eq!(host.weights, device.weights, "{format:?}");
+        assert!(device.losses[STEPS - 1] < device.losses[0], "{device:?}");
+        assert_eq!(
+            device.master_bytes.0, 0,
+            "{format:?}: no master on the host"
+        );
+        assert!(device.master_bytes.1 > 0, "{format:?}");
+        assert_eq!(host.master_bytes.1, 0, "{format:?}");
+    }
 }
 
 #[test]

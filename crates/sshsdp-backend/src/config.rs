@@ -2,6 +2,7 @@
 
 use sshsdp_plan::{Mesh, PlanConfig, RuntimeFormat, Sharding};
 
+use crate::storage::Placement;
 use crate::HsdpError;
 
 /// How gathered parameters reach the kernels.
@@ -59,6 +60,8 @@ pub struct HsdpConfig {
     pub reshard_after_forward: bool,
     /// What an update does with a non-finite gradient (default: an error on every rank).
     pub non_finite: NonFinitePolicy,
+    /// Where the fp32 master weights (and with them the optimizer's state) live.
+    pub masters: Placement,
     /// Record every collective's span for a Chrome trace (`HsdpRuntime::take_trace`).
     pub trace: bool,
 }
@@ -73,6 +76,7 @@ impl HsdpConfig {
             copy_mode: CopyMode::ZeroCopy,
             reshard_after_forward: false,
             non_finite: NonFinitePolicy::Error,
+            masters: Placement::Host,
             trace: false,
         }
     }
@@ -83,6 +87,17 @@ impl HsdpConfig {
     /// ([`crate::Counters::comm_wait_ns`]); spans cost a little memory per collective.
     pub fn with_trace(mut self, trace: bool) -> Self {
         self.trace = trace;
+        self
+    }
+
+    /// The same config with the fp32 masters in `placement`: [`Placement::Device`] keeps them as
+    /// tensors on the decorated backend's device, so optimizers (given
+    /// [`crate::PieceValues::Device`]) step them there with their state on the same device — on a
+    /// GPU backend no master crosses PCIe for the update; each updated piece is staged to the
+    /// host once to re-derive its runtime units (which the host collectives move). The masters
+    /// are then kept apart from the runtime shard in every format, f32 included.
+    pub fn with_master_placement(mut self, placement: Placement) -> Self {
+        self.masters = placement;
         self
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use sshsdp_plan::Plan;
 
-use crate::runtime::{Counters, Piece, Runtime, UpdateGroup};
+use crate::runtime::{Counters, Piece, Runtime, UpdateGroup, Views};
 use crate::HsdpError;
 
 /// One rank's handle on its sharded parameters: the plan, the update step and the counters.
@@ -36,35 +36,41 @@ impl<B: Backend> HsdpRuntime<B> {
         self.runtime.plan()
     }
 
-    /// Updates this rank's pieces with `step(bucket, master, grad)`, one piece at a time (see
-    /// `sshsdp_optim::ShardedOptimizer` for Burn optimizers), and rebuilds the runtime shards.
+    /// Updates this rank's pieces with `step(bucket, master, grad)` on host slices, one piece at
+    /// a time (device masters are staged; see `sshsdp_optim::ShardedOptimizer` for Burn
+    /// optimizers), and rebuilds the runtime shards.
     pub fn update(
         &self,
         mut step: impl FnMut(usize, &mut [f32], &[f32]) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
-        self.runtime.update_pieces(|pieces, _| {
-            pieces
-                .iter_mut()
-                .try_for_each(|p| step(p.bucket, p.master, p.grad))
+        self.runtime.update_pieces(Views::Host, |pieces, _| {
+            pieces.iter_mut().try_for_each(|p| {
+                let bucket = p.bucket;
+                let (master, grad) = p.host()?;
+                step(bucket, master, grad)
+            })
         })
     }
 
-    /// Updates all of this rank's pieces at once, with the update group's collectives at hand
-    /// (for optimizers that exchange data between pieces, such as distributed Muon), and
-    /// rebuilds the runtime shards.
+    /// Updates all of this rank's pieces at once, handed as `views`, with the update group's
+    /// collectives at hand (for optimizers that exchange data between pieces, such as
+    /// distributed Muon), and rebuilds the runtime shards. One call per step: the optimizer
+    /// steps inside `step`, the runtime re-derives and rebuilds after it.
     pub fn update_pieces(
         &self,
-        step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+        views: Views,
+        step: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
-        self.runtime.update_pieces(step)
+        self.runtime.update_pieces(views, step)
     }
 
-    /// Every bucket's piece on this rank with its fp32 master (gradients empty), for reading or
+    /// Every bucket's piece on this rank with its fp32 master as host slices (gradients empty;
+    /// device masters staged), for reading or
     /// overwriting the masters (checkpoints); the runtime shards are re-derived and rebuilt
     /// afterwards. A collective call: every rank calls it.
     pub fn master_pieces(
         &self,
-        f: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+        f: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
         self.runtime.master_pieces(f)
     }
@@ -102,9 +108,16 @@ impl<B: Backend> HsdpRuntime<B> {
         self.runtime.shard_bytes()
     }
 
-    /// Bytes of this rank's fp32 master pieces kept apart from the runtime shards (bf16 runtime
-    /// format; 0 in f32, where the runtime shard is the master).
+    /// Bytes of this rank's fp32 master pieces on the host kept apart from the runtime shards
+    /// (bf16 and MXFP8 runtime formats; 0 in f32 with host masters, where the runtime shard is
+    /// the master, and with device masters).
     pub fn master_bytes(&self) -> u64 {
         self.runtime.master_bytes()
+    }
+
+    /// Bytes of this rank's fp32 master pieces on the device
+    /// ([`crate::HsdpConfig::with_master_placement`]).
+    pub fn device_master_bytes(&self) -> u64 {
+        self.runtime.device_master_bytes()
     }
 }

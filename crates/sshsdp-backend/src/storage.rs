@@ -1,3 +1,20 @@
+//! Storage of one rank: where each role's buffers live ([`Placement`]) and the runtime units
+//! of a bucket's runtime shards.
+//!
+//! Roles and where they live today:
+//!
+//! | role | placement |
+//! |---|---|
+//! | runtime shard | host ([`Elems`]): what the host collectives read and write |
+//! | gathered bucket | `B`'s device: decoded into one `B` tensor that parameters are views of |
+//! | gradient bucket | host, accumulated from autodiff's tensors for the host reductions |
+//! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`MasterBuf`]) |
+//! | optimizer state | with the masters: the optimizer's tensors on its device |
+//!
+//! With device masters the update runs on `B`'s device with no host copy of a master (the
+//! optimizer gets [`crate::PieceValues::Device`]); each piece's new values are staged to the
+//! host once to re-derive its runtime units and rebuild the shards ([`crate::Counters::staged_bytes`]).
+//!
 //! Runtime units: what a bucket's runtime shards hold and what its all-gathers move.
 //!
 //! * `F32`: the runtime elements *are* the fp32 master weights of this rank's piece (updated in
@@ -9,7 +26,70 @@
 //! Where a parameter sits in these units and how they are encoded from the masters and decoded
 //! for compute is the plan's layout, read by the bucket's [`crate::codec::BucketCodec`].
 
+use burn_backend::{read_sync, Backend, TensorData, TensorMetadata};
 use half::bf16;
+
+use crate::HsdpError;
+
+/// Where the buffers of a storage role live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Host memory (`Vec`s), read and written by the host collectives directly.
+    #[default]
+    Host,
+    /// The device of the decorated backend `B` (`B` tensors): on a GPU backend, GPU memory;
+    /// values cross to the host only where a host collective or codec needs them (staged).
+    Device,
+}
+
+/// One piece's fp32 master weights, where [`Placement`] put them.
+pub(crate) enum MasterBuf<B: Backend> {
+    /// On the host.
+    Host(Vec<f32>),
+    /// A 1-D tensor on `B`'s device.
+    Device(B::FloatTensorPrimitive),
+}
+
+impl<B: Backend> MasterBuf<B> {
+    /// `values` placed by `placement` (uploaded to `device` for [`Placement::Device`]).
+    pub fn new(placement: Placement, values: Vec<f32>, device: &B::Device) -> Self {
+        match placement {
+            Placement::Host => MasterBuf::Host(values),
+            Placement::Device => MasterBuf::Device(upload::<B>(values, device)),
+        }
+    }
+
+    /// Bytes held on the host.
+    pub fn host_bytes(&self) -> u64 {
+        match self {
+            MasterBuf::Host(v) => 4 * v.len() as u64,
+            MasterBuf::Device(_) => 0,
+        }
+    }
+
+    /// Bytes held on the device.
+    pub fn device_bytes(&self) -> u64 {
+        match self {
+            MasterBuf::Host(_) => 0,
+            MasterBuf::Device(t) => 4 * t.shape().num_elements() as u64,
+        }
+    }
+}
+
+/// `values` as a 1-D f32 tensor on `device`.
+pub(crate) fn upload<B: Backend>(values: Vec<f32>, device: &B::Device) -> B::FloatTensorPrimitive {
+    let n = values.len();
+    B::float_from_data(TensorData::new(values, [n]), device)
+}
+
+/// A float tensor's values, read back to the host as f32.
+pub(crate) fn download<B: Backend>(tensor: B::FloatTensorPrimitive) -> Result<Vec<f32>, HsdpError> {
+    read_sync(B::float_into_data(tensor))
+        .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))?
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))
+}
 
 /// A run of runtime units.
 #[derive(Clone, Debug, PartialEq)]

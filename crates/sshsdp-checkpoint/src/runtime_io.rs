@@ -66,14 +66,32 @@ impl UnitState for WeightsOnly {
     }
 }
 
-/// Runs `f` on every master piece and carries a checkpoint error out of the runtime's closure.
+/// One bucket's fp32 master piece on this rank, as host elements.
+struct MasterPiece<'a> {
+    bucket: usize,
+    start: usize,
+    master: &'a mut [f32],
+}
+
+/// Runs `f` on every master piece (host slices; the runtime stages device masters) and carries
+/// a checkpoint error out of the runtime's closure.
 fn on_masters<B: Backend>(
     runtime: &HsdpRuntime<B>,
-    f: impl FnOnce(&mut [sshsdp_backend::Piece<'_>]) -> Result<(), CheckpointError>,
+    f: impl FnOnce(&mut [MasterPiece<'_>]) -> Result<(), CheckpointError>,
 ) -> Result<(), CheckpointError> {
     let mut inner = None;
     let outer = runtime.master_pieces(|pieces, _| {
-        f(pieces).map_err(|e| {
+        let mut masters = Vec::with_capacity(pieces.len());
+        for p in pieces.iter_mut() {
+            let (bucket, start) = (p.bucket, p.start);
+            let (master, _) = p.host()?;
+            masters.push(MasterPiece {
+                bucket,
+                start,
+                master,
+            });
+        }
+        f(&mut masters).map_err(|e| {
             let message = e.to_string();
             inner = Some(e);
             HsdpError::Failed(message)

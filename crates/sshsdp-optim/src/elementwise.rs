@@ -11,9 +11,9 @@ use std::hash::Hash;
 use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend};
+use sshsdp_backend::{HsdpError, HsdpRuntime, PieceValues, ShardableBackend, Views};
 
 use crate::clip::GradClip;
 
@@ -85,13 +85,44 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     }
 
     fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {
-        runtime.update_pieces(|pieces, group| {
+        runtime.update_pieces(Views::AsStored, |pieces, group| {
             let scale = self.clip.factor(group);
             for piece in pieces.iter_mut() {
-                self.step_piece(lr, scale, piece.bucket, piece.master, piece.grad)?;
+                match &mut piece.values {
+                    PieceValues::Host { master, grad } => {
+                        self.step_piece(lr, scale, piece.bucket, master, grad)?
+                    }
+                    PieceValues::Device { master, grad } => {
+                        self.step_device_piece(lr, scale, piece.bucket, master, grad.clone())
+                    }
+                }
             }
             Ok(())
         })
+    }
+
+    /// One step on a device-resident piece: the master tensor is replaced by the optimizer's
+    /// result, its state stays on the same device; nothing crosses to the host.
+    fn step_device_piece(
+        &mut self,
+        lr: f64,
+        grad_scale: f64,
+        bucket: usize,
+        master: &mut B::FloatTensorPrimitive,
+        grad: B::FloatTensorPrimitive,
+    ) {
+        let param = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(master.clone()));
+        let mut grad = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(grad));
+        if grad_scale != 1.0 {
+            // The same f32 product as the host path's `g * scale`.
+            grad = grad.mul_scalar(grad_scale as f32);
+        }
+        let state = self.states.remove(&bucket);
+        let (param, state) = self.optimizer.step(lr, param, grad, state);
+        if let Some(state) = state {
+            self.states.insert(bucket, state);
+        }
+        *master = param.into_primitive().tensor();
     }
 
     fn step_piece(

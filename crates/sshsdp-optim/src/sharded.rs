@@ -24,13 +24,19 @@ use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend};
+use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend, Views};
 
 use crate::{step_slice, GradClip, Slice};
 use sshsdp_plan::Role;
 
 use crate::units::{units_of, UpdateUnit};
 use crate::Muon;
+
+/// A piece's host master and gradient slices.
+struct HostPiece<'a> {
+    master: &'a mut [f32],
+    grad: &'a [f32],
+}
 
 /// Newton–Schulz and exchange counts of the last step on this rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -143,11 +149,13 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         AB: ShardableBackend<Inner = B>,
         M: Module<AB>,
     {
-        runtime.update_pieces(|pieces, group| {
-            let units = units_of(
-                runtime,
-                pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
-            );
+        runtime.update_pieces(Views::Host, |pieces, group| {
+            let units = units_of(runtime, pieces.iter().map(|p| (p.bucket, p.start, p.len())));
+            // Host slices (device masters are staged by the runtime for `Views::Host`).
+            let mut pieces: Vec<HostPiece<'_>> = pieces
+                .iter_mut()
+                .map(|p| p.host().map(|(master, grad)| HostPiece { master, grad }))
+                .collect::<Result<_, _>>()?;
             let plan = runtime.plan();
             let mut stats = MuonStepStats::default();
             let scale = self.clip.factor(group) as f32;

@@ -6,14 +6,15 @@ mod common;
 use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, NdArray};
-use burn::optim::SgdConfig;
+use burn::optim::{AdamWConfig, SgdConfig};
 use common::{batches, rows, TinyLm};
 use sshsdp_backend::{
-    chrome_trace, named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError, Track,
+    chrome_trace, named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError,
+    Placement, Track,
 };
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
-use sshsdp_optim::ShardedOptimizer;
+use sshsdp_optim::{MuonConfig, ShardedMuon, ShardedOptimizer};
 use sshsdp_plan::{Mesh, RuntimeFormat, Sharding};
 
 type Inner = NdArray<f32>;
@@ -482,5 +483,96 @@ fn the_step_timeline_records_every_collective_and_wait() {
         assert_eq!(count(Track::Model, "wait gather"), buckets);
         let json = chrome_trace(&spans);
         assert!(json.contains("\"traceEvents\"") && json.contains("all-gather"));
+    }
+}
+
+/// What a run with masters in one placement leaves on rank 0.
+#[derive(Debug, PartialEq)]
+struct PlacedRun {
+    losses: Vec<f32>,
+    weights: Vec<Vec<f32>>,
+    staged_bytes: u64,
+    host_master_bytes: u64,
+    device_master_bytes: u64,
+}
+
+/// Three steps at world 2 with the fp32 masters in `placement`: AdamW with clipping through
+/// `ShardedOptimizer` (device views), or distributed Muon (host views, staged).
+fn train_placed(
+    format: RuntimeFormat,
+    placement: Placement,
+    muon: bool,
+    init: &TinyLm<B>,
+) -> PlacedRun {
+    let world = 2;
+    let mut ranks = ThreadsWorld::run(world, threads(30_000), |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let config = HsdpConfig::new(Mesh::flat(world).unwrap())
+            .with_bucket_elements(1500)
+            .with_format(format)
+            .with_master_placement(placement);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let adamw = AdamWConfig::new().build();
+        let mut elementwise = ShardedOptimizer::new(adamw.clone(), device).with_grad_clipping(0.5);
+        let mut muon_opt = ShardedMuon::new(MuonConfig::new().init(), adamw, device);
+        let (mut losses, mut staged_bytes) = (Vec::new(), 0);
+        for batch in batches(3, 8) {
+            let loss = model.loss(rows::<B>(&batch, rank * 4, 4, &device));
+            losses.push(loss.clone().into_scalar());
+            let _ = loss.backward();
+            model = match muon {
+                true => muon_opt.step(0.02, model, &runtime).unwrap(),
+                false => elementwise.step(0.02, model, &runtime).unwrap(),
+            };
+            staged_bytes += runtime.take_counters().staged_bytes;
+        }
+        let weights = runtime
+            .plan()
+            .params()
+            .iter()
+            .map(|p| runtime.param_values(&p.spec.path).unwrap())
+            .collect();
+        PlacedRun {
+            losses,
+            weights,
+            staged_bytes,
+            host_master_bytes: runtime.master_bytes(),
+            device_master_bytes: runtime.device_master_bytes(),
+        }
+    })
+    .unwrap();
+    ranks.swap_remove(0).unwrap()
+}
+
+#[test]
+fn device_masters_train_bitwise_like_host_masters() {
+    let init = model();
+    for format in [
+        RuntimeFormat::F32,
+        RuntimeFormat::Bf16,
+        RuntimeFormat::Mxfp8,
+    ] {
+        for muon in [false, true] {
+            let host = train_placed(format, Placement::Host, muon, &init);
+            let device = train_placed(format, Placement::Device, muon, &init);
+            let what = format!("{format:?}, muon {muon}");
+            assert_eq!(host.losses, device.losses, "{what}");
+            assert_eq!(host.weights, device.weights, "{what}");
+            assert!(host.losses[2] < host.losses[0], "{what}: {:?}", host.losses);
+            // The masters moved to the device, all of them; staging is counted.
+            assert_eq!(device.host_master_bytes, 0, "{what}");
+            assert_eq!(host.device_master_bytes, 0, "{what}");
+            assert_eq!(host.staged_bytes, 0, "{what}");
+            let masters = device.device_master_bytes;
+            if format != RuntimeFormat::F32 {
+                assert_eq!(masters, host.host_master_bytes, "{what}");
+            }
+            assert!(masters > 0, "{what}");
+            // Device views (AdamW): each step uploads the gradient and reads the master back
+            // once to re-derive; host views (Muon): the master goes out and back, and the
+            // staged values are re-derived from.
+            assert_eq!(device.staged_bytes, 3 * 2 * masters, "{what}");
+        }
     }
 }

@@ -22,6 +22,10 @@ pub struct Counters {
     /// Bytes of compute-dtype (f32) parameters produced by widening (bf16) or decoding (MXFP8)
     /// gathered buckets; 0 for f32 runtime parameters.
     pub decoded_bytes: u64,
+    /// Bytes staged between the device and the host around host collectives and the host codec
+    /// (device masters read back to re-derive runtime units, gradients uploaded to device
+    /// masters); 0 with host masters.
+    pub staged_bytes: u64,
     /// Updates skipped because the gradient was not finite
     /// ([`crate::NonFinitePolicy::SkipStep`]).
     pub skipped_steps: u64,

@@ -35,13 +35,13 @@ use burn_backend::{read_sync, Backend, Shape};
 use sshsdp_plan::{Part, Plan};
 
 pub use counters::Counters;
-pub use update::{Piece, UpdateGroup};
+pub use update::{Piece, PieceValues, UpdateGroup, Views};
 
 use crate::codec::BucketCodec;
 use crate::comm::MeshComm;
 use crate::config::{HsdpConfig, NonFinitePolicy};
 use crate::error::HsdpError;
-use crate::storage::Elems;
+use crate::storage::{Elems, MasterBuf, Placement};
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::timeline::{Span, Timeline, Track};
 use crate::views::with_f32_values;
@@ -106,14 +106,19 @@ impl<B: Backend> Runtime<B> {
         let rank = comm.world_rank();
         let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
         let first_piece = plan.runtime_shard_of(rank)? * plan.pieces_per_shard();
-        let format = plan.config().runtime_format;
+        // In f32 with host masters the runtime shard's piece is the master; otherwise the
+        // master is kept apart, where the config places it.
+        let separate_masters = plan.config().runtime_format != sshsdp_plan::RuntimeFormat::F32
+            || config.masters != Placement::Host;
         let storage = shards
             .into_iter()
             .zip(&codecs)
             .map(|(shard, codec)| {
                 let pe = codec.piece_elems();
-                let master = (format != sshsdp_plan::RuntimeFormat::F32)
-                    .then(|| shard[piece_in_shard * pe..(piece_in_shard + 1) * pe].to_vec());
+                let master = separate_masters.then(|| {
+                    let values = shard[piece_in_shard * pe..(piece_in_shard + 1) * pe].to_vec();
+                    MasterBuf::new(config.masters, values, &device)
+                });
                 Ok(BucketStorage::new(
                     codec.encode(first_piece, shard)?,
                     master,
@@ -416,7 +421,7 @@ impl<B: Backend> Runtime<B> {
 
     /// Runs the optimizer on this rank's pieces and rebuilds the runtime shards.
     ///
-    /// `step(pieces, group)` updates each piece's fp32 master elements in place from its
+    /// `step(pieces, group)` updates each piece's fp32 master elements (handed as `views`) from its
     /// world-averaged gradient; `group` runs the optimizer's own collectives (the same on every
     /// rank, in the same order). Buckets that received no gradient are not among the pieces.
     /// Afterwards each piece's runtime elements are re-derived from its master (bf16, MXFP8),
@@ -424,19 +429,21 @@ impl<B: Backend> Runtime<B> {
     /// gathers the new values.
     pub fn update_pieces(
         &self,
-        step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+        views: Views,
+        step: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
-        update::run(self, &mut self.lock(), false, step)
+        update::run(self, &mut self.lock(), false, views, step)
     }
 
-    /// Hands every bucket's piece to `f` (gradients empty, pending gradients left alone), then
+    /// Hands every bucket's piece to `f` as host slices (gradients empty, pending gradients left
+    /// alone; device masters staged), then
     /// re-derives and rebuilds the runtime shards as after an update: for checkpoints, which
     /// read or overwrite the fp32 masters.
     pub fn master_pieces(
         &self,
-        f: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+        f: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
-        update::run(self, &mut self.lock(), true, f)
+        update::run(self, &mut self.lock(), true, Views::Host, f)
     }
 
     /// Closes a step (applied or not): completes the gathers prefetched for a use that did not
@@ -497,13 +504,22 @@ impl<B: Backend> Runtime<B> {
         self.lock().storage.iter().map(|b| b.shard.bytes()).sum()
     }
 
-    /// Bytes of this rank's separate fp32 master pieces (0 in the f32 runtime format, where the
-    /// runtime shard holds them).
+    /// Bytes of this rank's separate fp32 master pieces on the host (0 in the f32 runtime format
+    /// with host masters, where the runtime shard holds them, and with device masters).
     pub fn master_bytes(&self) -> u64 {
         self.lock()
             .storage
             .iter()
-            .map(|b| b.master.as_ref().map_or(0, |m| 4 * m.len() as u64))
+            .map(|b| b.master.as_ref().map_or(0, MasterBuf::host_bytes))
+            .sum()
+    }
+
+    /// Bytes of this rank's fp32 master pieces on the device ([`Placement::Device`]).
+    pub fn device_master_bytes(&self) -> u64 {
+        self.lock()
+            .storage
+            .iter()
+            .map(|b| b.master.as_ref().map_or(0, MasterBuf::device_bytes))
             .sum()
     }
 

@@ -14,7 +14,7 @@ use sshsdp_plan::Part;
 use super::Counters;
 use crate::codec::{BucketCodec, Phase};
 use crate::config::CopyMode;
-use crate::storage::Elems;
+use crate::storage::{Elems, MasterBuf};
 use crate::views::{bucket_views, Member};
 use crate::worker::{Reply, Worker};
 use crate::HsdpError;
@@ -51,16 +51,16 @@ pub(super) enum Residency<B: Backend> {
 pub(super) struct BucketStorage<B: Backend> {
     /// This rank's runtime shard (`1/S` of the bucket, in the runtime format), persistent.
     pub shard: Arc<Elems>,
-    /// The fp32 master of this rank's piece when the runtime format is not f32 (in f32 the
-    /// piece's runtime elements are the master).
-    pub master: Option<Vec<f32>>,
+    /// The fp32 master of this rank's piece, apart from the shard unless the runtime format is
+    /// f32 with host masters (then the piece's runtime elements are the master).
+    pub master: Option<MasterBuf<B>>,
     /// Where the bucket stands.
     pub residency: Residency<B>,
 }
 
 impl<B: Backend> BucketStorage<B> {
     /// A sharded bucket.
-    pub fn new(shard: Elems, master: Option<Vec<f32>>) -> Self {
+    pub fn new(shard: Elems, master: Option<MasterBuf<B>>) -> Self {
         Self {
             shard: Arc::new(shard),
             master,

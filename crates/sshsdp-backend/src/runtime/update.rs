@@ -3,28 +3,85 @@
 //! optimizer steps this rank's pieces, each piece's runtime bytes are re-derived from its fp32
 //! master (bf16 cast or MXFP8 quantisation) and the runtime shards rebuilt across replicas.
 
-use std::ops::Range;
 use std::sync::Arc;
 
-use burn_backend::Backend;
+use burn_backend::{Backend, TensorMetadata};
 
 use super::{Runtime, State};
 use crate::config::NonFinitePolicy;
+use crate::storage::{download, upload, MasterBuf};
 use crate::timeline::{Timeline, Track};
 use crate::worker::Worker;
 use crate::HsdpError;
 
+/// How an update hands this rank's pieces to its caller.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Views {
+    /// Where the masters live ([`crate::Placement`]): [`PieceValues::Host`] slices or
+    /// [`PieceValues::Device`] tensors, for optimizers that step either (as
+    /// `sshsdp_optim::ShardedOptimizer` does).
+    #[default]
+    AsStored,
+    /// Always [`PieceValues::Host`] slices: device masters are staged to the host before the
+    /// step and back after it (counted in [`crate::Counters::staged_bytes`]), for code written
+    /// over host slices (distributed Muon's exchange, checkpoints).
+    Host,
+}
+
+/// A piece's fp32 master weights and world-averaged gradient, where they live.
+pub enum PieceValues<'a, B: Backend> {
+    /// Host memory.
+    Host {
+        /// Master elements (padding elements included), updated in place.
+        master: &'a mut [f32],
+        /// Their gradient (empty when handing out masters only).
+        grad: &'a [f32],
+    },
+    /// Tensors on the decorated backend's device (1-D, the piece's element count).
+    Device {
+        /// Master elements; the optimizer replaces the tensor with the updated one.
+        master: &'a mut B::FloatTensorPrimitive,
+        /// Their gradient.
+        grad: B::FloatTensorPrimitive,
+    },
+}
+
 /// One bucket's piece on this rank during an update.
-pub struct Piece<'a> {
+pub struct Piece<'a, B: Backend> {
     /// The bucket.
     pub bucket: usize,
     /// Position of the piece's first element in the bucket's element space (the plan's update
     /// views of the piece say where parameters sit in it).
     pub start: usize,
-    /// fp32 master weights of the piece (padding elements included), updated in place.
-    pub master: &'a mut [f32],
-    /// World-averaged gradient of the piece.
-    pub grad: &'a [f32],
+    /// The master and gradient values.
+    pub values: PieceValues<'a, B>,
+}
+
+impl<B: Backend> Piece<'_, B> {
+    /// Number of elements (padding included).
+    pub fn len(&self) -> usize {
+        match &self.values {
+            PieceValues::Host { master, .. } => master.len(),
+            PieceValues::Device { master, .. } => master.shape().num_elements(),
+        }
+    }
+
+    /// Whether the piece has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The host master and gradient slices; an error for device values (ask the update for
+    /// [`Views::Host`] to get host slices in every placement).
+    pub fn host(&mut self) -> Result<(&mut [f32], &[f32]), HsdpError> {
+        match &mut self.values {
+            PieceValues::Host { master, grad } => Ok((&mut **master, &**grad)),
+            PieceValues::Device { .. } => Err(HsdpError::Failed(format!(
+                "bucket {}'s piece is on the device: request host views (Views::Host)",
+                self.bucket
+            ))),
+        }
+    }
 }
 
 /// The collectives an optimizer may run during an update, over the *update group*: the ranks
@@ -61,14 +118,15 @@ impl UpdateGroup<'_> {
     }
 }
 
-/// Hands this rank's pieces to `step` — those with a gradient, or every bucket's with empty
-/// gradients when `all_buckets` (checkpoints reading or writing masters) — then re-derives and
-/// rebuilds the runtime shards and ends the step.
+/// Hands this rank's pieces to `step` as `views` — those with a gradient, or every bucket's
+/// with empty gradients (as host slices) when `all_buckets` (checkpoints reading or writing
+/// masters) — then re-derives and rebuilds the runtime shards and ends the step.
 pub(super) fn run<B: Backend>(
     rt: &Runtime<B>,
     st: &mut State<B>,
     all_buckets: bool,
-    step: impl FnOnce(&mut [Piece<'_>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    views: Views,
+    step: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
 ) -> Result<(), HsdpError> {
     if let Some((b, pending)) = st.grads.waiting() {
         return Err(HsdpError::Failed(format!(
@@ -115,35 +173,55 @@ pub(super) fn run<B: Backend>(
         norm
     };
     let piece = rt.plan.piece_of(rt.world_rank)?;
+    let device = &rt.materialiser.device;
+    // Device masters the caller wants as host slices: staged to the host for the step.
+    let host_views = all_buckets || views == Views::Host;
+    let mut staged: Vec<Option<Vec<f32>>> = vec![None; st.storage.len()];
+    if host_views {
+        for &(b, _) in &grads {
+            if let Some(MasterBuf::Device(t)) = &st.storage[b].master {
+                let values = download::<B>(t.clone())?;
+                st.counters.staged_bytes += 4 * values.len() as u64;
+                staged[b] = Some(values);
+            }
+        }
+    }
     {
-        let ranges: Vec<Range<usize>> = (0..st.storage.len())
-            .map(|b| {
-                let pe = rt.codecs[b].piece_elems();
-                rt.piece_in_shard * pe..(rt.piece_in_shard + 1) * pe
-            })
-            .collect();
+        let State {
+            storage, counters, ..
+        } = &mut *st;
         let mut grads_iter = grads.iter().peekable();
         let mut pieces = Vec::with_capacity(grads.len());
-        for (b, bucket) in st.storage.iter_mut().enumerate() {
+        for ((b, bucket), staged) in storage.iter_mut().enumerate().zip(&mut staged) {
             let Some((_, grad)) = grads_iter.next_if(|(gb, _)| *gb == b) else {
                 continue;
             };
-            let master: &mut [f32] = match &mut bucket.master {
-                Some(master) => master,
-                None => {
-                    // f32: the piece's runtime elements (`ranges`: its place in the shard).
+            let values = match (&mut bucket.master, staged) {
+                (_, Some(master)) => PieceValues::Host { master, grad },
+                (Some(MasterBuf::Host(master)), None) => PieceValues::Host { master, grad },
+                (Some(MasterBuf::Device(master)), None) => {
+                    counters.staged_bytes += 4 * grad.len() as u64;
+                    let grad = upload::<B>(grad.clone(), device);
+                    PieceValues::Device { master, grad }
+                }
+                (None, None) => {
+                    // f32 with host masters: the piece's runtime elements, its place in the shard.
+                    let pe = rt.codecs[b].piece_elems();
+                    let range = rt.piece_in_shard * pe..(rt.piece_in_shard + 1) * pe;
                     let shard = Arc::make_mut(&mut bucket.shard);
                     let elements = shard
                         .as_f32_mut()
                         .ok_or_else(|| HsdpError::Failed("no fp32 master elements".into()))?;
-                    &mut elements[ranges[b].clone()]
+                    PieceValues::Host {
+                        master: &mut elements[range],
+                        grad,
+                    }
                 }
             };
             pieces.push(Piece {
                 bucket: b,
                 start: piece * rt.codecs[b].piece_elems(),
-                master,
-                grad,
+                values,
             });
         }
         let group = UpdateGroup {
@@ -157,10 +235,32 @@ pub(super) fn run<B: Backend>(
     // Re-derive each updated piece's runtime units and rebuild the shards across replicas.
     let mut rebuilds = Vec::new();
     for &(b, _) in &grads {
-        let bucket = &mut st.storage[b];
+        let State {
+            storage, counters, ..
+        } = &mut *st;
+        let bucket = &mut storage[b];
+        // The master's values on the host, for the host codec.
+        let host_master = match (&mut bucket.master, staged[b].take()) {
+            (Some(MasterBuf::Device(t)), Some(values)) => {
+                // Staged for host views: the updated values go back to the device.
+                counters.staged_bytes += 4 * values.len() as u64;
+                *t = upload::<B>(values.clone(), device);
+                Some(values)
+            }
+            (Some(MasterBuf::Device(t)), None) => {
+                let values = download::<B>(t.clone())?;
+                counters.staged_bytes += 4 * values.len() as u64;
+                Some(values)
+            }
+            _ => None,
+        };
         let shard = Arc::make_mut(&mut bucket.shard);
-        if let Some(master) = &bucket.master {
-            rt.codecs[b].rederive(shard, rt.piece_in_shard, piece, master)?;
+        match (&bucket.master, &host_master) {
+            (_, Some(values)) => rt.codecs[b].rederive(shard, rt.piece_in_shard, piece, values)?,
+            (Some(MasterBuf::Host(master)), None) => {
+                rt.codecs[b].rederive(shard, rt.piece_in_shard, piece, master)?
+            }
+            _ => {}
         }
         let empty = Arc::new(shard.zeros_like(0));
         let shard = std::mem::replace(&mut bucket.shard, empty);
