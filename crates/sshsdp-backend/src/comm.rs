@@ -4,25 +4,69 @@
 //! Every method belongs to one of the worker's two lanes (see `worker.rs`): the *shard lane*
 //! (bucket gathers, the shard-group stage of gradient reductions) or the *replica lane* (the
 //! replica-group stage of reductions, runtime-shard rebuilds, the update group's exchanges).
-//! Each lane owns its own set of communicators ([`MeshComm::duplicate`]).
+//! Each lane owns its own set of communicators, made on the lane's thread from the user's
+//! [`CommFactory`] ([`LaneFactory::connect_mesh`]), so communicators that cannot cross threads
+//! (NCCL's) work as well as those that can.
 
 use sshsdp_comm::hierarchy::{self, MeshComms};
-use sshsdp_comm::{Collective, CommError, CommResult, Element, ReduceOp};
+use sshsdp_comm::{Collective, CommError, CommFactory, CommResult, Element, ReduceOp};
 use sshsdp_plan::Sharding;
 use std::ops::Range;
 
 use crate::storage::Elems;
 
+/// The lanes of a runtime: the model thread's during `shard` (registration), then the shard
+/// lane's and the replica lane's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LaneId {
+    /// The model thread, during `shard` only.
+    Bootstrap = 0,
+    /// Gathers and the shard-group stage of reductions.
+    Shard = 1,
+    /// The replica-group stage, rebuilds and the update group's exchanges.
+    Replica = 2,
+}
+
+/// How many lanes a runtime connects: what a [`CommFactory`] handed to `shard_with` must offer.
+pub const RUNTIME_LANES: usize = 3;
+
+/// A [`CommFactory`] seen without its communicator type: makes a lane's mesh communicators on
+/// the calling thread.
+pub(crate) trait LaneFactory: Send + Sync {
+    /// This rank's index in the world.
+    fn world_rank(&self) -> usize;
+    /// Lane `lane`'s communicators over a `replicas × shards` mesh (collective over the lane).
+    fn connect_mesh(
+        &self,
+        lane: LaneId,
+        replicas: usize,
+        shards: usize,
+    ) -> CommResult<Box<dyn MeshComm>>;
+}
+
+impl<F: CommFactory> LaneFactory for F {
+    fn world_rank(&self) -> usize {
+        self.rank()
+    }
+
+    fn connect_mesh(
+        &self,
+        lane: LaneId,
+        replicas: usize,
+        shards: usize,
+    ) -> CommResult<Box<dyn MeshComm>> {
+        let world = self.connect(lane as usize)?;
+        Ok(Box::new(MeshComms::new(world, replicas, shards)?))
+    }
+}
+
 /// Collectives of one rank over a `replicas × shards` mesh: runtime elements in the plan's format,
-/// gradients in f32.
-pub(crate) trait MeshComm: Send {
+/// gradients in f32. Used only on the thread that made it.
+pub(crate) trait MeshComm {
     /// World rank.
     fn world_rank(&self) -> usize;
     /// World size.
     fn world_size(&self) -> usize;
-    /// Independent communicators over the same mesh (collective over the world), for a second
-    /// thread running collectives of its own.
-    fn duplicate(&self) -> CommResult<Box<dyn MeshComm>>;
     /// Shard lane. All-gather of runtime shards over the shard group into the full bucket
     /// (under DDP the runtime shard is the whole bucket: a copy).
     fn gather_bucket(
@@ -67,17 +111,13 @@ pub(crate) trait MeshComm: Send {
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()>;
 }
 
-impl<C: Collective + Send + 'static> MeshComm for MeshComms<C> {
+impl<C: Collective> MeshComm for MeshComms<C> {
     fn world_rank(&self) -> usize {
         self.world.rank()
     }
 
     fn world_size(&self) -> usize {
         self.world.size()
-    }
-
-    fn duplicate(&self) -> CommResult<Box<dyn MeshComm>> {
-        Ok(Box::new(MeshComms::duplicate(self)?))
     }
 
     fn gather_bucket(

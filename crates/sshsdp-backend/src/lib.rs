@@ -42,11 +42,12 @@ mod worker;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
+pub use comm::RUNTIME_LANES;
 pub use config::{CopyMode, HsdpConfig, NonFinitePolicy};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};
-pub use shard::{named_params, refresh_leaves, shard, NamedParam};
+pub use shard::{named_params, refresh_leaves, shard, shard_with, NamedParam};
 pub use storage::Placement;
 pub use tensor::{HsdpFloat, ParamHandle};
 pub use timeline::{chrome_trace, Span, Track};

@@ -11,13 +11,12 @@ use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorPrimitive};
-use sshsdp_comm::hierarchy::MeshComms;
-use sshsdp_comm::Collective;
+use sshsdp_comm::{Collective, CommFactory, SplitLanes};
 use sshsdp_plan::{DType, ParamSpec, Plan};
 
 use crate::backend_ext::ShardableBackend;
 use crate::codec::BucketCodec;
-use crate::comm::MeshComm;
+use crate::comm::{LaneId, MeshComm, RUNTIME_LANES};
 use crate::runtime::Runtime;
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::{registry, HsdpConfig, HsdpError, HsdpRuntime};
@@ -183,6 +182,9 @@ pub fn refresh_leaves<B: ShardableBackend, M: Module<B>>(module: M) -> M {
 /// Shards `module` over the ranks of `comm` (a collective call: every rank calls it with the same
 /// module structure and config). Returns the module with its parameters in bucket storage and the
 /// runtime that steps them.
+///
+/// `comm` must be able to cross threads (threads engine, MPI): the runtime's communication
+/// lanes are split from it here. For communicators that cannot (NCCL), use [`shard_with`].
 pub fn shard<B, M, C>(
     module: M,
     config: HsdpConfig,
@@ -196,6 +198,37 @@ where
 {
     config.validate()?;
     config.mesh.check_world_size(comm.size())?;
+    shard_with(
+        module,
+        config,
+        SplitLanes::new(comm, RUNTIME_LANES)?,
+        device,
+    )
+}
+
+/// [`shard`] with a factory of communicators: the model thread connects lane 0 for the
+/// registration collectives, and each of the runtime's two communication lanes connects its own
+/// lane (1, 2) on its own thread — so `factory`'s communicators need not cross threads (e.g.
+/// `sshsdp_comm::nccl::NcclLanes`). `factory` must offer [`RUNTIME_LANES`] lanes.
+pub fn shard_with<B, M, F>(
+    module: M,
+    config: HsdpConfig,
+    factory: F,
+    device: &B::Device,
+) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
+where
+    B: ShardableBackend,
+    M: Module<B>,
+    F: CommFactory,
+{
+    config.validate()?;
+    config.mesh.check_world_size(factory.size())?;
+    if factory.lanes() < RUNTIME_LANES {
+        return Err(HsdpError::Unsupported(format!(
+            "the communicator factory offers {} lanes; the runtime connects {RUNTIME_LANES}",
+            factory.lanes()
+        )));
+    }
     let params = named_params(&module)?;
     let specs: Vec<ParamSpec> = params
         .iter()
@@ -205,8 +238,10 @@ where
         })
         .collect();
     let plan = Plan::build(specs, config.mesh, config.plan.clone())?;
-    let comm = MeshComms::new(comm, config.mesh.replicas(), config.mesh.shards())?;
-    check_same_plan(&comm, &plan)?;
+    let factory: Arc<dyn crate::comm::LaneFactory> = Arc::new(factory);
+    let (replicas, shards) = (config.mesh.replicas(), config.mesh.shards());
+    let comm = factory.connect_mesh(LaneId::Bootstrap, replicas, shards)?;
+    check_same_plan(&*comm, &plan)?;
 
     let values: HashMap<&str, &[f32]> = params
         .iter()
@@ -238,7 +273,7 @@ where
     let runtime = Arc::new(Runtime::new(
         plan,
         device.clone(),
-        Box::new(comm),
+        factory,
         codecs,
         shards,
         &config,

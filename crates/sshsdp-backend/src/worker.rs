@@ -54,7 +54,7 @@ use std::thread::JoinHandle;
 use sshsdp_comm::{CommError, CommResult};
 use sshsdp_plan::Sharding;
 
-use crate::comm::MeshComm;
+use crate::comm::{LaneFactory, LaneId, MeshComm};
 use crate::storage::Elems;
 use crate::timeline::{Timeline, Track};
 
@@ -121,51 +121,83 @@ pub(crate) struct Worker {
 }
 
 impl Worker {
-    /// Starts both lanes: the shard lane owns `comm`, the replica lane a duplicate of it (made
-    /// here: a collective over the world).
-    /// Each lane records its collectives in `timeline`.
+    /// Starts both lanes, each connecting its own communicators over the `replicas × shards`
+    /// mesh from `factory` on its own thread; returns once both are connected (or the first
+    /// error). Each lane records its collectives in `timeline`.
     pub fn start(
-        comm: Box<dyn MeshComm>,
+        factory: Arc<dyn LaneFactory>,
+        (replicas, shards): (usize, usize),
         sharding: Sharding,
         rank: usize,
         timeline: Arc<Timeline>,
     ) -> CommResult<Self> {
-        let replica_comm = comm.duplicate()?;
         let failure = Failure::default();
         let (tx, rx) = channel::<Request>();
         let (replica_tx, replica_rx) = channel::<ReplicaRequest>();
+        let (ready_tx, ready_rx) = channel::<CommResult<()>>();
+        // What a lane thread runs first: connect, report, and hand back the lane to serve.
+        let connect = |id: LaneId, track: Track| {
+            let (factory, failure, timeline) = (factory.clone(), failure.clone(), timeline.clone());
+            let ready = ready_tx.clone();
+            move || match factory.connect_mesh(id, replicas, shards) {
+                Ok(comm) => {
+                    let _ = ready.send(Ok(()));
+                    Some(Lane {
+                        comm,
+                        sharding,
+                        failure,
+                        timeline,
+                        track,
+                    })
+                }
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    None
+                }
+            }
+        };
         let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
                 .name(name)
                 .spawn(body)
                 .map_err(|e| CommError::Engine(format!("spawning a communication thread: {e}")))
         };
-        let shard = Lane {
-            comm,
-            sharding,
-            failure: failure.clone(),
-            timeline: timeline.clone(),
-            track: Track::ShardLane,
-        };
-        let replica = Lane {
-            comm: replica_comm,
-            sharding,
-            failure,
-            timeline,
-            track: Track::ReplicaLane,
-        };
+        let shard = connect(LaneId::Shard, Track::ShardLane);
+        let replica = connect(LaneId::Replica, Track::ReplicaLane);
+        drop(ready_tx);
         let shard_lane = spawn(
             format!("hsdp-shard-{rank}"),
-            Box::new(move || serve_shard_lane(shard, rx, replica_tx)),
+            Box::new(move || {
+                if let Some(lane) = shard() {
+                    serve_shard_lane(lane, rx, replica_tx)
+                }
+            }),
         )?;
-        let replica_lane = spawn(
-            format!("hsdp-replica-{rank}"),
-            Box::new(move || serve_replica_lane(replica, replica_rx)),
-        )?;
-        Ok(Self {
+        let mut worker = Self {
             tx: Some(tx),
-            threads: vec![shard_lane, replica_lane],
-        })
+            threads: vec![shard_lane],
+        };
+        worker.threads.push(spawn(
+            format!("hsdp-replica-{rank}"),
+            Box::new(move || {
+                if let Some(lane) = replica() {
+                    serve_replica_lane(lane, replica_rx)
+                }
+            }),
+        )?);
+        for _ in 0..2 {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                // Dropping the worker stops the lanes that did connect.
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(CommError::Engine(
+                        "a communication thread stopped while connecting".into(),
+                    ))
+                }
+            }
+        }
+        Ok(worker)
     }
 
     fn send<T>(&self, make: impl FnOnce(Sender<CommResult<T>>) -> Request) -> Reply<T> {

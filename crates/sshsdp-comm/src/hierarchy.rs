@@ -48,17 +48,6 @@ impl<C: Collective> MeshComms<C> {
         })
     }
 
-    /// A second set of communicators over the same mesh, independent of these (a duplicate of
-    /// `world`, split again): two threads can each run collectives on one set without their
-    /// calls pairing with each other's. Collective over `world`.
-    pub fn duplicate(&self) -> CommResult<Self> {
-        Self::new(
-            self.world.split(0, self.world.rank())?,
-            self.replicas,
-            self.shards,
-        )
-    }
-
     /// Number of replicas.
     pub fn replicas(&self) -> usize {
         self.replicas

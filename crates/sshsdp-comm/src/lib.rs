@@ -5,6 +5,8 @@
 //!   `barrier`, `split` into sub-communicators, and asynchronous starts returning [`Pending`].
 //! * Engines: `threads` (default feature; in-process ranks for tests and one-host training),
 //!   `mpi` (feature; OpenMPI processes), `nccl` (feature; GPUs through cudarc).
+//! * [`CommFactory`]: one communicator per thread that runs collectives, made on that thread
+//!   (NCCL's cannot cross threads); [`SplitLanes`] for engines whose communicators can.
 //! * [`hierarchy`]: the mesh's shard and replica groups and the two hierarchical gradient paths
 //!   (HSDP and the project's default), plus the post-update replica all-gather.
 //! * [`conformance`]: the test suite every engine must pass, as plain functions.
@@ -15,6 +17,7 @@ mod collective;
 pub mod conformance;
 mod element;
 mod error;
+mod factory;
 pub mod hierarchy;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -26,3 +29,4 @@ pub mod threads;
 pub use collective::{check_chunks, check_root, equal_chunks, Collective, Pending};
 pub use element::{Element, ElementKind, ReduceOp, Reducible};
 pub use error::{CommError, CommResult};
+pub use factory::{CommFactory, SplitLanes};

@@ -14,9 +14,9 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::Backend;
 use common::{batches, rows, TinyLm};
-use sshsdp_backend::{named_params, shard, Hsdp, HsdpConfig};
+use sshsdp_backend::{named_params, shard, shard_with, Hsdp, HsdpConfig, RUNTIME_LANES};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
-use sshsdp_comm::Collective;
+use sshsdp_comm::{Collective, CommFactory, CommResult, Element, ReduceOp, Reducible, SplitLanes};
 use sshsdp_optim::ShardedOptimizer;
 use sshsdp_plan::{Mesh, RuntimeFormat, Sharding};
 
@@ -90,6 +90,19 @@ fn sharded_with(
     sharding: Sharding,
     configure: &(dyn Fn(HsdpConfig) -> HsdpConfig + Sync),
 ) -> Vec<(Vec<f32>, Weights)> {
+    sharded_over(opt, init, mesh, sharding, configure, false)
+}
+
+/// [`sharded_with`]; with `thread_bound`, through `shard_with` and communicators that cannot
+/// cross threads ([`ThreadBound`]).
+fn sharded_over(
+    opt: Opt,
+    init: &TinyLm<B>,
+    mesh: Mesh,
+    sharding: Sharding,
+    configure: &(dyn Fn(HsdpConfig) -> HsdpConfig + Sync),
+    thread_bound: bool,
+) -> Vec<(Vec<f32>, Weights)> {
     let world = mesh.world_size();
     let config = ThreadsConfig {
         timeout: Duration::from_secs(120),
@@ -103,7 +116,14 @@ fn sharded_with(
                 .with_sharding(sharding)
                 .with_bucket_elements(1500),
         );
-        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let (mut model, runtime) = match thread_bound {
+            false => shard::<B, _, _>(init.clone(), config, comm, &device),
+            true => {
+                let lanes = ThreadBoundLanes(SplitLanes::new(comm, RUNTIME_LANES).unwrap());
+                shard_with::<B, _, _>(init.clone(), config, lanes, &device)
+            }
+        }
+        .unwrap();
         let local = GLOBAL_BATCH / world;
         let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
         let mut adamw = ShardedOptimizer::new(AdamWConfig::new().build(), device);
@@ -367,4 +387,102 @@ fn reshard_after_forward_equals_single_device() {
             assert_matches(opt, mesh, sharding, reference.clone(), &ranks);
         }
     }
+}
+
+/// A threads-engine communicator that cannot cross threads (`!Send`) and fails any call made on
+/// another thread than the one that made it: what an NCCL communicator is to the runtime.
+struct ThreadBound<C> {
+    inner: C,
+    owner: std::thread::ThreadId,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl<C> ThreadBound<C> {
+    fn new(inner: C) -> Self {
+        Self {
+            inner,
+            owner: std::thread::current().id(),
+            _not_send: std::marker::PhantomData,
+        }
+    }
+
+    fn on_owner(&self) -> &C {
+        assert_eq!(
+            std::thread::current().id(),
+            self.owner,
+            "a thread-bound communicator was used on another thread"
+        );
+        &self.inner
+    }
+}
+
+impl<C: Collective> Collective for ThreadBound<C> {
+    fn rank(&self) -> usize {
+        self.on_owner().rank()
+    }
+    fn size(&self) -> usize {
+        self.on_owner().size()
+    }
+    fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> CommResult<()> {
+        self.on_owner().all_gather_in_place(buf)
+    }
+    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
+        self.on_owner().all_gather(send, recv)
+    }
+    fn reduce_scatter<T: Reducible>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        self.on_owner().reduce_scatter(send, recv, op)
+    }
+    fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
+        self.on_owner().all_reduce(buf, op)
+    }
+    fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
+        self.on_owner().broadcast(buf, root)
+    }
+    fn barrier(&self) -> CommResult<()> {
+        self.on_owner().barrier()
+    }
+    fn split(&self, color: usize, key: usize) -> CommResult<Self> {
+        self.on_owner().split(color, key).map(ThreadBound::new)
+    }
+}
+
+/// Lanes of [`ThreadBound`] communicators, each made on the thread that connects it.
+struct ThreadBoundLanes<C>(SplitLanes<C>);
+
+impl<C: Collective + Send + 'static> CommFactory for ThreadBoundLanes<C> {
+    type Comm = ThreadBound<C>;
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn lanes(&self) -> usize {
+        self.0.lanes()
+    }
+    fn connect(&self, lane: usize) -> CommResult<ThreadBound<C>> {
+        self.0.connect(lane).map(ThreadBound::new)
+    }
+}
+
+#[test]
+fn communicators_that_cannot_cross_threads_train_the_same() {
+    let init = initial_model();
+    let mesh = Mesh::new(2, 2).unwrap();
+    let keep = |c: HsdpConfig| c.with_reshard_after_forward(true);
+    let send = sharded_over(
+        Opt::AdamW,
+        &init,
+        mesh,
+        Sharding::Hierarchical,
+        &keep,
+        false,
+    );
+    let bound = sharded_over(Opt::AdamW, &init, mesh, Sharding::Hierarchical, &keep, true);
+    assert_eq!(send, bound, "the same collectives in the same order");
 }

@@ -38,7 +38,7 @@ pub use counters::Counters;
 pub use update::{Piece, PieceValues, UpdateGroup, Views};
 
 use crate::codec::BucketCodec;
-use crate::comm::MeshComm;
+use crate::comm::LaneFactory;
 use crate::config::{HsdpConfig, NonFinitePolicy};
 use crate::error::HsdpError;
 use crate::storage::{Elems, MasterBuf, Placement};
@@ -94,16 +94,17 @@ pub struct Runtime<B: Backend> {
 
 impl<B: Backend> Runtime<B> {
     /// The runtime of `plan` on this rank: `shards` are this rank's runtime shards of every
-    /// bucket as fp32 elements (encoded here), `comm` becomes the communication lanes'.
+    /// bucket as fp32 elements (encoded here); the communication lanes connect their
+    /// communicators from `lanes`, each on its own thread.
     pub(crate) fn new(
         plan: Plan,
         device: B::Device,
-        comm: Box<dyn MeshComm>,
+        lanes: Arc<dyn LaneFactory>,
         codecs: Vec<BucketCodec>,
         shards: Vec<Vec<f32>>,
         config: &HsdpConfig,
     ) -> Result<Self, HsdpError> {
-        let rank = comm.world_rank();
+        let rank = lanes.world_rank();
         let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
         let first_piece = plan.runtime_shard_of(rank)? * plan.pieces_per_shard();
         // In f32 with host masters the runtime shard's piece is the master; otherwise the
@@ -126,7 +127,8 @@ impl<B: Backend> Runtime<B> {
             })
             .collect::<Result<Vec<_>, HsdpError>>()?;
         let timeline = Arc::new(Timeline::new(rank, config.trace));
-        let worker = Worker::start(comm, plan.config().sharding, rank, timeline.clone())?;
+        let mesh = (plan.mesh().replicas(), plan.mesh().shards());
+        let worker = Worker::start(lanes, mesh, plan.config().sharding, rank, timeline.clone())?;
         let leaves = Mutex::new(vec![None; plan.params().len()]);
         let buckets = storage.len();
         Ok(Self {

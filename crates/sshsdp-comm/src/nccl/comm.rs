@@ -160,39 +160,8 @@ impl NcclComm {
     /// `boot`'s rank and size on GPU `device`. Collective over `boot`; if any rank lacks NCCL or
     /// rank 0 cannot make an id, every rank returns the error (no rank hangs).
     pub fn from_collective<C: Collective>(boot: &C, device: usize) -> CommResult<Self> {
-        let local = probe();
-        let mut missing = [if local.is_err() { 1f32 } else { 0f32 }];
-        boot.all_reduce(&mut missing, ReduceOp::Sum)?;
-        if missing[0] > 0.0 {
-            return Err(match local {
-                Err(e) => e,
-                Ok(()) => CommError::Unavailable(format!(
-                    "NCCL engine: unavailable on {} rank(s) of the bootstrap world",
-                    missing[0]
-                )),
-            });
-        }
-        // Byte 0: 1 when rank 0 made an id; bytes 1..: the id.
-        let mut msg = [0u8; 1 + NCCL_UNIQUE_ID_BYTES];
-        let mut made = Ok(());
-        if boot.rank() == 0 {
-            match NcclUniqueId::new() {
-                Ok(id) => {
-                    msg[0] = 1;
-                    msg[1..].copy_from_slice(id.as_bytes());
-                }
-                Err(e) => made = Err(e),
-            }
-        }
-        boot.broadcast(&mut msg, 0)?;
-        made?;
-        if msg[0] != 1 {
-            return Err(CommError::Engine(
-                "rank 0 of the bootstrap world could not create an NCCL unique id".into(),
-            ));
-        }
-        let id = NcclUniqueId::from_bytes(&msg[1..])?;
-        Self::from_id(&id, boot.rank(), boot.size(), device)
+        let ids = agree_ids(boot, 1)?;
+        Self::from_id(&ids[0], boot.rank(), boot.size(), device)
     }
 
     /// Runs a one-process world: one thread per entry of `devices` (rank `i` on GPU
@@ -570,4 +539,48 @@ fn bind(stream: &CudaStream) -> CommResult<()> {
         .context()
         .bind_to_thread()
         .map_err(|e| cuda_error("bind context", e))
+}
+
+/// `count` fresh unique ids, the same on every rank of `boot`: checks every rank has NCCL, rank
+/// 0 makes the ids, `boot` broadcasts their bytes. Collective over `boot`; if any rank lacks
+/// NCCL or rank 0 cannot make an id, every rank returns the error (no rank hangs).
+pub(super) fn agree_ids<C: Collective>(boot: &C, count: usize) -> CommResult<Vec<NcclUniqueId>> {
+    let local = probe();
+    let mut missing = [if local.is_err() { 1f32 } else { 0f32 }];
+    boot.all_reduce(&mut missing, ReduceOp::Sum)?;
+    if missing[0] > 0.0 {
+        return Err(match local {
+            Err(e) => e,
+            Ok(()) => CommError::Unavailable(format!(
+                "NCCL engine: unavailable on {} rank(s) of the bootstrap world",
+                missing[0]
+            )),
+        });
+    }
+    // Byte 0: 1 when rank 0 made the ids; then the ids.
+    let mut msg = vec![0u8; 1 + count * NCCL_UNIQUE_ID_BYTES];
+    let mut made = Ok(());
+    if boot.rank() == 0 {
+        let ids: CommResult<Vec<NcclUniqueId>> = (0..count).map(|_| NcclUniqueId::new()).collect();
+        match ids {
+            Ok(ids) => {
+                msg[0] = 1;
+                for (chunk, id) in msg[1..].chunks_mut(NCCL_UNIQUE_ID_BYTES).zip(&ids) {
+                    chunk.copy_from_slice(id.as_bytes());
+                }
+            }
+            Err(e) => made = Err(e),
+        }
+    }
+    boot.broadcast(&mut msg, 0)?;
+    made?;
+    if msg[0] != 1 {
+        return Err(CommError::Engine(
+            "rank 0 of the bootstrap world could not create an NCCL unique id".into(),
+        ));
+    }
+    msg[1..]
+        .chunks(NCCL_UNIQUE_ID_BYTES)
+        .map(NcclUniqueId::from_bytes)
+        .collect()
 }

@@ -77,6 +77,7 @@
 
 mod comm;
 mod host;
+mod lanes;
 mod probe;
 
 use std::any::TypeId;
@@ -89,6 +90,7 @@ use half::bf16;
 
 pub use comm::{NcclComm, NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView};
+pub use lanes::NcclLanes;
 pub use probe::{device_count, is_available, nccl_version, probe};
 
 use crate::{CommError, Element, ElementKind};
