@@ -3,9 +3,9 @@
 //! (float differences between the backends' kernels only). On a CPU-only machine wgpu runs over
 //! Mesa's lavapipe; run with `cargo test --features wgpu --test wgpu_backend`.
 //!
-//! Also the storage seam's proof on a device: with the fp32 masters on the Wgpu device
-//! (`Placement::Device`: masters and AdamW state in device buffers, collectives through the
-//! host) training is bitwise the same as with host masters.
+//! Also the storage seam's proof on a device: with the fp32 masters and the gradients on the
+//! Wgpu device (`Placement::Device`: masters, AdamW state and gradient accumulators in device
+//! buffers, collectives through the host) training is bitwise the same as with host ones.
 
 use std::time::Duration;
 
@@ -46,15 +46,22 @@ fn tokens<B: Backend>(
 }
 
 /// The initial weights, made once on the CPU so both backends start from the same values.
-fn initial_record() -> Vec<(Vec<usize>, Vec<f32>)> {
-    let device = Default::default();
-    NdArray::<f32>::seed(&device, 3);
-    let model: Gpt<NdArray<f32>> = CONFIG.init(&device);
-    sshsdp::backend::named_params(&model)
-        .unwrap()
-        .into_iter()
-        .map(|p| (p.shape, p.values))
-        .collect()
+///
+/// Made once per process: Burn's RNG is global, and the tests of this file run in parallel, so
+/// a second seeding and drawing could interleave with another test's ranks drawing their own
+/// (discarded) initial values.
+fn initial_record() -> &'static [(Vec<usize>, Vec<f32>)] {
+    static RECORD: std::sync::OnceLock<Vec<(Vec<usize>, Vec<f32>)>> = std::sync::OnceLock::new();
+    RECORD.get_or_init(|| {
+        let device = Default::default();
+        NdArray::<f32>::seed(&device, 3);
+        let model: Gpt<NdArray<f32>> = CONFIG.init(&device);
+        sshsdp::backend::named_params(&model)
+            .unwrap()
+            .into_iter()
+            .map(|p| (p.shape, p.values))
+            .collect()
+    })
 }
 
 /// Replaces every float parameter, in module order, with the next recorded values.
@@ -82,7 +89,7 @@ fn train<I: Backend>(format: RuntimeFormat, device: I::Device) -> Vec<f32>
 where
     I::Device: Default,
 {
-    train_placed::<I>(format, Placement::Host, device).losses
+    train_placed::<I>(format, (Placement::Host, Placement::Host), device).losses
 }
 
 /// What a run leaves.
@@ -96,8 +103,12 @@ struct Run {
     master_bytes: (u64, u64),
 }
 
-/// [`train`] with the fp32 masters in `placement`.
-fn train_placed<I: Backend>(format: RuntimeFormat, placement: Placement, device: I::Device) -> Run
+/// [`train`] with the fp32 masters in `masters` and gradients accumulated in `grads`.
+fn train_placed<I: Backend>(
+    format: RuntimeFormat,
+    (masters, grads): (Placement, Placement),
+    device: I::Device,
+) -> Run
 where
     I::Device: Default,
 {
@@ -113,7 +124,8 @@ where
         let model = model.map(&mut Load(record.iter()));
         let config = HsdpConfig::new(Mesh::flat(world).unwrap())
             .with_format(format)
-            .with_master_placement(placement);
+            .with_master_placement(masters)
+            .with_grad_placement(grads);
         let (mut model, runtime) = shard::<A<I>, _, _>(model, config, comm, &device).unwrap();
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
         let mut losses = Vec::new();
@@ -149,10 +161,11 @@ where
 }
 
 #[test]
-fn device_masters_on_wgpu_train_bitwise_like_host_masters() {
+fn device_masters_and_gradients_on_wgpu_train_bitwise_like_host_ones() {
+    use Placement::{Device, Host};
     for format in [RuntimeFormat::F32, RuntimeFormat::Mxfp8] {
-        let host = train_placed::<Wgpu>(format, Placement::Host, Default::default());
-        let device = train_placed::<Wgpu>(format, Placement::Device, Default::default());
+        let host = train_placed::<Wgpu>(format, (Host, Host), Default::default());
+        let device = train_placed::<Wgpu>(format, (Device, Device), Default::default());
         assert_eq!(host.losses, device.losses, "{format:?}");
         assert_eq!(host.weights, device.weights, "{format:?}");
         assert!(device.losses[STEPS - 1] < device.losses[0], "{device:?}");

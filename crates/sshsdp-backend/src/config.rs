@@ -62,6 +62,8 @@ pub struct HsdpConfig {
     pub non_finite: NonFinitePolicy,
     /// Where the fp32 master weights (and with them the optimizer's state) live.
     pub masters: Placement,
+    /// Where gradients are accumulated before their reduction.
+    pub grads: Placement,
     /// Record every collective's span for a Chrome trace (`HsdpRuntime::take_trace`).
     pub trace: bool,
 }
@@ -77,6 +79,7 @@ impl HsdpConfig {
             reshard_after_forward: false,
             non_finite: NonFinitePolicy::Error,
             masters: Placement::Host,
+            grads: Placement::Host,
             trace: false,
         }
     }
@@ -98,6 +101,16 @@ impl HsdpConfig {
     /// are then kept apart from the runtime shard in every format, f32 included.
     pub fn with_master_placement(mut self, placement: Placement) -> Self {
         self.masters = placement;
+        self
+    }
+
+    /// The same config accumulating gradients in `placement`: [`Placement::Host`] (default)
+    /// reads each gradient back as autodiff hands it over; [`Placement::Device`] keeps each
+    /// parameter's gradient as a tensor on the decorated backend's device (micro-batches summed
+    /// there) and reads a bucket's gradients back in one transfer when it is reduced — on a GPU
+    /// backend one transfer per bucket instead of one per parameter and micro-batch.
+    pub fn with_grad_placement(mut self, placement: Placement) -> Self {
+        self.grads = placement;
         self
     }
 

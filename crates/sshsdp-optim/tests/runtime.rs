@@ -486,7 +486,7 @@ fn the_step_timeline_records_every_collective_and_wait() {
     }
 }
 
-/// What a run with masters in one placement leaves on rank 0.
+/// What a run with masters and gradients in given placements leaves on rank 0.
 #[derive(Debug, PartialEq)]
 struct PlacedRun {
     losses: Vec<f32>,
@@ -496,11 +496,12 @@ struct PlacedRun {
     device_master_bytes: u64,
 }
 
-/// Three steps at world 2 with the fp32 masters in `placement`: AdamW with clipping through
-/// `ShardedOptimizer` (device views), or distributed Muon (host views, staged).
+/// Three steps of two micro-batches each at world 2 with the fp32 masters in `masters` and the
+/// gradients accumulated in `grads`: AdamW with clipping through `ShardedOptimizer` (device
+/// views), or distributed Muon (host views, staged).
 fn train_placed(
     format: RuntimeFormat,
-    placement: Placement,
+    (masters, grads): (Placement, Placement),
     muon: bool,
     init: &TinyLm<B>,
 ) -> PlacedRun {
@@ -511,16 +512,20 @@ fn train_placed(
         let config = HsdpConfig::new(Mesh::flat(world).unwrap())
             .with_bucket_elements(1500)
             .with_format(format)
-            .with_master_placement(placement);
+            .with_master_placement(masters)
+            .with_grad_placement(grads);
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let adamw = AdamWConfig::new().build();
         let mut elementwise = ShardedOptimizer::new(adamw.clone(), device).with_grad_clipping(0.5);
         let mut muon_opt = ShardedMuon::new(MuonConfig::new().init(), adamw, device);
         let (mut losses, mut staged_bytes) = (Vec::new(), 0);
         for batch in batches(3, 8) {
-            let loss = model.loss(rows::<B>(&batch, rank * 4, 4, &device));
-            losses.push(loss.clone().into_scalar());
-            let _ = loss.backward();
+            for micro in 0..2 {
+                let first = rank * 4 + micro * 2;
+                let loss = model.loss(rows::<B>(&batch, first, 2, &device));
+                losses.push(loss.clone().into_scalar());
+                let _ = loss.backward();
+            }
             model = match muon {
                 true => muon_opt.step(0.02, model, &runtime).unwrap(),
                 false => elementwise.step(0.02, model, &runtime).unwrap(),
@@ -546,33 +551,44 @@ fn train_placed(
 }
 
 #[test]
-fn device_masters_train_bitwise_like_host_masters() {
+fn device_masters_and_gradients_train_bitwise_like_host_ones() {
+    use Placement::{Device, Host};
     let init = model();
+    let param_bytes = param_bytes(&init);
     for format in [
         RuntimeFormat::F32,
         RuntimeFormat::Bf16,
         RuntimeFormat::Mxfp8,
     ] {
         for muon in [false, true] {
-            let host = train_placed(format, Placement::Host, muon, &init);
-            let device = train_placed(format, Placement::Device, muon, &init);
+            let host = train_placed(format, (Host, Host), muon, &init);
+            let masters = train_placed(format, (Device, Host), muon, &init);
+            let all = train_placed(format, (Device, Device), muon, &init);
             let what = format!("{format:?}, muon {muon}");
-            assert_eq!(host.losses, device.losses, "{what}");
-            assert_eq!(host.weights, device.weights, "{what}");
-            assert!(host.losses[2] < host.losses[0], "{what}: {:?}", host.losses);
+            for run in [&masters, &all] {
+                assert_eq!(host.losses, run.losses, "{what}");
+                assert_eq!(host.weights, run.weights, "{what}");
+            }
+            assert!(host.losses[4] < host.losses[0], "{what}: {:?}", host.losses);
             // The masters moved to the device, all of them; staging is counted.
-            assert_eq!(device.host_master_bytes, 0, "{what}");
+            assert_eq!(masters.host_master_bytes, 0, "{what}");
             assert_eq!(host.device_master_bytes, 0, "{what}");
             assert_eq!(host.staged_bytes, 0, "{what}");
-            let masters = device.device_master_bytes;
+            let on_device = masters.device_master_bytes;
             if format != RuntimeFormat::F32 {
-                assert_eq!(masters, host.host_master_bytes, "{what}");
+                assert_eq!(on_device, host.host_master_bytes, "{what}");
             }
-            assert!(masters > 0, "{what}");
+            assert!(on_device > 0, "{what}");
             // Device views (AdamW): each step uploads the gradient and reads the master back
             // once to re-derive; host views (Muon): the master goes out and back, and the
             // staged values are re-derived from.
-            assert_eq!(device.staged_bytes, 3 * 2 * masters, "{what}");
+            assert_eq!(masters.staged_bytes, 3 * 2 * on_device, "{what}");
+            // Device gradients: every parameter's gradient read back once per micro-batch.
+            assert_eq!(
+                all.staged_bytes,
+                masters.staged_bytes + 3 * 2 * param_bytes,
+                "{what}"
+            );
         }
     }
 }

@@ -4,16 +4,27 @@
 //! replicas) while backward goes on; the update collects the reduced pieces.
 //!
 //! Micro-batches of gradient accumulation reduce once each and add their pieces up.
+//!
+//! Where a bucket's gradients are accumulated is the gradient role's placement: on the host
+//! (each gradient read back as autodiff hands it over) or on the device (each member's gradient
+//! kept as a `B` tensor, summed there over a backward's contributions, and read back once per
+//! bucket — one concatenation, one transfer — when the bucket is reduced).
+
+use burn_backend::Backend;
 
 use crate::codec::BucketCodec;
+use crate::storage::download;
 use crate::timeline::{Timeline, Track};
 use crate::worker::{Reply, Worker};
 
 /// One bucket's gradients in flight.
-#[derive(Default)]
-struct BucketGrads {
-    /// The full-bucket gradient being accumulated (empty until the first gradient arrives).
+struct BucketGrads<B: Backend> {
+    /// The full-bucket gradient being accumulated on the host (empty until the first gradient
+    /// arrives).
     full: Vec<f32>,
+    /// Per member, its gradient accumulated on the device (flattened), when gradients live
+    /// there.
+    on_device: Vec<Option<B::FloatTensorPrimitive>>,
     /// Gradients still expected in this backward.
     pending: usize,
     /// Reductions queued on the communication lanes.
@@ -22,12 +33,32 @@ struct BucketGrads {
     piece: Vec<f32>,
 }
 
-/// Every bucket's gradients in flight.
-pub(super) struct GradSync {
-    buckets: Vec<BucketGrads>,
+impl<B: Backend> Default for BucketGrads<B> {
+    fn default() -> Self {
+        Self {
+            full: Vec::new(),
+            on_device: Vec::new(),
+            pending: 0,
+            reductions: Vec::new(),
+            piece: Vec::new(),
+        }
+    }
 }
 
-impl GradSync {
+/// Every bucket's gradients in flight.
+pub(super) struct GradSync<B: Backend> {
+    buckets: Vec<BucketGrads<B>>,
+}
+
+/// What reducing a bucket moved.
+pub(super) struct Reduced {
+    /// Bytes of the full-bucket gradient entering the reduction.
+    pub bytes: u64,
+    /// Bytes read back from the device first (device gradients).
+    pub staged: u64,
+}
+
+impl<B: Backend> GradSync<B> {
     /// Nothing in flight for `buckets` buckets.
     pub fn new(buckets: usize) -> Self {
         Self {
@@ -56,6 +87,29 @@ impl GradSync {
         bucket.pending == 0
     }
 
+    /// Adds member `k`'s gradient `grad` into its device accumulator (of the bucket's `members`
+    /// members); `true` when it was the last one the bucket expected.
+    pub fn accumulate_on_device(
+        &mut self,
+        b: usize,
+        members: usize,
+        k: usize,
+        grad: B::FloatTensorPrimitive,
+    ) -> bool {
+        let bucket = &mut self.buckets[b];
+        if bucket.on_device.is_empty() {
+            bucket.on_device = vec![None; members];
+        }
+        let numel = burn_backend::TensorMetadata::shape(&grad).num_elements();
+        let flat = B::float_reshape(grad, [numel].into());
+        bucket.on_device[k] = Some(match bucket.on_device[k].take() {
+            Some(sum) => B::float_add(sum, flat),
+            None => flat,
+        });
+        bucket.pending = bucket.pending.saturating_sub(1);
+        bucket.pending == 0
+    }
+
     /// Whether every bucket has all the gradients it expected.
     pub fn complete(&self) -> bool {
         self.buckets.iter().all(|b| b.pending == 0)
@@ -69,13 +123,41 @@ impl GradSync {
             .map(|b| (b, self.buckets[b].pending))
     }
 
-    /// Queues bucket `b`'s reduction to pieces of `piece_elems`; returns the bytes it reduces.
-    pub fn reduce(&mut self, b: usize, worker: &Worker, piece_elems: usize) -> u64 {
-        let full = std::mem::take(&mut self.buckets[b].full);
+    /// Queues bucket `b`'s reduction; device gradients are read back first, in one transfer,
+    /// into the bucket's element space.
+    pub fn reduce(
+        &mut self,
+        b: usize,
+        codec: &BucketCodec,
+        worker: &Worker,
+    ) -> Result<Reduced, String> {
+        let bucket = &mut self.buckets[b];
+        let mut staged = 0;
+        let members: Vec<(usize, B::FloatTensorPrimitive)> = std::mem::take(&mut bucket.on_device)
+            .into_iter()
+            .enumerate()
+            .filter_map(|(k, t)| t.map(|t| (k, t)))
+            .collect();
+        if !members.is_empty() {
+            let (ks, tensors): (Vec<usize>, Vec<_>) = members.into_iter().unzip();
+            let values = download::<B>(B::float_cat(tensors, 0)).map_err(|e| e.to_string())?;
+            staged = 4 * values.len() as u64;
+            let full = &mut bucket.full;
+            if full.is_empty() {
+                *full = vec![0f32; codec.bucket_elems()];
+            }
+            let mut at = 0;
+            for k in ks {
+                let n = codec.shape(k).iter().product::<usize>();
+                codec.accumulate(k, &values[at..at + n], full);
+                at += n;
+            }
+        }
+        let full = std::mem::take(&mut bucket.full);
         let bytes = 4 * full.len() as u64;
-        let reply = worker.reduce(full, piece_elems);
-        self.buckets[b].reductions.push(reply);
-        bytes
+        let reply = worker.reduce(full, codec.piece_elems());
+        bucket.reductions.push(reply);
+        Ok(Reduced { bytes, staged })
     }
 
     /// Waits for bucket `b`'s queued reductions and adds them into its piece; the first error.

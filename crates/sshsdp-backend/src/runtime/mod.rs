@@ -59,7 +59,7 @@ pub type LeafRearm<B> = Arc<dyn Fn(HsdpFloat<B>) + Send + Sync>;
 pub(crate) struct State<B: Backend> {
     storage: Vec<BucketStorage<B>>,
     schedule: Schedule,
-    grads: GradSync,
+    grads: GradSync<B>,
     /// Bytes of the gathered buckets held now.
     resident_bytes: u64,
     failure: Option<String>,
@@ -83,6 +83,8 @@ pub struct Runtime<B: Backend> {
     codecs: Vec<BucketCodec>,
     materialiser: Materialiser<B>,
     non_finite: NonFinitePolicy,
+    /// Where gradients are accumulated.
+    grad_placement: Placement,
     state: Mutex<State<B>>,
     worker: Worker,
     timeline: Arc<Timeline>,
@@ -141,6 +143,7 @@ impl<B: Backend> Runtime<B> {
                 copy_mode: config.copy_mode,
             },
             non_finite: config.non_finite,
+            grad_placement: config.grads,
             worker,
             timeline,
             leaves,
@@ -393,24 +396,39 @@ impl<B: Backend> Runtime<B> {
         let p = &self.plan.params()[index];
         let b = p.bucket;
         let k = index - self.plan.buckets()[b].params.start;
-        let accumulated = with_f32_values::<B, _>(grad, |values| {
+        let (mut st, complete) = if self.grad_placement == Placement::Device {
+            let members = self.codecs[b].len();
             let mut st = self.lock();
-            let complete = st.grads.accumulate(b, &self.codecs[b], k, values);
-            st.counters.grad_bytes_copied += 4 * values.len() as u64;
+            let complete = st.grads.accumulate_on_device(b, members, k, grad);
             (st, complete)
-        });
-        let (mut st, complete) = match accumulated {
-            Ok(done) => done,
-            Err(e) => {
-                self.lock().failure = Some(format!("reading the gradient of {}: {e}", p.spec.path));
-                return;
+        } else {
+            let accumulated = with_f32_values::<B, _>(grad, |values| {
+                let mut st = self.lock();
+                let complete = st.grads.accumulate(b, &self.codecs[b], k, values);
+                st.counters.grad_bytes_copied += 4 * values.len() as u64;
+                (st, complete)
+            });
+            match accumulated {
+                Ok(done) => done,
+                Err(e) => {
+                    self.lock().failure =
+                        Some(format!("reading the gradient of {}: {e}", p.spec.path));
+                    return;
+                }
             }
         };
         if complete {
-            let bytes = st
-                .grads
-                .reduce(b, &self.worker, self.codecs[b].piece_elems());
-            st.counters.reduced_bytes += bytes;
+            match st.grads.reduce(b, &self.codecs[b], &self.worker) {
+                Ok(reduced) => {
+                    st.counters.reduced_bytes += reduced.bytes;
+                    st.counters.staged_bytes += reduced.staged;
+                    st.counters.grad_bytes_copied += reduced.staged;
+                }
+                Err(e) => {
+                    // Peers queue this bucket's reduction; theirs times out and fails the step.
+                    st.failure = Some(format!("reading bucket {b}'s gradients: {e}"));
+                }
+            }
             if st.schedule.reshards() {
                 // Every gradient of the bucket is in: backward needs its parameters no more.
                 st.release(b);
