@@ -107,7 +107,8 @@ pub(crate) trait MeshComm {
     fn update_group_size(&self, sharding: Sharding) -> usize;
     /// Broadcast from world rank 0 (registration, before the lanes start).
     fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()>;
-    /// All-gather of equal byte strings over the world (registration, before the lanes start).
+    /// All-gather of equal byte strings over the world (registration; the replica lane for
+    /// agreements between all ranks, such as a checkpoint's commit).
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()>;
 }
 

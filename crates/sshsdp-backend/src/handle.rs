@@ -81,6 +81,14 @@ impl<B: Backend> HsdpRuntime<B> {
         self.runtime.last_grad_norm()
     }
 
+    /// Every rank's `bytes`, in rank order (every rank passes the same length; a collective
+    /// call: every rank calls it, in the same order relative to its other collective calls).
+    /// For agreements between all ranks, e.g. a checkpoint's commit: each rank's verdict and
+    /// file digests reach every rank.
+    pub fn all_gather_world(&self, bytes: Vec<u8>) -> Result<Vec<u8>, HsdpError> {
+        self.runtime.all_gather_world(bytes)
+    }
+
     /// Bytes moved and copied since the last call.
     pub fn take_counters(&self) -> Counters {
         self.runtime.take_counters()

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | runtime shard | host ([`Elems`]): what the host collectives read and write |
 //! | gathered bucket | `B`'s device: decoded into one `B` tensor that parameters are views of |
-//! | gradient bucket | host, accumulated from autodiff's tensors for the host reductions |
+//! | gradient bucket | [`HsdpConfig::with_grad_placement`](crate::HsdpConfig::with_grad_placement): host (default; each gradient read back as it arrives) or `B`'s device (summed there, read back once per bucket for the host reduction) |
 //! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`MasterBuf`]) |
 //! | optimizer state | with the masters: the optimizer's tensors on its device |
 //!

@@ -95,6 +95,10 @@ enum ReplicaRequest {
         send: Vec<u8>,
         reply: Sender<CommResult<Vec<u8>>>,
     },
+    WorldGatherBytes {
+        send: Vec<u8>,
+        reply: Sender<CommResult<Vec<u8>>>,
+    },
 }
 
 /// A reply on its way: runtime elements (gathers, rebuilds) or a gradient piece (reductions).
@@ -240,6 +244,11 @@ impl Worker {
         self.send(|reply| Request::Replica(ReplicaRequest::GatherBytes { send, reply }))
     }
 
+    /// All-gather of equal byte strings over the whole world, in rank order.
+    pub fn gather_world_bytes(&self, send: Vec<u8>) -> Reply<Vec<u8>> {
+        self.send(|reply| Request::Replica(ReplicaRequest::WorldGatherBytes { send, reply }))
+    }
+
     /// Rebuild of a runtime shard from the replica group's updated pieces.
     pub fn rebuild(&self, shard: Elems) -> Reply<Elems> {
         self.send(|reply| Request::Replica(ReplicaRequest::Rebuild { shard, reply }))
@@ -341,6 +350,14 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                 let r = lane.run("gradient norm", || {
                     let mut recv = vec![0u8; send.len() * comm.update_group_size(sharding)];
                     comm.all_gather_update_group_bytes(sharding, &send, &mut recv)?;
+                    Ok(recv)
+                });
+                let _ = reply.send(r);
+            }
+            ReplicaRequest::WorldGatherBytes { send, reply } => {
+                let r = lane.run("all-gather (world)", || {
+                    let mut recv = vec![0u8; send.len() * comm.world_size()];
+                    comm.all_gather_bytes(&send, &mut recv)?;
                     Ok(recv)
                 });
                 let _ = reply.send(r);

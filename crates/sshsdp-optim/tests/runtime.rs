@@ -592,3 +592,19 @@ fn device_masters_and_gradients_train_bitwise_like_host_ones() {
         }
     }
 }
+
+#[test]
+fn all_gather_world_reaches_every_rank_of_a_2x2_mesh_in_rank_order() {
+    let init = model();
+    let ranks = ThreadsWorld::run(4, threads(30_000), |comm| {
+        let device = Default::default();
+        let config = HsdpConfig::new(Mesh::new(2, 2).unwrap()).with_sharding(Sharding::Hsdp);
+        let (_model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let rank = runtime.rank() as u8;
+        runtime.all_gather_world(vec![rank, 10 + rank]).unwrap()
+    })
+    .unwrap();
+    for r in ranks {
+        assert_eq!(r.unwrap(), vec![0, 10, 1, 11, 2, 12, 3, 13]);
+    }
+}

@@ -484,6 +484,19 @@ impl<B: Backend> Runtime<B> {
         Ok(())
     }
 
+    /// Every rank's `bytes` (all the same length), in rank order: an all-gather over the world
+    /// on the replica lane, in program order with the runtime's other collectives.
+    pub fn all_gather_world(&self, bytes: Vec<u8>) -> Result<Vec<u8>, HsdpError> {
+        if let Some(f) = &self.lock().failure {
+            return Err(HsdpError::Failed(f.clone()));
+        }
+        let reply = self.worker.gather_world_bytes(bytes);
+        let gathered = self
+            .timeline
+            .span(Track::Model, "wait world all-gather", None, || reply.wait());
+        Ok(gathered?)
+    }
+
     /// The global gradient norm measured by the last update (`None` before the first).
     pub fn last_grad_norm(&self) -> Option<f64> {
         self.lock().last_grad_norm
