@@ -28,6 +28,8 @@ mod backend_ext;
 mod codec;
 mod comm;
 mod config;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube_views;
 mod error;
 mod handle;
 mod ops;

@@ -223,6 +223,16 @@ where
 {
     config.validate()?;
     config.mesh.check_world_size(factory.size())?;
+    // Parameters start on the device's buffer-offset alignment, so each is a view of its bucket.
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    let config = {
+        let mut config = config;
+        if let Some(align) = crate::cube_views::alignment::<B::Inner>(device) {
+            let align = align.next_multiple_of(32);
+            config.plan.align_bytes = config.plan.align_bytes.max(align);
+        }
+        config
+    };
     if factory.lanes() < RUNTIME_LANES {
         return Err(HsdpError::Unsupported(format!(
             "the communicator factory offers {} lanes; the runtime connects {RUNTIME_LANES}",

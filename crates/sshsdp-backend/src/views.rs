@@ -1,7 +1,9 @@
 //! Parameter views of a gathered bucket: each parameter's tensor shares the bucket's buffer.
 //!
-//! The generic path asks `B` for a slice and a reshape of the bucket tensor, which are metadata
-//! only on CubeCL backends. burn-ndarray 0.21 copies on both (its `slice` and `reshape` return
+//! The generic path asks `B` for a slice and a reshape of the bucket tensor. burn-cubecl keeps a
+//! slice as a view only at offsets aligned on both ends (and copies otherwise), so on CubeCL
+//! backends the views are built from the bucket's memory handle (`cube_views.rs`, features
+//! `wgpu`/`cuda`). burn-ndarray 0.21 copies on both (its `slice` and `reshape` return
 //! owned arrays), so for `NdArray` the views are built directly as `ndarray` arrays sharing the
 //! bucket's allocation (with the `ndarray` feature, on by default). Both paths hand out tensors
 //! that are copy-on-write in their backend: an op never writes through a view into the bucket.
@@ -17,7 +19,8 @@ pub(crate) struct Member {
 }
 
 impl Member {
-    fn end(&self) -> usize {
+    /// One past the member's last element.
+    pub fn end(&self) -> usize {
         self.start + self.shape.iter().product::<usize>()
     }
 }
@@ -30,6 +33,11 @@ pub(crate) fn bucket_views<B: Backend>(
 ) -> Vec<B::FloatTensorPrimitive> {
     #[cfg(feature = "ndarray")]
     let full = match ndarray_views::views_if_ndarray::<B>(full, members) {
+        Ok(views) => return views,
+        Err(full) => full,
+    };
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    let full = match crate::cube_views::views_if_cube::<B>(full, members, device) {
         Ok(views) => return views,
         Err(full) => full,
     };

@@ -50,8 +50,10 @@ pub struct PlanConfig {
     /// Requested runtime format; MXFP8 falls back to bf16 per parameter where it cannot hold
     /// the shape (see [`crate::resolve_format`]).
     pub runtime_format: RuntimeFormat,
-    /// Alignment of every parameter's region in the bucket buffer, in bytes (a multiple of
-    /// 32, the MX block). Default 64.
+    /// Alignment of every parameter's region in the bucket buffer and of its start in the
+    /// decoded f32 compute buffer, in bytes (a multiple of 32, the MX block). Default 64;
+    /// `shard` raises it to the device's buffer-offset alignment on CubeCL backends, where a
+    /// parameter view at an unaligned offset would be a copy.
     pub align_bytes: u64,
     /// Where update parameters live.
     pub sharding: Sharding,

@@ -24,7 +24,8 @@
 //!   so device kernels address them by whole words. Forward decodes the
 //!   column-wise planes and bf16, backward the row-wise planes and bf16, so a pass can gather
 //!   only its own sections ([`Part`]). Elements sit one piece after the other (each piece padded
-//!   to the largest), and the decoded compute buffer holds the parameters back to back.
+//!   to the largest), and the decoded compute buffer holds the parameters back to back, each starting on
+//!   `align_bytes`.
 
 use std::ops::Range;
 
@@ -269,7 +270,7 @@ pub(crate) fn place(
         let members = &mut params[first..];
         let bucket = match config.runtime_format.element_bytes() {
             Some(size) => linear(members, first, b, config.align_bytes, size, pieces),
-            None => banded(members, first, b, pieces),
+            None => banded(members, first, b, config.align_bytes, pieces),
         };
         buckets.push(bucket);
     }
@@ -382,8 +383,15 @@ impl Run {
     }
 }
 
-/// The banded layout of one bucket of an MXFP8 plan (see the module docs).
-fn banded(members: &mut [PlannedParam], first: usize, b: usize, pieces: usize) -> Bucket {
+/// The banded layout of one bucket of an MXFP8 plan (see the module docs); parameters start on
+/// `align` bytes of the decoded (f32) compute buffer.
+fn banded(
+    members: &mut [PlannedParam],
+    first: usize,
+    b: usize,
+    align: u64,
+    pieces: usize,
+) -> Bucket {
     let mut runs = Vec::with_capacity(members.len());
     let (mut total, mut compute) = (0u64, 0u64);
     for p in members.iter_mut() {
@@ -405,8 +413,8 @@ fn banded(members: &mut [PlannedParam], first: usize, b: usize, pieces: usize) -
         };
         total = run.end();
         runs.push(run);
-        p.compute_offset = compute;
-        compute += numel;
+        p.compute_offset = compute.next_multiple_of(align / 4);
+        compute = p.compute_offset + numel;
     }
     // Cuts at `i · total / pieces`, moved to the nearest atom edge.
     let cut = |ideal: u64| -> u64 {

@@ -1,0 +1,166 @@
+//! Parameter views of a gathered bucket on CubeCL backends (`CubeBackend<R, …>` with the `wgpu`
+//! or `cuda` feature): each parameter is a `CubeTensor` over the bucket's memory handle at the
+//! parameter's byte offset — no kernel, no allocation.
+//!
+//! burn-cubecl's own `slice` keeps a view only when the bytes both before and after the slice
+//! are multiples of the device's buffer-offset alignment (`memory.alignment`: the uniform-offset
+//! alignment on wgpu, 512 B on CUDA) and copies otherwise, which for parameters of arbitrary
+//! sizes means nearly always. A binding needs only an aligned *start* (and a length in whole
+//! words), so the plan aligns every parameter's start to [`alignment`] (`shard` raises
+//! `align_bytes` to it) and the views here are built from the handle directly. A member whose
+//! start is not aligned (a plan made for another device) falls back to the generic path.
+
+use std::any::{Any, TypeId};
+
+use burn_backend::{Backend, DType, Shape, Slice, TensorData};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+
+use crate::views::Member;
+
+/// Calls `$body` with `$R` bound to each CubeCL runtime this build supports.
+macro_rules! for_each_runtime {
+    ($R:ident => $body:block) => {{
+        #[cfg(feature = "wgpu")]
+        {
+            type $R = cubecl::wgpu::WgpuRuntime;
+            $body
+        }
+        #[cfg(feature = "cuda")]
+        {
+            type $R = cubecl::cuda::CudaRuntime;
+            $body
+        }
+    }};
+}
+
+/// Whether `B`'s float tensors are `CubeTensor<R>`.
+fn is_cube<B: Backend, R: CubeRuntime>() -> bool {
+    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<CubeTensor<R>>()
+}
+
+/// The buffer-offset alignment of `device` in bytes, if `B` is a CubeCL backend this build
+/// supports (`None` otherwise: other backends place no constraint on views).
+pub(crate) fn alignment<B: Backend>(device: &B::Device) -> Option<u64> {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            let probe = B::float_zeros([1].into(), device, burn_backend::FloatDType::F32);
+            let any: Box<dyn Any> = Box::new(probe);
+            let tensor = any.downcast::<CubeTensor<R>>().expect("the type was checked");
+            return Some(tensor.client.properties().memory.alignment);
+        }
+    });
+    None
+}
+
+/// Views sharing one device buffer holding `full` if `B` is a CubeCL backend this build
+/// supports; otherwise `full` back.
+pub(crate) fn views_if_cube<B: Backend>(
+    full: Vec<f32>,
+    members: &[Member],
+    device: &B::Device,
+) -> Result<Vec<B::FloatTensorPrimitive>, Vec<f32>> {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            return Ok(views::<B, R>(full, members, device));
+        }
+    });
+    Err(full)
+}
+
+fn views<B: Backend, R: CubeRuntime>(
+    full: Vec<f32>,
+    members: &[Member],
+    device: &B::Device,
+) -> Vec<B::FloatTensorPrimitive> {
+    let n = full.len();
+    let bucket = B::float_from_data(TensorData::new(full, [n]), device);
+    let any: Box<dyn Any> = Box::new(bucket.clone());
+    let cube = any
+        .downcast::<CubeTensor<R>>()
+        .expect("the type was checked");
+    let align = cube.client.properties().memory.alignment;
+    let total = 4 * n as u64;
+    members
+        .iter()
+        .map(|m| {
+            let (start, end) = (4 * m.start as u64, 4 * m.end() as u64);
+            if start % align != 0 {
+                // Not a view the device can bind: Burn's slice (a copy) and reshape.
+                let slice = Slice::new(m.start as isize, Some(m.end() as isize), 1);
+                let flat = B::float_slice(bucket.clone(), &[slice]);
+                return B::float_reshape(flat, Shape::from(m.shape.clone()));
+            }
+            let handle = cube
+                .handle
+                .clone()
+                .offset_start(start)
+                .offset_end(total - end);
+            let view = CubeTensor::<R>::new_contiguous(
+                cube.client.clone(),
+                cube.device.clone(),
+                Shape::from(m.shape.clone()),
+                handle,
+                DType::F32,
+            );
+            let any: Box<dyn Any> = Box::new(view);
+            *any.downcast::<B::FloatTensorPrimitive>()
+                .expect("the type was checked")
+        })
+        .collect()
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use burn_backend::ops::FloatTensorOps;
+    use burn_backend::{read_sync, FloatDType};
+    use burn_cubecl::CubeBackend;
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+    type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
+
+    #[test]
+    fn views_share_the_bucket_buffer_and_read_their_own_values() {
+        let device = WgpuDevice::default();
+        let align = alignment::<B>(&device).expect("a CubeCL backend") as usize / 4;
+        // Three parameters at aligned starts, with lengths that leave unaligned gaps after.
+        let members = [
+            Member {
+                start: 0,
+                shape: vec![3, 5],
+            },
+            Member {
+                start: align.max(16),
+                shape: vec![7],
+            },
+            Member {
+                start: 3 * align.max(16),
+                shape: vec![2, 2, 3],
+            },
+        ];
+        let n = members[2].end() + 5;
+        let full: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let client = {
+            let probe = B::float_zeros([1].into(), &device, FloatDType::F32);
+            probe.client.clone()
+        };
+        let before = client.memory_usage().unwrap();
+        let views = views_if_cube::<B>(full.clone(), &members, &device).expect("cube views");
+        let after = client.memory_usage().unwrap();
+        // One allocation: the bucket; every view shares it (a copy would allocate one more).
+        assert_eq!(
+            after.number_allocs,
+            before.number_allocs + 1,
+            "{before:?} → {after:?}"
+        );
+        for (m, view) in members.iter().zip(views) {
+            assert_eq!(view.meta.shape().to_vec(), m.shape);
+            let values = read_sync(B::float_into_data(view))
+                .unwrap()
+                .into_vec::<f32>()
+                .unwrap();
+            assert_eq!(values, full[m.start..m.end()]);
+        }
+    }
+}
