@@ -101,6 +101,8 @@ struct Run {
     weights: Vec<Vec<f32>>,
     /// Rank 0's master bytes on the host and on the device.
     master_bytes: (u64, u64),
+    /// Rank 0's (uploaded, downloaded) bytes of the last step: host↔device traffic.
+    traffic: (u64, u64),
 }
 
 /// [`train`] with the fp32 masters in `masters` and gradients accumulated in `grads`.
@@ -130,11 +132,17 @@ where
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
         let mut losses = Vec::new();
         for step in 0..STEPS {
+            if step == STEPS - 1 {
+                // The last step alone (forward, backward, update).
+                runtime.take_counters();
+            }
             let loss = model.loss(tokens::<A<I>>(step, rank * BATCH, BATCH, &device));
             losses.push(loss.clone().into_scalar().elem::<f32>());
             let _ = loss.backward();
             model = optim.step(1e-2, model, &runtime).unwrap();
         }
+        let counters = runtime.take_counters();
+        let traffic = (counters.uploaded_bytes, counters.downloaded_bytes);
         let weights: Vec<Vec<f32>> = runtime
             .plan()
             .params()
@@ -142,7 +150,7 @@ where
             .map(|p| runtime.param_values(&p.spec.path).unwrap())
             .collect();
         let bytes = (runtime.master_bytes(), runtime.device_master_bytes());
-        (losses, weights, bytes)
+        (losses, weights, bytes, traffic)
     })
     .unwrap();
     let mut ranks: Vec<_> = ranks
@@ -152,11 +160,12 @@ where
     let losses = (0..STEPS)
         .map(|s| ranks.iter().map(|r| r.0[s]).sum::<f32>() / world as f32)
         .collect();
-    let (_, weights, master_bytes) = ranks.swap_remove(0);
+    let (_, weights, master_bytes, traffic) = ranks.swap_remove(0);
     Run {
         losses,
         weights,
         master_bytes,
+        traffic,
     }
 }
 
@@ -175,6 +184,17 @@ fn device_masters_and_gradients_on_wgpu_train_bitwise_like_host_ones() {
         );
         assert!(device.master_bytes.1 > 0, "{format:?}");
         assert_eq!(host.master_bytes.1, 0, "{format:?}");
+        // Host↔device bytes of a step: both upload the gathered buckets and download every
+        // gradient once; device storage also uploads each piece's reduced gradient and
+        // downloads each updated master once (to re-derive its runtime bytes on the host). (With
+        // host masters the optimizer's own copies to its device are not the runtime's to count.)
+        let m = device.master_bytes.1;
+        eprintln!(
+            "{format:?}: (uploaded, downloaded) host {:?}, device {:?}, masters {m}",
+            host.traffic, device.traffic
+        );
+        assert_eq!(device.traffic.0, host.traffic.0 + m, "{format:?}");
+        assert_eq!(device.traffic.1, host.traffic.1 + m, "{format:?}");
     }
 }
 

@@ -25,25 +25,27 @@ impl Member {
     }
 }
 
-/// The bucket buffer `full` (moved, not copied) as one tensor per member, each a view into it.
+/// The bucket buffer `full` as one tensor per member, each a view into it; also the bytes
+/// uploaded into `B`'s memory (0 where `B` takes the host allocation itself: burn-ndarray).
 pub(crate) fn bucket_views<B: Backend>(
     full: Vec<f32>,
     members: &[Member],
     device: &B::Device,
-) -> Vec<B::FloatTensorPrimitive> {
+) -> (Vec<B::FloatTensorPrimitive>, u64) {
+    let bytes = 4 * full.len() as u64;
     #[cfg(feature = "ndarray")]
     let full = match ndarray_views::views_if_ndarray::<B>(full, members) {
-        Ok(views) => return views,
+        Ok(views) => return (views, 0),
         Err(full) => full,
     };
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     let full = match crate::cube_views::views_if_cube::<B>(full, members, device) {
-        Ok(views) => return views,
+        Ok(views) => return (views, bytes),
         Err(full) => full,
     };
     let n = full.len();
     let bucket = B::float_from_data(TensorData::new(full, [n]), device);
-    members
+    let views = members
         .iter()
         .map(|m| {
             let slice = Slice {
@@ -54,26 +56,28 @@ pub(crate) fn bucket_views<B: Backend>(
             let flat = B::float_slice(bucket.clone(), &[slice]);
             B::float_reshape(flat, Shape::from(m.shape.clone()))
         })
-        .collect()
+        .collect();
+    (views, bytes)
 }
 
 /// Runs `f` on `tensor`'s values as f32: in place when `B` is burn-ndarray and the tensor is a
 /// contiguous f32 array (reading a gradient that Burn still holds would otherwise copy it one
-/// element at a time, since the data is shared), else through `into_data`.
+/// element at a time, since the data is shared), else through `into_data`. Also returns the
+/// bytes downloaded from `B`'s memory (0 when read in place).
 pub(crate) fn with_f32_values<B: Backend, R>(
     tensor: B::FloatTensorPrimitive,
     f: impl FnOnce(&[f32]) -> R,
-) -> Result<R, String> {
+) -> Result<(R, u64), String> {
     #[cfg(feature = "ndarray")]
     if let Some(values) = ndarray_views::f32_slice::<B>(&tensor) {
-        return Ok(f(values));
+        return Ok((f(values), 0));
     }
     let values = burn_backend::read_sync(B::float_into_data(tensor))
         .map_err(|e| format!("{e:?}"))?
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| format!("{e:?}"))?;
-    Ok(f(&values))
+    Ok((f(&values), 4 * values.len() as u64))
 }
 
 #[cfg(feature = "ndarray")]

@@ -26,6 +26,13 @@ pub struct Counters {
     /// (device masters read back to re-derive runtime units, gradients uploaded to device
     /// masters); 0 with host masters.
     pub staged_bytes: u64,
+    /// Bytes copied from the host into the decorated backend's tensors: gathered buckets (unless
+    /// the backend takes the host buffer itself, as burn-ndarray does), FSDP2-style copies out,
+    /// and staging. On a GPU backend, host→device traffic.
+    pub uploaded_bytes: u64,
+    /// Bytes copied from the decorated backend's tensors to the host: gradients (unless read in
+    /// place, as on burn-ndarray) and staging. On a GPU backend, device→host traffic.
+    pub downloaded_bytes: u64,
     /// Updates skipped because the gradient was not finite
     /// ([`crate::NonFinitePolicy::SkipStep`]).
     pub skipped_steps: u64,

@@ -409,7 +409,10 @@ impl<B: Backend> Runtime<B> {
                 (st, complete)
             });
             match accumulated {
-                Ok(done) => done,
+                Ok(((mut st, complete), downloaded)) => {
+                    st.counters.downloaded_bytes += downloaded;
+                    (st, complete)
+                }
                 Err(e) => {
                     self.lock().failure =
                         Some(format!("reading the gradient of {}: {e}", p.spec.path));
@@ -422,6 +425,7 @@ impl<B: Backend> Runtime<B> {
                 Ok(reduced) => {
                     st.counters.reduced_bytes += reduced.bytes;
                     st.counters.staged_bytes += reduced.staged;
+                    st.counters.downloaded_bytes += reduced.staged;
                     st.counters.grad_bytes_copied += reduced.staged;
                 }
                 Err(e) => {

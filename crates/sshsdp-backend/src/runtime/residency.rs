@@ -173,7 +173,9 @@ impl<B: Backend> Materialiser<B> {
                         shape: codec.shape(k).to_vec(),
                     })
                     .collect();
-                bucket_views::<B>(compute, &members, &self.device)
+                let (views, uploaded) = bucket_views::<B>(compute, &members, &self.device);
+                counters.uploaded_bytes += uploaded;
+                views
             }
             CopyMode::Fsdp2Style => (0..codec.len())
                 // Copy-out: each parameter gets a tensor of its own.
@@ -182,6 +184,7 @@ impl<B: Backend> Materialiser<B> {
                     let numel = codec.shape(k).iter().product::<usize>();
                     let values = compute[start..start + numel].to_vec();
                     counters.param_bytes_copied += 4 * values.len() as u64;
+                    counters.uploaded_bytes += 4 * values.len() as u64;
                     let data = TensorData::new(values, codec.shape(k).to_vec());
                     B::float_from_data(data, &self.device)
                 })

@@ -182,6 +182,7 @@ pub(super) fn run<B: Backend>(
             if let Some(MasterBuf::Device(t)) = &st.storage[b].master {
                 let values = download::<B>(t.clone())?;
                 st.counters.staged_bytes += 4 * values.len() as u64;
+                st.counters.downloaded_bytes += 4 * values.len() as u64;
                 staged[b] = Some(values);
             }
         }
@@ -201,6 +202,7 @@ pub(super) fn run<B: Backend>(
                 (Some(MasterBuf::Host(master)), None) => PieceValues::Host { master, grad },
                 (Some(MasterBuf::Device(master)), None) => {
                     counters.staged_bytes += 4 * grad.len() as u64;
+                    counters.uploaded_bytes += 4 * grad.len() as u64;
                     let grad = upload::<B>(grad.clone(), device);
                     PieceValues::Device { master, grad }
                 }
@@ -244,12 +246,14 @@ pub(super) fn run<B: Backend>(
             (Some(MasterBuf::Device(t)), Some(values)) => {
                 // Staged for host views: the updated values go back to the device.
                 counters.staged_bytes += 4 * values.len() as u64;
+                counters.uploaded_bytes += 4 * values.len() as u64;
                 *t = upload::<B>(values.clone(), device);
                 Some(values)
             }
             (Some(MasterBuf::Device(t)), None) => {
                 let values = download::<B>(t.clone())?;
                 counters.staged_bytes += 4 * values.len() as u64;
+                counters.downloaded_bytes += 4 * values.len() as u64;
                 Some(values)
             }
             _ => None,
