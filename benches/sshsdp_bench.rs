@@ -49,7 +49,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, CopyMode, Hsdp, HsdpConfig};
+use sshsdp::backend::{named_params, shard, CopyMode, Hsdp, HsdpConfig, Placement};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
@@ -94,6 +94,8 @@ struct Row {
     gathered: u64,
     reduced: u64,
     copied: u64,
+    /// Bytes handed to and read back from the backend's tensors (host↔device on a GPU).
+    traffic: (u64, u64),
     /// Share of the step the model thread waited on collectives (timed steps summed).
     exposed: f64,
     /// `None` for plain Burn (no plan); otherwise whether the counters equal the projection,
@@ -113,6 +115,8 @@ struct Mode {
     reshard: bool,
     /// Replicas of the mesh (1: flat).
     replicas: usize,
+    /// Where masters (and optimizer state) and gradients live.
+    storage: Placement,
     /// Name of the mode this one's ratio is against.
     baseline: &'static str,
 }
@@ -126,6 +130,7 @@ const MESH_MODES: [Mode; 2] = [
         format: RuntimeFormat::F32,
         reshard: false,
         replicas: 2,
+        storage: Placement::Host,
         baseline: "Fsdp2Style HSDP 2×2",
     },
     Mode {
@@ -135,11 +140,12 @@ const MESH_MODES: [Mode; 2] = [
         format: RuntimeFormat::F32,
         reshard: false,
         replicas: 2,
+        storage: Placement::Host,
         baseline: "Fsdp2Style HSDP 2×2",
     },
 ];
 
-const MODES: [Mode; 7] = [
+const MODES: [Mode; 8] = [
     Mode {
         name: "Ddp",
         sharding: Sharding::Ddp,
@@ -147,6 +153,7 @@ const MODES: [Mode; 7] = [
         format: RuntimeFormat::F32,
         reshard: false,
         replicas: 1,
+        storage: Placement::Host,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -156,6 +163,7 @@ const MODES: [Mode; 7] = [
         format: RuntimeFormat::F32,
         reshard: false,
         replicas: 1,
+        storage: Placement::Host,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -165,6 +173,17 @@ const MODES: [Mode; 7] = [
         format: RuntimeFormat::F32,
         reshard: false,
         replicas: 1,
+        storage: Placement::Host,
+        baseline: "Fsdp2Style",
+    },
+    Mode {
+        name: "SS-HSDP f32 device storage",
+        sharding: Sharding::Hierarchical,
+        copy: CopyMode::ZeroCopy,
+        format: RuntimeFormat::F32,
+        reshard: false,
+        replicas: 1,
+        storage: Placement::Device,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -174,6 +193,7 @@ const MODES: [Mode; 7] = [
         format: RuntimeFormat::Bf16,
         reshard: false,
         replicas: 1,
+        storage: Placement::Host,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -183,6 +203,7 @@ const MODES: [Mode; 7] = [
         format: RuntimeFormat::Mxfp8,
         reshard: false,
         replicas: 1,
+        storage: Placement::Host,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -192,6 +213,7 @@ const MODES: [Mode; 7] = [
         format: RuntimeFormat::F32,
         reshard: true,
         replicas: 1,
+        storage: Placement::Host,
         baseline: "Fsdp2Style reshard",
     },
     Mode {
@@ -201,6 +223,7 @@ const MODES: [Mode; 7] = [
         format: RuntimeFormat::F32,
         reshard: true,
         replicas: 1,
+        storage: Placement::Host,
         baseline: "Fsdp2Style reshard",
     },
 ];
@@ -232,6 +255,7 @@ fn plain(init: &Gpt<B>, steps: usize) -> Row {
         gathered: 0,
         reduced: 0,
         copied: 0,
+        traffic: (0, 0),
         exposed: 0.0,
         projection: None,
     }
@@ -248,6 +272,8 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
             .with_copy_mode(mode.copy)
             .with_format(mode.format)
             .with_reshard_after_forward(mode.reshard)
+            .with_master_placement(mode.storage)
+            .with_grad_placement(mode.storage)
             .with_bucket_elements(BUCKET_ELEMENTS);
         let (mut model, runtime) =
             shard::<B, _, _>(init.clone(), config, comm, &device).map_err(|e| e.to_string())?;
@@ -294,6 +320,7 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
         gathered: c.gathered_bytes,
         reduced: c.reduced_bytes,
         copied: c.param_bytes_copied,
+        traffic: (c.uploaded_bytes, c.downloaded_bytes),
         exposed,
         projection: Some((pg == c.gathered_bytes && pr == c.reduced_bytes, pg, pr)),
     })
@@ -433,9 +460,9 @@ fn main() {
     );
     println!(
         "| world | mode | step ms | / Fsdp2Style | peak MiB/rank | all-gathered MiB | reduced MiB \
-         | copied MiB | exposed comm % of step | MFU | bytes = projection |"
+         | copied MiB | to / from backend MiB | exposed comm % of step | MFU | bytes = projection |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (world, name, row, baseline) in &rows {
         match row {
             Ok(r) => {
@@ -451,18 +478,20 @@ fn main() {
                 };
                 println!(
                     "| {world} | {name} | {:.0} | {ratio} | {:.0} | {:.2} | {:.2} | {:.2} | \
-                     {:.1}% | {:.1}% | {check} |",
+                     {:.2} / {:.2} | {:.1}% | {:.1}% | {check} |",
                     r.secs * 1e3,
                     mib(r.peak_per_rank),
                     mib(r.gathered as f64),
                     mib(r.reduced as f64),
                     mib(r.copied as f64),
+                    mib(r.traffic.0 as f64),
+                    mib(r.traffic.1 as f64),
                     100.0 * r.exposed,
                     100.0 * model_flops / r.secs / ceiling,
                 );
             }
             Err(reason) => {
-                println!("| {world} | {name} | n/a: {reason} | | | | | | | | |");
+                println!("| {world} | {name} | n/a: {reason} | | | | | | | | | |");
             }
         }
     }
@@ -470,6 +499,10 @@ fn main() {
         "\nall-gathered: bytes received by bucket all-gathers; reduced: bytes of full-bucket fp32 \
          gradients entering reductions (reduce-scatter; all-reduce under Ddp); copied: parameter \
          bytes copied outside collectives (Fsdp2Style's copy-in/out, Ddp's replicated bucket); \
+         to / from backend: bytes copied into and out of the backend's tensors (host↔device \
+         traffic on a GPU; on NdArray the zero-copy rows hand buffers over without a copy, and \
+         \"device storage\" keeps masters, AdamW state and gradients as backend tensors, \
+         staged through the host for the host collectives); \
          all per step, rank 0; exposed comm: rank 0's model thread waiting on collectives. \
          / Fsdp2Style of reshard rows: against Fsdp2Style reshard; of 2×2 rows: against \
          Fsdp2Style HSDP 2×2."
