@@ -50,6 +50,7 @@ mod matmul;
 mod newton_schulz;
 mod planes;
 mod quantize;
+mod widen;
 
 pub use adamw::{adamw_reference, adamw_step, AdamWFactors, AdamWParams};
 pub use dequantize::dequantize_tiled;
@@ -63,3 +64,4 @@ pub use newton_schulz::{
 pub use planes::{dequantize_plane, quantize_plane, PlaneAt};
 pub use quantize::{quantize_tiled, InputDType};
 pub use sshsdp_mx::{Plane, ScaleRule};
+pub use widen::widen_bf16;

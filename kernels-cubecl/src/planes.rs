@@ -216,7 +216,7 @@ fn dequantize_plane_kernel(
 }
 
 /// Grid of `units` units of [`UNITS`] per cube, at most [`MAX_CUBES`] cubes (they loop).
-fn grid(units: usize) -> (CubeCount, CubeDim) {
+pub(crate) fn grid(units: usize) -> (CubeCount, CubeDim) {
     let cubes = (units.div_ceil(UNITS as usize) as u32).clamp(1, MAX_CUBES);
     (CubeCount::Static(cubes, 1, 1), CubeDim::new_1d(UNITS))
 }

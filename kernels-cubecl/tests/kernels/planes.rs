@@ -3,7 +3,9 @@
 //! sentinel-filled buffers, dequantise random and special bytes.
 use crate::common::*;
 use half::bf16;
-use sshsdp_kernels::{dequantize_plane, quantize_plane, InputDType, Plane, PlaneAt, ScaleRule};
+use sshsdp_kernels::{
+    dequantize_plane, quantize_plane, widen_bf16, InputDType, Plane, PlaneAt, ScaleRule,
+};
 use sshsdp_mx::{decode_cols, decode_rows, encode_cols, encode_rows, ElemFormat, MxShape};
 
 const SENTINEL: u32 = 0xDEAD_BEEF;
@@ -201,4 +203,42 @@ fn band_plane_errors_are_reported() {
         ..at
     };
     assert!(quantize_plane(&c, &input, InputDType::F32, ScaleRule::Rceil, ok, &big).is_ok());
+}
+
+#[test]
+fn bf16_runs_widen_exactly_at_any_half_word_offset() {
+    let c = client();
+    let mut rng = Rng::new(11);
+    // Specials included: ±0, ±inf, NaNs with payloads, subnormals.
+    let mut halves: Vec<u16> = vec![0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0xFFA3, 0x0001];
+    halves.extend((0..300).map(|_| (rng.next_u64() >> 48) as u16));
+    for src_half in [0usize, 1, 5] {
+        for n in [1usize, 2, 7, halves.len()] {
+            let mut stored = vec![0x1234u16; src_half];
+            stored.extend_from_slice(&halves[..n]);
+            if stored.len() % 2 == 1 {
+                stored.push(0x5678);
+            }
+            let words: Vec<u32> = stored
+                .chunks(2)
+                .map(|p| p[0] as u32 | (p[1] as u32) << 16)
+                .collect();
+            let src = upload_u32(&c, &words);
+            let dst = 3;
+            let out = upload_u32(&c, &vec![SENTINEL; dst + n + 2]);
+            widen_bf16(&c, &src, 2 * src_half, n, &out, dst).unwrap();
+            let got = read_u32(&c, &out);
+            let what = format!("offset {src_half}, {n} values");
+            assert!(got[..dst].iter().all(|&w| w == SENTINEL), "{what}: before");
+            assert!(
+                got[dst + n..].iter().all(|&w| w == SENTINEL),
+                "{what}: after"
+            );
+            for (i, &h) in halves[..n].iter().enumerate() {
+                let want = bf16::from_bits(h).to_f32().to_bits();
+                assert_eq!(got[dst + i], want, "{what}: value {i} ({h:#06x})");
+            }
+        }
+    }
+    assert!(widen_bf16(&c, &upload_u32(&c, &[0]), 1, 1, &upload_u32(&c, &[0]), 0).is_err());
 }
