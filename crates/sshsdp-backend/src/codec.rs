@@ -310,50 +310,124 @@ impl BucketCodec {
         }
     }
 
+    /// How to decode a gathered banded bucket holding the part `which` of every piece, for
+    /// `phase`: one operation per view, in bucket order — what the host ([`Self::decode`]) and
+    /// the device (`cube_codec.rs`) both run.
+    pub fn decode_ops(&self, which: Part, phase: Phase) -> Result<Vec<DecodeOp>, HsdpError> {
+        let plane = phase.plane();
+        if !which.holds(plane) {
+            return Err(HsdpError::Failed(format!(
+                "a gathered MXFP8 bucket ({which:?}) cannot be decoded for {phase:?}"
+            )));
+        }
+        let per_piece = self.part_range(which).len();
+        let mut ops = Vec::new();
+        for (p, views) in self.views.iter().enumerate() {
+            let base = p * per_piece;
+            for v in views {
+                let dst = self.members[v.param - self.first].compute_start + us(v.elements.start);
+                ops.push(match v.encoding {
+                    Encoding::Mxfp8 { cols } => {
+                        let cols = us(cols);
+                        let shape = MxShape::new(us(v.len()) / cols, cols);
+                        let data = base + self.bytes_of(v, plane, which).start;
+                        let row_plane = plane == Section::Row;
+                        let data_bytes = if row_plane {
+                            shape.row_data_bytes()
+                        } else {
+                            shape.col_data_bytes()
+                        };
+                        DecodeOp::Plane {
+                            row_plane,
+                            shape,
+                            dst,
+                            data,
+                            scales: data + data_bytes,
+                        }
+                    }
+                    Encoding::Bf16 | Encoding::F32 => DecodeOp::Bf16 {
+                        src: base + self.bytes_of(v, Section::Linear, which).start,
+                        n: us(v.len()),
+                        dst,
+                    },
+                });
+            }
+        }
+        Ok(ops)
+    }
+
+    /// fp32 elements of the decoded compute buffer.
+    pub fn compute_elems(&self) -> usize {
+        self.compute_elems
+    }
+
     /// Decodes a gathered banded bucket holding the part `which` of every piece, for `phase`.
     pub fn decode(&self, bytes: &[u8], which: Part, phase: Phase) -> Result<Vec<f32>, HsdpError> {
-        let plane = phase.plane();
-        if bytes.len() != self.gathered_units(which) || !which.holds(plane) {
+        if bytes.len() != self.gathered_units(which) {
             return Err(HsdpError::Failed(format!(
                 "a gathered MXFP8 bucket of {} bytes ({which:?}) cannot be decoded for {phase:?}",
                 bytes.len(),
             )));
         }
-        let per_piece = self.part_range(which).len();
-        let mut out = vec![0f32; self.compute_elems];
-        for (p, views) in self.views.iter().enumerate() {
-            let piece = &bytes[p * per_piece..(p + 1) * per_piece];
-            for v in views {
-                let first = self.members[v.param - self.first].compute_start + us(v.elements.start);
-                let dst = &mut out[first..first + us(v.len())];
-                match v.encoding {
-                    Encoding::Mxfp8 { cols } => {
-                        let cols = us(cols);
-                        let shape = MxShape::new(dst.len() / cols, cols);
-                        let src = &piece[self.bytes_of(v, plane, which)];
-                        let fmt = MX_FORMAT.0;
-                        let decoded = if plane == Section::Row {
-                            let (data, rest) = src.split_at(shape.row_data_bytes());
-                            let scales = &rest[..shape.row_scale_bytes()];
-                            sshsdp_mx::decode_rows(data, scales, shape, fmt, dst)
-                        } else {
-                            let (data, rest) = src.split_at(shape.col_data_bytes());
-                            let scales = &rest[..shape.col_scale_bytes()];
-                            sshsdp_mx::decode_cols(data, scales, shape, fmt, dst)
-                        };
-                        decoded.map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
-                    }
-                    Encoding::Bf16 | Encoding::F32 => {
-                        let src = &piece[self.bytes_of(v, Section::Linear, which)];
-                        for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                            *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
-                        }
+        let mut out = vec![0f32; self.compute_elems()];
+        for op in self.decode_ops(which, phase)? {
+            match op {
+                DecodeOp::Plane {
+                    row_plane,
+                    shape,
+                    dst,
+                    data,
+                    scales,
+                } => {
+                    let dst = &mut out[dst..dst + shape.len()];
+                    let fmt = MX_FORMAT.0;
+                    let decoded = if row_plane {
+                        let (d, s) = (data..scales, scales..scales + shape.row_scale_bytes());
+                        sshsdp_mx::decode_rows(&bytes[d], &bytes[s], shape, fmt, dst)
+                    } else {
+                        let (d, s) = (data..scales, scales..scales + shape.col_scale_bytes());
+                        sshsdp_mx::decode_cols(&bytes[d], &bytes[s], shape, fmt, dst)
+                    };
+                    decoded.map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
+                }
+                DecodeOp::Bf16 { src, n, dst } => {
+                    let src = &bytes[src..src + 2 * n];
+                    for (d, s) in out[dst..dst + n].iter_mut().zip(src.chunks_exact(2)) {
+                        *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
                     }
                 }
             }
         }
         Ok(out)
     }
+}
+
+/// One view's decoding: positions are bytes of the gathered buffer and elements of the compute
+/// buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DecodeOp {
+    /// An MXFP8 plane of a `shape` run (row-wise or column-wise) into the values from `dst` on.
+    Plane {
+        /// The row-wise plane (backward), else the column-wise one (forward).
+        row_plane: bool,
+        /// Rows and columns of the run.
+        shape: MxShape,
+        /// First compute element.
+        dst: usize,
+        /// First data byte.
+        data: usize,
+        /// First scale byte.
+        scales: usize,
+    },
+    /// `n` little-endian bf16 values from byte `src` into the values from `dst` on.
+    Bf16 {
+        /// First byte.
+        src: usize,
+        /// Number of values.
+        n: usize,
+        /// First compute element.
+        dst: usize,
+    },
 }
 
 #[cfg(test)]

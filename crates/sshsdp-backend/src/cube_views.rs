@@ -34,8 +34,10 @@ macro_rules! for_each_runtime {
     }};
 }
 
+pub(crate) use for_each_runtime;
+
 /// Whether `B`'s float tensors are `CubeTensor<R>`.
-fn is_cube<B: Backend, R: CubeRuntime>() -> bool {
+pub(crate) fn is_cube<B: Backend, R: CubeRuntime>() -> bool {
     TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<CubeTensor<R>>()
 }
 
@@ -75,12 +77,33 @@ fn views<B: Backend, R: CubeRuntime>(
 ) -> Vec<B::FloatTensorPrimitive> {
     let n = full.len();
     let bucket = B::float_from_data(TensorData::new(full, [n]), device);
+    member_views::<B, R>(bucket, members)
+}
+
+/// `bucket` (a 1-D f32 tensor of a CubeCL backend `B`) as one view per member.
+pub(crate) fn views_of_bucket<B: Backend>(
+    bucket: B::FloatTensorPrimitive,
+    members: &[Member],
+) -> Vec<B::FloatTensorPrimitive> {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            return member_views::<B, R>(bucket, members);
+        }
+    });
+    unreachable!("only called with a tensor of a CubeCL backend")
+}
+
+/// `bucket` (a 1-D f32 `CubeTensor<R>` as `B`'s primitive) as one view per member.
+pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
+    bucket: B::FloatTensorPrimitive,
+    members: &[Member],
+) -> Vec<B::FloatTensorPrimitive> {
     let any: Box<dyn Any> = Box::new(bucket.clone());
     let cube = any
         .downcast::<CubeTensor<R>>()
         .expect("the type was checked");
     let align = cube.client.properties().memory.alignment;
-    let total = 4 * n as u64;
+    let total = cube.handle.size_in_used();
     members
         .iter()
         .map(|m| {

@@ -29,6 +29,8 @@ mod codec;
 mod comm;
 mod config;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube_codec;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube_views;
 mod error;
 mod handle;

@@ -157,6 +157,32 @@ impl<B: Backend> Materialiser<B> {
         phase: Phase,
         counters: &mut Counters,
     ) -> Result<Resident<B>, HsdpError> {
+        let members: Vec<Member> = (0..codec.len())
+            .map(|k| Member {
+                start: codec.compute_start(k),
+                shape: codec.shape(k).to_vec(),
+            })
+            .collect();
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if let (Elems::U8(bytes), CopyMode::ZeroCopy) = (&full, self.copy_mode) {
+            // On a CubeCL backend the gathered bytes are decoded on the device.
+            let decoded =
+                crate::cube_codec::decode_if_cube::<B>(codec, bytes, which, phase, &self.device);
+            if let Some(bucket) = decoded {
+                let params = crate::cube_views::views_of_bucket::<B>(bucket?, &members);
+                let compute_bytes = 4 * codec.compute_elems() as u64;
+                counters.decoded_bytes += compute_bytes;
+                counters.uploaded_bytes += bytes.len() as u64;
+                let keep = codec.has_planes() && which == Part::All;
+                let gathered = keep.then_some(full);
+                return Ok(Resident {
+                    params,
+                    bytes: compute_bytes + gathered.as_ref().map_or(0, Elems::bytes),
+                    phase,
+                    gathered,
+                });
+            }
+        }
         let decodes = !matches!(full, Elems::F32(_));
         let (compute, gathered) = codec.to_compute(full, which, phase)?;
         if decodes {
@@ -167,12 +193,6 @@ impl<B: Backend> Materialiser<B> {
             CopyMode::ZeroCopy => {
                 // The compute buffer becomes the bucket's storage (a move, not a copy); each
                 // parameter is a view into it.
-                let members: Vec<Member> = (0..codec.len())
-                    .map(|k| Member {
-                        start: codec.compute_start(k),
-                        shape: codec.shape(k).to_vec(),
-                    })
-                    .collect();
                 let (views, uploaded) = bucket_views::<B>(compute, &members, &self.device);
                 counters.uploaded_bytes += uploaded;
                 views
