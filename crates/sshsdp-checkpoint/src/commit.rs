@@ -55,7 +55,9 @@ impl SaveOptions {
 /// and `step`) as the committed checkpoint `root/step-{step}`, with the default
 /// [`SaveOptions`] (keep the last 3). A collective call: every rank calls it with the same
 /// `root` (on a file system all ranks share) and `step`. Returns the committed directory;
-/// on `Err`, on every rank, no checkpoint was committed.
+/// on `Err`, on every rank, no checkpoint was committed (except for an error of keep-last-K
+/// after the commit, which says so). A newer committed step already in `root` stays the
+/// latest, which `load(root)` picks.
 pub fn save<B: Backend>(
     root: impl AsRef<Path>,
     runtime: &HsdpRuntime<B>,

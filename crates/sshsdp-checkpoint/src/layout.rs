@@ -49,10 +49,14 @@ fn exists(path: &Path) -> bool {
     fs::symlink_metadata(path).is_ok()
 }
 
-/// Whether `dir` is a real directory (not a symlink) holding a manifest file.
+/// Whether `dir` holds a manifest file (a regular file, not a symlink).
+fn has_manifest(dir: &Path) -> bool {
+    fs::symlink_metadata(dir.join(MANIFEST_FILE)).is_ok_and(|m| m.is_file())
+}
+
+/// Whether the entry `dir` of a root is a real directory (not a symlink) holding a manifest.
 fn is_committed(dir: &Path) -> bool {
-    fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir())
-        && fs::symlink_metadata(dir.join(MANIFEST_FILE)).is_ok_and(|m| m.is_file())
+    fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) && has_manifest(dir)
 }
 
 /// The committed checkpoints under `root` (directories `step-N` holding a manifest), by
@@ -83,10 +87,11 @@ pub fn committed_steps(root: impl AsRef<Path>) -> Result<Vec<(u64, PathBuf)>, Ch
 /// it, never loaded.
 pub fn resolve(path: impl AsRef<Path>) -> Result<PathBuf, CheckpointError> {
     let path = path.as_ref();
-    if is_committed(path) {
+    // The path given may be a symlink (to a root or a step directory).
+    let meta = fs::metadata(path).map_err(io_err(path))?;
+    if meta.is_dir() && has_manifest(path) {
         return Ok(path.to_path_buf());
     }
-    let meta = fs::symlink_metadata(path).map_err(io_err(path))?;
     let uncommitted = || CheckpointError::Missing {
         location: path.to_path_buf(),
         what: format!(
@@ -152,8 +157,8 @@ pub(crate) fn write_new_file(path: &Path, bytes: &[u8]) -> Result<(), Checkpoint
 /// step whose directory exists, and creates a fresh `step-N.tmp` (removing a stale one left by
 /// a crashed save).
 pub(crate) fn prepare_tmp(root: &Path, step: u64) -> Result<(), CheckpointError> {
+    // The root may be a symlink to a directory; what is created in it may not.
     fs::create_dir_all(root).map_err(io_err(root))?;
-    check_real_dir(root)?;
     let target = root.join(step_dir_name(step));
     if exists(&target) {
         return Err(CheckpointError::Exists { dir: target });

@@ -7,8 +7,10 @@
 //!    units' values in memory. Nothing is applied yet.
 //! 2. The ranks agree: if any rank failed, or the ranks resolved different checkpoints, every
 //!    rank returns an error (naming the failing ranks and why) and no rank applies anything.
-//! 3. *apply* — each rank imports its optimizer state and then overwrites its masters; a
-//!    final agreement makes every rank return the same verdict.
+//! 3. *apply* — each rank imports its optimizer state and then, only if that succeeded,
+//!    overwrites its masters; a final agreement makes every rank return the same verdict.
+//!    (Should an optimizer refuse state the validation accepted, that rank keeps its masters
+//!    and every rank returns an error, but the other ranks have applied theirs.)
 
 use std::path::{Path, PathBuf};
 

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use sshsdp_backend::{HsdpError, HsdpRuntime};
+use sshsdp_backend::HsdpRuntime;
 
 use crate::{with_prefix, CheckpointError, Coverage, EncodedState, ShardFile, SliceEntry, MASTER};
 use sshsdp_optim::{units_of, UpdateUnit};

@@ -211,9 +211,12 @@ fn keep_last_deletes_only_older_committed_checkpoints() {
         .collect();
     want.sort();
     assert_eq!(names(&root.0), want);
-    // The default keeps three.
+    // The default keeps three: the new step and the two before it (step 10 is newer and
+    // does not count).
     save_step(&root.0, 6, 6, &SaveOptions::default());
-    assert_eq!(steps(&root.0), vec![5, 6, 10]);
+    assert_eq!(steps(&root.0), vec![4, 5, 6, 10]);
+    save_step(&root.0, 7, 7, &SaveOptions::default());
+    assert_eq!(steps(&root.0), vec![5, 6, 7, 10]);
     assert_eq!(load_expecting(&root.0, 2, 10), vec![10, 10]);
 }
 
