@@ -198,9 +198,15 @@ mod tests {
 
     #[test]
     fn one_failure_fails_everyone() {
-        let verdicts = vec![Verdict::ok(), Verdict::of::<()>(&Err(CheckpointError::Invalid("disk full".into())))];
+        let verdicts = vec![
+            Verdict::ok(),
+            Verdict::of::<()>(&Err(CheckpointError::Invalid("disk full".into()))),
+        ];
         let err = decide("save", &verdicts, Ok(())).unwrap_err();
-        assert!(err.to_string().contains("rank 1") && err.to_string().contains("disk full"), "{err}");
+        assert!(
+            err.to_string().contains("rank 1") && err.to_string().contains("disk full"),
+            "{err}"
+        );
         assert!(decide("save", &verdicts[..1], Ok(())).is_ok());
     }
 }

@@ -117,10 +117,7 @@ pub fn save_with<B: Backend>(
 
     // 3. commit (rank 0), then the agreement that makes every rank wait for it.
     let committed = if lead {
-        let files: Vec<(u64, String)> = verdicts
-            .iter()
-            .map(|v| (v.size, hex(&v.digest)))
-            .collect();
+        let files: Vec<(u64, String)> = verdicts.iter().map(|v| (v.size, hex(&v.digest))).collect();
         let manifest = Manifest::new(step, runtime.plan().fingerprint().to_string(), &files);
         let result = manifest
             .write_new(&tmp)

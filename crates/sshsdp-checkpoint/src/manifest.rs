@@ -111,7 +111,9 @@ impl Manifest {
             }
             let hex = |c: u8| c.is_ascii_digit() || (b'a'..=b'f').contains(&c);
             if f.sha256.len() != 64 || !f.sha256.bytes().all(hex) {
-                return Err(corrupt(format!("rank {rank}'s SHA-256 is not 64 hex digits")));
+                return Err(corrupt(format!(
+                    "rank {rank}'s SHA-256 is not 64 hex digits"
+                )));
             }
         }
         Ok(())
@@ -156,11 +158,7 @@ impl Manifest {
         if meta.len() != entry.size {
             return Err(CheckpointError::Corrupt {
                 file: path,
-                reason: format!(
-                    "{} bytes, the manifest lists {}",
-                    meta.len(),
-                    entry.size
-                ),
+                reason: format!("{} bytes, the manifest lists {}", meta.len(), entry.size),
             });
         }
         let bytes = read_regular(&path, &meta, entry.size)?;
@@ -182,10 +180,15 @@ fn read_regular(path: &Path, meta: &fs::Metadata, limit: u64) -> Result<Vec<u8>,
         reason,
     };
     if !meta.is_file() {
-        return Err(corrupt("not a regular file (a symlink or directory)".into()));
+        return Err(corrupt(
+            "not a regular file (a symlink or directory)".into(),
+        ));
     }
     if meta.len() > limit {
-        return Err(corrupt(format!("{} bytes, at most {limit} expected", meta.len())));
+        return Err(corrupt(format!(
+            "{} bytes, at most {limit} expected",
+            meta.len()
+        )));
     }
     let len = usize::try_from(meta.len()).map_err(|_| corrupt("too large".into()))?;
     let mut bytes = Vec::with_capacity(len);

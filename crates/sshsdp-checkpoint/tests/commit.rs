@@ -56,7 +56,11 @@ fn save_commits_and_load_round_trips_bit_exact() {
     });
     let step_dir = root.0.join("step-7");
     assert_eq!(committed, vec![step_dir.clone(), step_dir.clone()]);
-    assert_eq!(names(&root.0), vec!["step-7"], "no temporary directory left");
+    assert_eq!(
+        names(&root.0),
+        vec!["step-7"],
+        "no temporary directory left"
+    );
     // The manifest lists every rank's file with its true size and SHA-256.
     let (manifest, _) = Manifest::read(&step_dir).unwrap();
     assert_eq!((manifest.step, manifest.world), (7, 2));
@@ -160,7 +164,11 @@ fn one_rank_failing_its_save_fails_every_rank_and_commits_nothing() {
         }
         other => panic!("rank 0: {other}"),
     }
-    assert_eq!(names(&root.0), vec!["step-1"], "nothing committed or left over");
+    assert_eq!(
+        names(&root.0),
+        vec!["step-1"],
+        "nothing committed or left over"
+    );
     assert_eq!(snapshot(&root.0.join("step-1")), before);
     assert_eq!(load_expecting(&root.0, 2, 1), vec![1, 1]);
 
@@ -171,7 +179,10 @@ fn one_rank_failing_its_save_fails_every_rank_and_commits_nothing() {
         save(&file_root, rt, &TestState::new(), 1).unwrap_err()
     });
     assert!(
-        matches!(&errors[0], CheckpointError::Io { .. } | CheckpointError::Invalid(_)),
+        matches!(
+            &errors[0],
+            CheckpointError::Io { .. } | CheckpointError::Invalid(_)
+        ),
         "{}",
         errors[0]
     );
@@ -200,7 +211,12 @@ fn keep_last_deletes_only_older_committed_checkpoints() {
     assert_eq!(steps(&root.0), vec![3, 4]);
     // A newer step kept with retention off, then an older one with keep 2: the newer stays,
     // and of the older ones only the one before the new step remains.
-    save_step(&root.0, 10, 10, &SaveOptions::default().with_keep_last(None));
+    save_step(
+        &root.0,
+        10,
+        10,
+        &SaveOptions::default().with_keep_last(None),
+    );
     assert_eq!(steps(&root.0), vec![3, 4, 10]);
     save_step(&root.0, 5, 5, &keep2);
     assert_eq!(steps(&root.0), vec![4, 5, 10]);

@@ -113,7 +113,11 @@ fn one_rank_failing_validation_fails_every_rank() {
             assert!(phase.contains("load"), "{phase}");
             assert_eq!(failures.len(), 1);
             assert_eq!(failures[0].0, 1);
-            assert!(failures[0].1.contains("OtherOptimizer"), "{}", failures[0].1);
+            assert!(
+                failures[0].1.contains("OtherOptimizer"),
+                "{}",
+                failures[0].1
+            );
         }
         other => panic!("rank 0: {other}"),
     }

@@ -104,7 +104,9 @@ pub fn masters_are(rt: &Runtime, salt: u32) -> bool {
                 masters[u.piece][u.in_piece.clone()]
                     .iter()
                     .enumerate()
-                    .all(|(k, v)| v.to_bits() == value(u.param, u.in_param.start + k, salt).to_bits())
+                    .all(|(k, v)| {
+                        v.to_bits() == value(u.param, u.in_param.start + k, salt).to_bits()
+                    })
             })
     })
 }
@@ -130,7 +132,11 @@ impl TestState {
     }
 
     fn state_of(unit: &UpdateUnit) -> EncodedState {
-        let m = unit.in_param.clone().map(|i| value(unit.param, i, 100)).collect();
+        let m = unit
+            .in_param
+            .clone()
+            .map(|i| value(unit.param, i, 100))
+            .collect();
         (
             BTreeMap::from([("m".to_owned(), m)]),
             BTreeMap::from([("t".to_owned(), 5.0)]),
@@ -144,7 +150,10 @@ impl TestState {
             && self.imported.iter().all(|(unit, state)| {
                 let want = Self::state_of(unit);
                 state.as_ref().is_some_and(|(arrays, scalars)| {
-                    arrays["m"].iter().map(|v| v.to_bits()).eq(want.0["m"].iter().map(|v| v.to_bits()))
+                    arrays["m"]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .eq(want.0["m"].iter().map(|v| v.to_bits()))
                         && arrays.len() == 1
                         && *scalars == want.1
                 })
