@@ -498,7 +498,8 @@ pub fn checkpoint_dir_files(dir: impl AsRef<Path>) -> Result<Vec<PathBuf>, Check
 
 /// Reads every shard of the checkpoint in `dir` ([`checkpoint_dir_files`]), in rank order,
 /// checking that each file's own rank and world match its name and that all agree on the
-/// plan JSON.
+/// plan JSON. (A committed step directory reads better with [`crate::read_checkpoint`],
+/// which also checks every file against the manifest.)
 pub fn read_all(dir: impl AsRef<Path>) -> Result<Vec<ShardFile>, CheckpointError> {
     let paths = checkpoint_dir_files(dir)?;
     let world = paths.len();

@@ -260,3 +260,23 @@ fn saving_a_committed_step_again_is_an_error() {
     assert_eq!(names(&root.0), vec!["step-1"]);
     assert_eq!(load_expecting(&root.0, 2, 1), vec![1, 1]);
 }
+
+/// A symlink planted at the temporary directory's predictable name is removed, never followed:
+/// nothing is written into (or deleted from) its target.
+#[cfg(unix)]
+#[test]
+fn a_symlink_at_the_temporary_name_is_not_followed() {
+    let root = TempDir::new("commit-symlink");
+    let victim = TempDir::new("commit-victim");
+    fs::write(victim.0.join("precious"), b"x").unwrap();
+    fs::create_dir(&root.0).ok();
+    std::os::unix::fs::symlink(&victim.0, root.0.join("step-2.tmp")).unwrap();
+    save_step(&root.0, 2, 2, &SaveOptions::default());
+    assert_eq!(names(&victim.0), vec!["precious"]);
+    assert_eq!(names(&root.0), vec!["step-2"]);
+    assert!(!fs::symlink_metadata(root.0.join("step-2"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(load_expecting(&root.0, 2, 2), vec![2, 2]);
+}
