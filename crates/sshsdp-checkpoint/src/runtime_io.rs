@@ -35,8 +35,9 @@ pub trait UnitState {
         unit: &UpdateUnit,
         state: Option<EncodedState>,
     ) -> Result<(), CheckpointError>;
-    /// What this state belongs to (e.g. the optimizer's type), recorded by [`save`]; [`load`]
-    /// refuses a checkpoint saved with another. `None` accepts any (weights only).
+    /// What this state belongs to (e.g. the optimizer's type), recorded by [`crate::save`];
+    /// [`crate::load`] refuses a checkpoint saved with another. `None` accepts any (weights
+    /// only).
     fn optimizer_name(&self) -> Option<String> {
         None
     }
