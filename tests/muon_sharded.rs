@@ -406,7 +406,7 @@ fn elementwise_checkpoint_resumes_and_exports_unsharded() {
         );
     }
     // Export: the unsharded model carries exactly the weights the sharded run had at the save.
-    let files = checkpoint::read_all(&dir).unwrap();
+    let files = checkpoint::read_checkpoint(&dir).unwrap();
     let full = checkpoint::export_full(&files).unwrap();
     let plain = checkpoint::apply_full(CONFIG.init::<B>(&Default::default()), &full).unwrap();
     assert_eq!(weights(&plain), first[0].1);

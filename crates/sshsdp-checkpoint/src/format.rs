@@ -109,7 +109,7 @@ fn tensor_name(path: &str, start: usize, end: usize, array: &str) -> String {
     format!("{path}{SEP}{start}{SEP}{end}{SEP}{array}")
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -209,10 +209,9 @@ impl ShardFile {
         check_slices(&self.slices).map_err(invalid)
     }
 
-    /// Writes the shard to `path` atomically: to a temporary file in the same directory,
-    /// synced, then renamed over `path`. Refuses invalid shards ([`Self::validate`]).
-    pub fn write(&self, path: impl AsRef<Path>) -> Result<(), CheckpointError> {
-        let path = path.as_ref();
+    /// The shard's file contents (safetensors bytes, as [`Self::write`] writes them). Refuses
+    /// invalid shards ([`Self::validate`]).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, CheckpointError> {
         self.validate()
             .map_err(|e| CheckpointError::Invalid(e.to_string()))?;
 
@@ -263,19 +262,25 @@ impl ShardFile {
                 Ok((name.as_str(), view))
             })
             .collect::<Result<Vec<_>, CheckpointError>>()?;
+        safetensors::serialize(views, Some(metadata))
+            .map_err(|e| CheckpointError::Invalid(format!("safetensors: {e}")))
+    }
 
+    /// Writes the shard to `path` atomically: to a temporary file in the same directory,
+    /// synced, then renamed over `path`. Refuses invalid shards ([`Self::validate`]). (A
+    /// whole checkpoint is written by [`crate::save`], which commits all ranks' files at once.)
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<(), CheckpointError> {
+        let path = path.as_ref();
+        let bytes = self.to_bytes()?;
         let tmp = temp_path(path);
-        let result = safetensors::serialize_to_file(views, Some(metadata), &tmp)
-            .map_err(|e| CheckpointError::Io {
-                file: tmp.clone(),
-                source: io::Error::other(e),
-            })
-            .and_then(|()| {
-                fs::File::open(&tmp)
-                    .and_then(|f| f.sync_all())
-                    .map_err(io_err(&tmp))
-            })
-            .and_then(|()| fs::rename(&tmp, path).map_err(io_err(path)));
+        // `create_new`: never through an existing file or symlink at the temporary name.
+        let created = crate::layout::write_new_file(&tmp, &bytes);
+        if let Err(CheckpointError::Io { source, .. }) = &created {
+            if source.kind() == io::ErrorKind::AlreadyExists {
+                return created;
+            }
+        }
+        let result = created.and_then(|()| fs::rename(&tmp, path).map_err(io_err(path)));
         if result.is_err() {
             let _ = fs::remove_file(&tmp);
             return result;
@@ -493,7 +498,8 @@ pub fn checkpoint_dir_files(dir: impl AsRef<Path>) -> Result<Vec<PathBuf>, Check
 
 /// Reads every shard of the checkpoint in `dir` ([`checkpoint_dir_files`]), in rank order,
 /// checking that each file's own rank and world match its name and that all agree on the
-/// plan JSON.
+/// plan JSON. (A committed step directory reads better with [`crate::read_checkpoint`],
+/// which also checks every file against the manifest.)
 pub fn read_all(dir: impl AsRef<Path>) -> Result<Vec<ShardFile>, CheckpointError> {
     let paths = checkpoint_dir_files(dir)?;
     let world = paths.len();

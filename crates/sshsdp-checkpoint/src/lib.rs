@@ -1,16 +1,60 @@
 //! Sharded checkpoints of SS-HSDP models: files independent of the training runtime, re-sharding
-//! to any world size or mesh, and the optimizers' states as re-shardable named arrays.
+//! to any world size or mesh, the optimizers' states as re-shardable named arrays, and saves
+//! committed atomically over all ranks.
 //!
 //! A parameter is identified by its module path and shape; a rank owns *slices* of
 //! parameters, element ranges `[start, end)` of the row-major flattened parameter. A rank's
 //! checkpoint shard ([`ShardFile`]) holds, for every slice it owns, named `f32` arrays of the
 //! slice's length ([`MASTER`] weights and optimizer state arrays), per-shard scalars (the
 //! step, optimizer scalars) and metadata: format version, world size, rank and the plan JSON
-//! (opaque here). One file per rank, named by [`shard_file_name`]; [`read_all`] loads a
-//! whole checkpoint directory and checks that it is complete and consistent.
+//! (opaque here). One file per rank, named by [`shard_file_name`].
+//!
+//! # On disk
+//!
+//! ```text
+//! ROOT/                                  the directory given to `save` / `load`
+//!   step-500/                            a committed checkpoint of step 500
+//!     rank-00000-of-00004.safetensors    one shard file per rank
+//!     ...
+//!     rank-00003-of-00004.safetensors
+//!     manifest.json                      written last: step, world, plan fingerprint,
+//!                                        every file's name, size and SHA-256
+//!   step-1000/                           the latest committed checkpoint
+//!   step-1500.tmp/                       a save in progress or crashed: never loaded
+//! ```
+//!
+//! A directory is a checkpoint exactly when it holds a valid [`Manifest`].
+//!
+//! # Saving: one commit for all ranks
+//!
+//! [`save`] (every rank calls it) writes every rank's file into a fresh `ROOT/step-N.tmp/`
+//! (files created with `create_new`, fsynced, with the directory), then the ranks agree over
+//! the world (each rank's verdict, file size and SHA-256 reach every rank,
+//! `HsdpRuntime::all_gather_world`). If any rank failed, every rank returns an error and
+//! the temporary directory is removed: nothing is renamed, the previous checkpoints stay.
+//! Otherwise rank 0 writes the manifest last, renames `step-N.tmp` to `step-N` (one atomic
+//! rename), fsyncs `ROOT` and deletes the committed checkpoints beyond the last K
+//! ([`SaveOptions::keep_last`], default 3); a second agreement makes no rank return before
+//! the commit is visible. A step already committed is never overwritten
+//! ([`CheckpointError::Exists`]). A crash at any point leaves the previous checkpoints intact
+//! and at most a `step-N.tmp` without a manifest, which the next save of step N replaces.
+//!
+//! # Loading: all or nothing
+//!
+//! [`load`] takes a step directory or `ROOT` (its latest committed step; directories without
+//! a manifest are skipped, and named in the error when given directly). Every rank checks the
+//! manifest, every file's size (before reading it) and SHA-256 against it, the shards against
+//! each other and the model (parameters, shapes, optimizer), and assembles its new units in
+//! memory; the ranks agree, and only if all succeeded does any rank overwrite its masters.
+//! Otherwise every rank returns an error naming the failing ranks and why
+//! ([`CheckpointError::Ranks`] on the ranks that did not fail themselves).
+//!
+//! # Modules
 //!
 //! * [`ShardFile::write`] / [`ShardFile::read`]: the on-disk format (safetensors, SHA-256
-//!   checksums, atomic writes, reads that validate everything and never panic).
+//!   checksums, reads that validate everything and never panic). [`read_checkpoint`] reads a
+//!   committed checkpoint's shards checked against its manifest; [`read_all`] reads a bare
+//!   directory of shard files.
 //! * [`Coverage`]: re-sharding. It indexes the slices of any number of old shards once and
 //!   assembles any new range of any parameter ([`Coverage::assemble`]), whatever the old and
 //!   new world sizes; identical HSDP replicas are accepted, gaps and conflicting copies are
@@ -23,8 +67,13 @@
 
 #![deny(missing_docs)]
 
+mod agree;
+mod commit;
 mod export;
 mod format;
+mod layout;
+mod load;
+mod manifest;
 mod muon_state;
 mod piece_state;
 mod reshard;
@@ -33,13 +82,17 @@ mod state_codec;
 
 use std::path::PathBuf;
 
+pub use commit::{save, save_with, SaveOptions};
 pub use export::apply_full;
 pub use format::{
     checkpoint_dir_files, read_all, shard_file_name, ShardFile, SliceEntry, FORMAT_VERSION,
 };
+pub use layout::{committed_steps, resolve, step_dir_name};
+pub use load::{load, read_checkpoint};
+pub use manifest::{Manifest, ManifestFile, MANIFEST_FILE};
 pub use piece_state::PieceStates;
 pub use reshard::{agreed_scalars, assemble, export_full, shard_full, Coverage, FullModel, MASTER};
-pub use runtime_io::{load, save, UnitState, WeightsOnly, STEP};
+pub use runtime_io::{UnitState, WeightsOnly, STEP};
 pub use state_codec::{decode_state, encode_state, strip_prefix, with_prefix, EncodedState};
 
 /// Why a checkpoint could not be written, read or re-assembled.
@@ -134,4 +187,32 @@ pub enum CheckpointError {
     /// An optimizer state record cannot be converted to or from arrays and scalars.
     #[error("optimizer state codec: {0}")]
     Codec(String),
+    /// A save would reuse the directory of a step already saved (or any path of that name):
+    /// step labels are never overwritten.
+    #[error(
+        "{} already exists: a checkpoint's step is never overwritten (save another step, or \
+         delete the directory first)",
+        dir.display()
+    )]
+    Exists {
+        /// The step's directory.
+        dir: PathBuf,
+    },
+    /// Some ranks failed a phase of a collective save or load, so every rank gave it up
+    /// (what a rank that did not fail returns; a failing rank returns its own error).
+    #[error("checkpoint {phase} failed on {}", describe(failures))]
+    Ranks {
+        /// The phase (e.g. `"save: write"`, `"load: validate"`).
+        phase: String,
+        /// Each failing rank and its reason.
+        failures: Vec<(usize, String)>,
+    },
+}
+
+fn describe(failures: &[(usize, String)]) -> String {
+    failures
+        .iter()
+        .map(|(rank, reason)| format!("rank {rank} ({reason})"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

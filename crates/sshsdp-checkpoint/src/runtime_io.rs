@@ -1,6 +1,7 @@
-//! Saving and loading a sharded model's checkpoint: each rank writes the fp32 masters and the
-//! optimizer state of its update units, and loading — at any world size or mesh — assembles
-//! each new unit from whichever old shards cover it.
+//! A rank's part of a sharded model's checkpoint: its shard (the fp32 masters and the
+//! optimizer state of its update units) and, when loading, its units' values assembled from
+//! whichever old shards cover them and then applied. The collective protocols around these
+//! are [`crate::save`] and [`crate::load`].
 //!
 //! Scalars of the optimizer state (Adam's step count) belong to one parameter; they are kept
 //! under `{path}#{name}` in the shard's scalars, and ranks holding slices of the same
@@ -10,11 +11,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use sshsdp_backend::{HsdpError, HsdpRuntime};
+use sshsdp_backend::HsdpRuntime;
 
-use crate::{
-    read_all, with_prefix, CheckpointError, Coverage, EncodedState, ShardFile, SliceEntry, MASTER,
-};
+use crate::{with_prefix, CheckpointError, Coverage, EncodedState, ShardFile, SliceEntry, MASTER};
 use sshsdp_optim::{units_of, UpdateUnit};
 
 /// Prefix of optimizer state arrays and scalars in a checkpoint.
@@ -36,8 +35,9 @@ pub trait UnitState {
         unit: &UpdateUnit,
         state: Option<EncodedState>,
     ) -> Result<(), CheckpointError>;
-    /// What this state belongs to (e.g. the optimizer's type), recorded by [`save`]; [`load`]
-    /// refuses a checkpoint saved with another. `None` accepts any (weights only).
+    /// What this state belongs to (e.g. the optimizer's type), recorded by [`crate::save`];
+    /// [`crate::load`] refuses a checkpoint saved with another. `None` accepts any (weights
+    /// only).
     fn optimizer_name(&self) -> Option<String> {
         None
     }
@@ -74,7 +74,9 @@ struct MasterPiece<'a> {
 }
 
 /// Runs `f` on every master piece (host slices; the runtime stages device masters) and carries
-/// a checkpoint error out of the runtime's closure.
+/// a checkpoint error out of the runtime's closure. A collective call: `f`'s error does not
+/// fail the runtime's call, so every rank still completes it (the rebuild of the runtime
+/// shards is a collective).
 fn on_masters<B: Backend>(
     runtime: &HsdpRuntime<B>,
     f: impl FnOnce(&mut [MasterPiece<'_>]) -> Result<(), CheckpointError>,
@@ -91,11 +93,10 @@ fn on_masters<B: Backend>(
                 master,
             });
         }
-        f(&mut masters).map_err(|e| {
-            let message = e.to_string();
+        if let Err(e) = f(&mut masters) {
             inner = Some(e);
-            HsdpError::Failed(message)
-        })
+        }
+        Ok(())
     });
     match (inner, outer) {
         (Some(e), _) => Err(e),
@@ -104,15 +105,13 @@ fn on_masters<B: Backend>(
     }
 }
 
-/// Writes this rank's shard of the checkpoint (fp32 masters, `optimizer`'s state and `step`)
-/// into `dir`. A collective call: every rank calls it (the runtime shards are rebuilt after
-/// reading the masters). Returns the file written.
-pub fn save<B: Backend>(
-    dir: impl AsRef<Path>,
+/// This rank's shard of the checkpoint: fp32 masters, `optimizer`'s state and `step`. A
+/// collective call (the runtime shards are rebuilt after reading the masters).
+pub(crate) fn build_shard<B: Backend>(
     runtime: &HsdpRuntime<B>,
     optimizer: &impl UnitState,
     step: u64,
-) -> Result<std::path::PathBuf, CheckpointError> {
+) -> Result<ShardFile, CheckpointError> {
     let plan = runtime.plan();
     let mut slices = Vec::new();
     let mut scalars = BTreeMap::from([(STEP.to_string(), step as f64)]);
@@ -146,31 +145,50 @@ pub fn save<B: Backend>(
         }
         Ok(())
     })?;
-    let file = ShardFile {
+    Ok(ShardFile {
         rank: runtime.rank(),
         world: plan.mesh().world_size(),
         plan_json: plan.to_json(),
         slices,
         scalars,
-    };
-    std::fs::create_dir_all(dir.as_ref()).map_err(|source| CheckpointError::Io {
-        file: dir.as_ref().to_path_buf(),
-        source,
-    })?;
-    file.write_to_dir(dir)
+    })
 }
 
-/// Loads the checkpoint in `dir` — written at any world size and mesh — into this rank's
-/// masters and `optimizer`'s state; returns the saved step. A collective call. The checkpoint
-/// must hold exactly this model's parameters with the same shapes.
-pub fn load<B: Backend>(
-    dir: impl AsRef<Path>,
+/// This rank's update units, in piece order. A collective call that changes nothing (the
+/// runtime shards are rebuilt as they were).
+pub(crate) fn layout<B: Backend>(
     runtime: &HsdpRuntime<B>,
-    optimizer: &mut impl UnitState,
-) -> Result<u64, CheckpointError> {
-    let dir = dir.as_ref();
-    let files = read_all(dir)?;
-    let coverage = Coverage::new(&files)?;
+) -> Result<Vec<UpdateUnit>, CheckpointError> {
+    let mut units = Vec::new();
+    on_masters(runtime, |pieces| {
+        units = units_of(
+            runtime,
+            pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
+        );
+        Ok(())
+    })?;
+    Ok(units)
+}
+
+/// One update unit's values to load: its master slice and its optimizer state.
+pub(crate) struct UnitValues {
+    /// The unit's master weights.
+    pub(crate) master: Vec<f32>,
+    /// Its optimizer state (`None`: no state saved).
+    pub(crate) state: Option<EncodedState>,
+}
+
+/// The checkpoint's values for each of `units` from the old shards `files` (read from
+/// `dir`), checking that the checkpoint holds exactly this model's parameters and shapes and
+/// `optimizer`'s state. Touches nothing; returns the values and the saved step.
+pub(crate) fn assemble_units<B: Backend>(
+    dir: &Path,
+    files: &[ShardFile],
+    runtime: &HsdpRuntime<B>,
+    optimizer: &impl UnitState,
+    units: &[UpdateUnit],
+) -> Result<(Vec<UnitValues>, u64), CheckpointError> {
+    let coverage = Coverage::new(files)?;
     let plan = runtime.plan();
     let mismatch = |reason: String| CheckpointError::Mismatch {
         file: dir.to_path_buf(),
@@ -201,7 +219,7 @@ pub fn load<B: Backend>(
             "the checkpoint's parameter '{path}' is not in the model"
         )));
     }
-    let scalars = merged_scalars(&files, dir)?;
+    let scalars = merged_scalars(files, dir)?;
     if let Some(ours) = optimizer.optimizer_name() {
         let saved: Vec<&str> = scalars
             .keys()
@@ -218,32 +236,65 @@ pub fn load<B: Backend>(
         .get(STEP)
         .copied()
         .ok_or_else(|| mismatch("no step counter".into()))?;
+    let mut values = Vec::with_capacity(units.len());
+    for unit in units {
+        let path = &plan.params()[unit.param].spec.path;
+        let mut entry = coverage.assemble_slice(path, unit.in_param.start, unit.in_param.end)?;
+        let master = entry
+            .arrays
+            .remove(MASTER)
+            .ok_or_else(|| mismatch(format!("no master weights for '{path}'")))?;
+        let arrays = crate::strip_prefix(&entry.arrays, STATE);
+        let state_scalars = crate::strip_prefix(&scalars, &format!("{path}#{STATE}"));
+        let state =
+            (!arrays.is_empty() || !state_scalars.is_empty()).then_some((arrays, state_scalars));
+        values.push(UnitValues { master, state });
+    }
+    Ok((values, step as u64))
+}
+
+/// Applies assembled values: imports every unit's optimizer state, then — only when all of
+/// that succeeded — overwrites the masters. A collective call. `units` must be this rank's
+/// ([`layout`]); an error leaves the masters untouched.
+pub(crate) fn apply<B: Backend>(
+    runtime: &HsdpRuntime<B>,
+    optimizer: &mut impl UnitState,
+    units: &[UpdateUnit],
+    values: Vec<UnitValues>,
+) -> Result<(), CheckpointError> {
     on_masters(runtime, |pieces| {
-        let units = units_of(
+        let now = units_of(
             runtime,
             pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
         );
-        for unit in &units {
-            let path = &plan.params()[unit.param].spec.path;
-            let mut entry =
-                coverage.assemble_slice(path, unit.in_param.start, unit.in_param.end)?;
-            let master = entry
-                .arrays
-                .remove(MASTER)
-                .ok_or_else(|| mismatch(format!("no master weights for '{path}'")))?;
-            pieces[unit.piece].master[unit.in_piece.clone()].copy_from_slice(&master);
-            let arrays = crate::strip_prefix(&entry.arrays, STATE);
-            let prefix = format!("{path}#{STATE}");
-            let state_scalars = crate::strip_prefix(&scalars, &prefix);
-            let state = (!arrays.is_empty() || !state_scalars.is_empty())
-                .then_some((arrays, state_scalars));
-            optimizer.import_unit(unit, state)?;
+        if now != units || values.len() != units.len() {
+            return Err(CheckpointError::Invalid(
+                "this rank's pieces changed during the load".into(),
+            ));
+        }
+        let mut masters = Vec::with_capacity(values.len());
+        for (unit, v) in units.iter().zip(values) {
+            optimizer.import_unit(unit, v.state)?;
+            masters.push(v.master);
         }
         let lengths: Vec<(usize, usize)> =
             pieces.iter().map(|p| (p.bucket, p.master.len())).collect();
-        optimizer.finish_import(&lengths)
-    })?;
-    Ok(step as u64)
+        optimizer.finish_import(&lengths)?;
+        for (unit, master) in units.iter().zip(&masters) {
+            let target = &mut pieces[unit.piece].master[unit.in_piece.clone()];
+            if target.len() != master.len() {
+                return Err(CheckpointError::Invalid(format!(
+                    "unit of {} elements assembled with {}",
+                    target.len(),
+                    master.len()
+                )));
+            }
+        }
+        for (unit, master) in units.iter().zip(masters) {
+            pieces[unit.piece].master[unit.in_piece.clone()].copy_from_slice(&master);
+        }
+        Ok(())
+    })
 }
 
 /// Every shard's scalars in one map; a name held by several shards must have one value.

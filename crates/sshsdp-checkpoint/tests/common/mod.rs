@@ -4,6 +4,8 @@
 // Each test file uses its own subset of these helpers.
 #![allow(dead_code)]
 
+pub mod sharded;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};

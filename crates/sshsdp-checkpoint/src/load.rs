@@ -1,0 +1,138 @@
+//! Loading a committed checkpoint: all-or-nothing and collective.
+//!
+//! 1. *validate* — each rank resolves the checkpoint (a step directory, or a root meaning its
+//!    latest committed step), reads the manifest, reads every shard file listed there checking
+//!    its size (before reading) and SHA-256 against the manifest, parses and cross-checks the
+//!    shards, checks the model (parameters, shapes, optimizer) and assembles all of its update
+//!    units' values in memory. Nothing is applied yet.
+//! 2. The ranks agree: if any rank failed, or the ranks resolved different checkpoints, every
+//!    rank returns an error (naming the failing ranks and why) and no rank applies anything.
+//! 3. *apply* — each rank imports its optimizer state and then, only if that succeeded,
+//!    overwrites its masters; a final agreement makes every rank return the same verdict.
+//!    (Should an optimizer refuse state the validation accepted, that rank keeps its masters
+//!    and every rank returns an error, but the other ranks have applied theirs.)
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::Backend;
+use sshsdp_backend::HsdpRuntime;
+use sshsdp_optim::UpdateUnit;
+
+use crate::agree::{agree, Verdict};
+use crate::runtime_io::{apply, assemble_units, layout, UnitValues};
+use crate::{resolve, CheckpointError, Manifest, ShardFile, UnitState};
+
+/// Loads a committed checkpoint — saved at any world size and mesh — into this rank's masters
+/// and `optimizer`'s state; returns the saved step. `path` is a committed step directory
+/// (`ROOT/step-N`) or a checkpoint root, meaning its latest committed step; a directory
+/// without a manifest (a crashed save) is an error, never loaded. The checkpoint must hold
+/// exactly this model's parameters with the same shapes.
+///
+/// A collective call: every rank calls it. All or nothing: every rank validates everything
+/// before any rank touches its masters, and if one rank fails, every rank returns an error.
+pub fn load<B: Backend>(
+    path: impl AsRef<Path>,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &mut impl UnitState,
+) -> Result<u64, CheckpointError> {
+    // Collective and infallible in content: every rank runs it before anything can fail.
+    let units = layout(runtime)?;
+    let prepared = prepare(path.as_ref(), runtime, &*optimizer, &units);
+    let mut verdict = Verdict::of(&prepared);
+    if let Ok(p) = &prepared {
+        verdict.tag = p.step;
+        verdict.digest = p.identity;
+    }
+    let (prepared, verdicts) = agree(runtime, "load (validate)", verdict, prepared)?;
+    if let Some((rank, v)) = verdicts
+        .iter()
+        .enumerate()
+        .find(|(_, v)| (v.tag, v.digest) != (verdicts[0].tag, verdicts[0].digest))
+    {
+        return Err(CheckpointError::Mismatch {
+            file: prepared.dir,
+            reason: format!(
+                "the ranks resolved different checkpoints: rank 0 step {}, rank {rank} step {} \
+                 (or another manifest); load a step directory, not a root being written to",
+                verdicts[0].tag, v.tag
+            ),
+        });
+    }
+    let step = prepared.step;
+    let applied = apply(runtime, optimizer, &units, prepared.values);
+    agree(runtime, "load (apply)", Verdict::of(&applied), applied)?;
+    Ok(step)
+}
+
+/// What a rank validated and assembled, ready to apply.
+struct Prepared {
+    dir: PathBuf,
+    step: u64,
+    /// Identifies the manifest read (the SHA-256 of its SHA-256).
+    identity: [u8; 32],
+    values: Vec<UnitValues>,
+}
+
+fn prepare<B: Backend>(
+    path: &Path,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &impl UnitState,
+    units: &[UpdateUnit],
+) -> Result<Prepared, CheckpointError> {
+    let (dir, manifest, manifest_sha, files) = read_verified(path)?;
+    let (values, step) = assemble_units(&dir, &files, runtime, optimizer, units)?;
+    if step != manifest.step {
+        return Err(CheckpointError::Mismatch {
+            file: dir,
+            reason: format!(
+                "the shards say step {step}, the manifest step {}",
+                manifest.step
+            ),
+        });
+    }
+    Ok(Prepared {
+        dir,
+        step,
+        identity: Verdict::sha256(manifest_sha.as_bytes()),
+        values,
+    })
+}
+
+/// Every shard of the committed checkpoint `path` names ([`resolve`]), in rank order, each
+/// file checked against the manifest (size, SHA-256) and the shards against each other (rank,
+/// world, plan). Not collective: for export ([`crate::export_full`]) and inspection.
+pub fn read_checkpoint(path: impl AsRef<Path>) -> Result<Vec<ShardFile>, CheckpointError> {
+    Ok(read_verified(path.as_ref())?.3)
+}
+
+/// [`read_checkpoint`], also returning the directory, its manifest and the manifest's
+/// SHA-256.
+fn read_verified(
+    path: &Path,
+) -> Result<(PathBuf, Manifest, String, Vec<ShardFile>), CheckpointError> {
+    let dir = resolve(path)?;
+    let (manifest, manifest_sha) = Manifest::read(&dir)?;
+    let mut shards: Vec<ShardFile> = Vec::with_capacity(manifest.world);
+    for (rank, entry) in manifest.files.iter().enumerate() {
+        let bytes = manifest.read_file(&dir, rank)?;
+        let file = dir.join(&entry.name);
+        let shard = ShardFile::from_bytes(&bytes, &file)?;
+        let mismatch = |reason: String| CheckpointError::Mismatch {
+            file: file.clone(),
+            reason,
+        };
+        if shard.rank != rank || shard.world != manifest.world {
+            return Err(mismatch(format!(
+                "the file says rank {} of {}, the manifest rank {rank} of {}",
+                shard.rank, shard.world, manifest.world
+            )));
+        }
+        if let Some(first) = shards.first() {
+            if first.plan_json != shard.plan_json {
+                return Err(mismatch("its plan JSON differs from rank 0's".into()));
+            }
+        }
+        shards.push(shard);
+    }
+    Ok((dir, manifest, manifest_sha, shards))
+}
