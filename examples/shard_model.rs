@@ -20,17 +20,17 @@ use sshsdp::optim::ShardedOptimizer;
 use sshsdp::plan::Mesh;
 
 /// Autodiff over the sharding decorator over any Burn backend.
-type B = Autodiff<Hsdp<NdArray>>;
+type Sharded = Autodiff<Hsdp<NdArray>>;
 
 /// An ordinary Burn module: nothing in it knows about sharding.
 #[derive(Module, Debug)]
-struct Mlp<K: Backend> {
-    up: Linear<K>,
-    down: Linear<K>,
+struct Mlp<B: Backend> {
+    up: Linear<B>,
+    down: Linear<B>,
 }
 
-impl<K: Backend> Mlp<K> {
-    fn new(device: &K::Device) -> Self {
+impl<B: Backend> Mlp<B> {
+    fn new(device: &B::Device) -> Self {
         let (up, down) = (LinearConfig::new(8, 32), LinearConfig::new(32, 2));
         Mlp {
             up: up.init(device),
@@ -38,17 +38,17 @@ impl<K: Backend> Mlp<K> {
         }
     }
 
-    fn forward(&self, x: Tensor<K, 2>) -> Tensor<K, 2> {
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.down.forward(Relu::new().forward(self.up.forward(x)))
     }
 }
 
 /// This rank's half of step `step`'s global batch of 16 rows: inputs in [-1, 1) and targets
 /// `(sum of the first four inputs, sum of the last four)`.
-fn my_rows(
+fn my_rows<B: Backend>(
     step: usize,
     rank: usize,
-    device: &<B as Backend>::Device,
+    device: &B::Device,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let x: Vec<f32> = (0..8 * 8)
         .map(|i| (((i + 64 * rank + 128 * step) * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
@@ -62,9 +62,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ranks = ThreadsWorld::run(2, ThreadsConfig::default(), |comm| {
         let device = Default::default();
         let rank = comm.rank();
-        let model = Mlp::<B>::new(&device); // rank 0's initial weights win: `shard` broadcasts them
+        let model = Mlp::<Sharded>::new(&device); // rank 0's weights win: `shard` broadcasts
         let config = HsdpConfig::new(Mesh::flat(2)?); // .with_format(RuntimeFormat::Bf16), ...
-        let (mut model, runtime) = shard::<B, _, _>(model, config, comm, &device)?;
+        let (mut model, runtime) = shard::<Sharded, _, _>(model, config, comm, &device)?;
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);
         let mut losses = Vec::new();
         for step in 0..30 {
