@@ -146,7 +146,8 @@ impl Chart {
             .configure_mesh()
             .x_desc(self.x_label.as_str())
             .y_desc(self.y_label.as_str())
-            .x_labels(10)
+            // Whole steps on short runs: one label per step up to 10.
+            .x_labels(((x1 - x0).round() as usize + 1).clamp(2, 10))
             .y_labels(8)
             .x_label_formatter(&|v| label(*v))
             .y_label_formatter(&|v| label(*v))

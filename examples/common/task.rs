@@ -53,6 +53,8 @@ pub struct Report {
     pub first_loss: f32,
     /// Mean global training loss over the last (up to) 20 steps.
     pub final_loss: f32,
+    /// Global loss of the last step.
+    pub last_loss: f32,
     /// Held-out loss: first and last evaluation.
     pub eval: Option<(f32, f32)>,
     /// Steps run and the step the run started at.
@@ -155,10 +157,12 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
         report.wall_s
     );
     println!(
-        "train loss  {:.4} -> {:.4} (global batch; the last is the mean of {} steps)",
+        "train loss  {:.4} -> {:.4} (global batch, first and last step); mean of the last {} \
+         steps {:.4}",
         report.first_loss,
-        report.final_loss,
-        report.steps.min(20)
+        report.last_loss,
+        report.steps.min(20),
+        report.final_loss
     );
     if let Some((first, last)) = report.eval {
         println!("held-out    {first:.4} -> {last:.4}");
@@ -167,7 +171,7 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
         let gap = *level - report.final_loss as f64;
         let side = if gap >= 0.0 { "below" } else { "above" };
         println!(
-            "reference   {what} {level:.4}: final train loss {:.4} {side} it",
+            "reference   {what} {level:.4}: the mean train loss is {:.4} {side} it",
             gap.abs()
         );
     }

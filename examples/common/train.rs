@@ -217,6 +217,7 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
     Ok(lead.then(|| Report {
         first_loss: losses[0],
         final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
+        last_loss: losses[losses.len() - 1],
         eval,
         steps: args.steps,
         first_step: first,
