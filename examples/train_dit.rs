@@ -14,7 +14,7 @@
 //! a model that predicts nothing). The held-out loss uses fixed clips, times and noise, so its
 //! curve is free of sampling noise. After training, DDIM draws two clips from noise; they are
 //! printed as ASCII frames and written with two training clips to `samples.pgm`.
-//! `runs/train_dit/` also receives `metrics.csv` and `loss.svg`. Same engine, optimizer,
+//! `runs/train_dit/` also receives `metrics.csv`, `loss.svg` and `loss.png`. Same engine, optimizer,
 //! format and checkpoint options as `train_gpt`.
 
 mod common;
@@ -349,7 +349,16 @@ fn main() -> ExitCode {
             if !report.finish.is_empty() {
                 println!("{}", report.finish);
             }
-            common::print_report(report, task.baseline().as_ref());
+            let c = &task.config;
+            let model = format!(
+                "DiT, width {}, {} layers, {} heads, {} tokens per clip, batch {}",
+                c.d_model,
+                c.layers,
+                c.heads,
+                c.tokens(),
+                task.batch
+            );
+            common::print_summary("train_dit", &model, report, task.baseline().as_ref());
         },
     )
 }

@@ -11,9 +11,11 @@
 //! embeddings, norms, biases and the head, bf16 runtime parameters (fp32 masters), warm-up then
 //! cosine decay, global gradient-norm clipping at 1. The last 10 % of the corpus is held out.
 //! A progress bar shows the loss, tokens/s and memory; `runs/train_gpt/` receives
-//! `metrics.csv` (one row per step), `loss.svg` (the loss curve against the corpus's byte
-//! unigram entropy, which is what a model that learned nothing about context would reach) and
-//! `sample.txt` (text generated from `--prompt` after training). `--save` writes a sharded
+//! `metrics.csv` (one row per step), `loss.svg` and `loss.png` (the loss curve against the
+//! corpus's byte unigram entropy, which is what a model that learned nothing about context
+//! would reach) and `sample.txt` (text generated from `--prompt` after training). The run ends
+//! with a one-screen summary (version, mesh, format, optimizer, losses, tokens/s, memory,
+//! outputs) to paste into an issue. `--save` writes a sharded
 //! checkpoint that `--resume` continues from at any rank count. NCCL (GPUs) is not wired into
 //! this example yet: the engine exists in `sshsdp-comm`, the CubeCL backend path does not.
 //!
@@ -295,12 +297,12 @@ fn main() -> ExitCode {
                     task.temperature, report.finish
                 );
             }
-            common::print_report(report, task.baseline().as_ref());
-            let below = task.entropy - report.final_loss as f64;
-            println!(
-                "final train loss {:.3} nats/byte vs byte unigram entropy {:.3}: {:.3} below",
-                report.final_loss, task.entropy, below
+            let c = &task.config;
+            let model = format!(
+                "byte-level GPT, width {}, {} layers, {} heads, context {}, batch {}",
+                c.d_model, c.layers, c.heads, c.seq, task.batch
             );
+            common::print_summary("train_gpt", &model, report, task.baseline().as_ref());
         },
     )
 }
@@ -367,7 +369,9 @@ mod tests {
             "header and one row per step"
         );
         let svg = std::fs::read_to_string(dir.join("out/loss.svg")).unwrap();
-        assert!(svg.starts_with("<svg") && svg.contains("polyline"));
+        assert!(svg.starts_with("<svg") && svg.contains("polyline"), "{svg}");
+        let png = std::fs::read(dir.join("out/loss.png")).unwrap();
+        assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000);
         assert!(dir.join("out/sample.txt").exists());
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -77,7 +77,7 @@ Optimization:
   --format FORMAT      runtime parameters: bf16 (default), f32 or mxfp8
   --seed N             initial weights and data order (default 0)
 Output:
-  --out DIR            metrics.csv, loss.svg and samples (default runs/<example>/)
+  --out DIR            metrics.csv, loss.svg, loss.png and samples (default runs/<example>/)
   --eval-every N       steps between held-out evaluations (0: at the end only)
   --save DIR           write a sharded checkpoint at the end
   --resume DIR         continue from a checkpoint written at any world size or mesh

@@ -1,7 +1,7 @@
 //! Plumbing shared by the training examples (`train_gpt`, `train_dit`): command-line options,
 //! the engine (in-process threads, or one process per rank under `mpirun`), the optimizer
 //! (distributed Muon for matrices + AdamW for the rest, or AdamW alone), the learning-rate
-//! schedule, and the training loop with its progress bar, metrics CSV, loss-curve SVG and
+//! schedule, and the training loop with its progress bar, metrics CSV, loss curve (SVG, PNG) and
 //! sharded checkpoints.
 //!
 //! An example describes its job as a [`Task`] (model, batches, held-out loss, what to do after

@@ -1,15 +1,33 @@
-//! Line charts as standalone SVG: enough for a loss curve (several series, a dashed reference
-//! level, axes with round ticks, a legend), no dependencies.
+//! Line charts (a loss curve: several series, a dashed reference level, a legend) drawn with
+//! [plotters] and written as SVG and as PNG.
+//!
+//! Text is laid out and, in the PNG, rasterised with the DejaVu Sans subset bundled in
+//! `assets/fonts/` (through plotters' `ab_glyph` feature), so no system font library is needed;
+//! the SVG names `sans-serif` and leaves the glyphs to the viewer. The PNG bitmap is encoded
+//! with the `png` crate (plotters' own encoder would bring in the `image` crate).
 
-use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::Once;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+/// The font every chart's text uses, under the family name `sans-serif`.
+const FONT: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/assets/fonts/DejaVuSans-Latin1.ttf"
+));
+
+/// Size of both images, pixels.
+const SIZE: (u32, u32) = (960, 540);
 
 /// One line of a [`Chart`].
 #[derive(Clone, Debug)]
 pub struct Series {
     /// Legend text.
     pub name: String,
-    /// SVG colour.
-    pub color: String,
+    /// Line colour.
+    pub color: RGBColor,
     /// `(x, y)` points in drawing order.
     pub points: Vec<(f64, f64)>,
     /// Draw a dot at each point as well as the line.
@@ -17,11 +35,12 @@ pub struct Series {
 }
 
 impl Series {
-    /// A line without markers.
-    pub fn new(name: &str, color: &str, points: Vec<(f64, f64)>) -> Self {
+    /// A line without markers; `color` is `0xRRGGBB`.
+    pub fn new(name: &str, color: u32, points: Vec<(f64, f64)>) -> Self {
+        let [_, r, g, b] = color.to_be_bytes();
         Self {
             name: name.into(),
-            color: color.into(),
+            color: RGBColor(r, g, b),
             points,
             markers: false,
         }
@@ -65,25 +84,15 @@ pub fn moving_average(points: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// About `target` round tick values (1, 2 or 5 × 10^k apart) covering `[lo, hi]`.
-pub fn ticks(lo: f64, hi: f64, target: usize) -> Vec<f64> {
-    if hi <= lo || !lo.is_finite() || !hi.is_finite() {
-        return vec![lo];
-    }
-    let raw = (hi - lo) / target.max(1) as f64;
-    let magnitude = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 5.0, 10.0]
-        .iter()
-        .map(|m| m * magnitude)
-        .find(|s| *s >= raw)
-        .unwrap_or(10.0 * magnitude);
-    let mut t = (lo / step).ceil() * step;
-    let mut out = Vec::new();
-    while t <= hi + step * 1e-9 {
-        out.push(if t.abs() < step * 1e-9 { 0.0 } else { t });
-        t += step;
-    }
-    out
+/// Makes the bundled font plotters' `sans-serif` (once per process).
+fn register_font() -> Result<(), String> {
+    static REGISTER: Once = Once::new();
+    let mut result = Ok(());
+    REGISTER.call_once(|| {
+        result = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
+            .map_err(|_| "the bundled font (assets/fonts) does not parse".to_string());
+    });
+    result
 }
 
 /// A tick label without trailing noise.
@@ -96,19 +105,10 @@ fn label(v: f64) -> String {
     }
 }
 
-/// Escapes text for SVG.
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
 impl Chart {
-    /// The chart as an SVG document (800 × 480).
-    pub fn to_svg(&self) -> String {
-        let (w, h) = (800.0, 480.0);
-        let (left, right, top, bottom) = (70.0, 20.0, 40.0, 60.0);
-        let (pw, ph) = (w - left - right, h - top - bottom);
+    /// The plotted ranges: every finite point and the baseline, with 5 % of head room on y
+    /// (not below 0 when nothing is negative).
+    fn ranges(&self) -> (std::ops::Range<f64>, std::ops::Range<f64>) {
         let all = self.series.iter().flat_map(|s| s.points.iter().copied());
         let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
         for (x, y) in all.filter(|(x, y)| x.is_finite() && y.is_finite()) {
@@ -117,138 +117,123 @@ impl Chart {
         if let Some((b, _)) = &self.baseline {
             (y0, y1) = (y0.min(*b), y1.max(*b));
         }
-        if x0 > x1 {
+        if x0 > x1 || y0 > y1 {
             (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
         }
         if x1 == x0 {
             x1 = x0 + 1.0;
         }
         let pad = ((y1 - y0) * 0.05).max(1e-6);
-        (y0, y1) = (
-            (y0 - pad).max(if y0 >= 0.0 { 0.0 } else { f64::MIN }),
-            y1 + pad,
-        );
-        let sx = |x: f64| left + (x - x0) / (x1 - x0) * pw;
-        let sy = |y: f64| top + (1.0 - (y - y0) / (y1 - y0)) * ph;
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
-        );
-        let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="24" text-anchor="middle" font-size="15">{}</text>"#,
-            w / 2.0,
-            escape(&self.title)
-        );
-        // Grid and tick labels.
-        for t in ticks(x0, x1, 8) {
-            let x = sx(t);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{:.1}" stroke="#e5e5e5"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
-                top + ph,
-                top + ph + 16.0,
-                label(t)
-            );
-        }
-        for t in ticks(y0, y1, 6) {
-            let y = sy(t);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{left}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e5e5e5"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
-                left + pw,
-                left - 6.0,
-                y + 4.0,
-                label(t)
-            );
-        }
-        let _ = writeln!(
-            s,
-            r##"<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>"##
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-            left + pw / 2.0,
-            h - 18.0,
-            escape(&self.x_label)
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="18" y="{:.1}" text-anchor="middle" transform="rotate(-90 18 {:.1})">{}</text>"#,
-            top + ph / 2.0,
-            top + ph / 2.0,
-            escape(&self.y_label)
-        );
-        // Legend entries: (colour, dashed, text).
-        let mut legend: Vec<(String, bool, String)> = Vec::new();
-        if let Some((b, name)) = &self.baseline {
-            let y = sy(*b);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{left}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#888" stroke-dasharray="6 4"/>"##,
-                left + pw
-            );
-            legend.push(("#888".into(), true, format!("{name} ({})", label(*b))));
+        let floor = if y0 >= 0.0 { 0.0 } else { f64::MIN };
+        (x0..x1, (y0 - pad).max(floor)..y1 + pad)
+    }
+
+    /// Draws the chart onto `root` (any plotters backend).
+    pub fn draw<DB: DrawingBackend>(&self, root: DrawingArea<DB, Shift>) -> Result<(), String> {
+        let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing the chart: {e}");
+        register_font()?;
+        root.fill(&WHITE).map_err(err)?;
+        let (xs, ys) = self.ranges();
+        let (x0, x1) = (xs.start, xs.end);
+        let mut chart = ChartBuilder::on(&root)
+            .caption(&self.title, ("sans-serif", 22))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(64)
+            .build_cartesian_2d(xs, ys)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc(self.x_label.as_str())
+            .y_desc(self.y_label.as_str())
+            // Whole steps on short runs: one label per step up to 10.
+            .x_labels(((x1 - x0).round() as usize + 1).clamp(2, 10))
+            .y_labels(8)
+            .x_label_formatter(&|v| label(*v))
+            .y_label_formatter(&|v| label(*v))
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 15))
+            .bold_line_style(RGBColor(0xe0, 0xe0, 0xe0))
+            .light_line_style(RGBColor(0xf4, 0xf4, 0xf4))
+            .draw()
+            .map_err(err)?;
+        if let Some((level, name)) = &self.baseline {
+            let grey = RGBColor(0x80, 0x80, 0x80);
+            chart
+                .draw_series(DashedLineSeries::new(
+                    [(x0, *level), (x1, *level)],
+                    8,
+                    5,
+                    grey.stroke_width(2),
+                ))
+                .map_err(err)?
+                .label(format!("{name} ({})", label(*level)))
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 24, y)], grey.stroke_width(2))
+                });
         }
         for series in &self.series {
-            let pts: Vec<String> = series
+            let color = series.color;
+            let points: Vec<(f64, f64)> = series
                 .points
                 .iter()
+                .copied()
                 .filter(|(x, y)| x.is_finite() && y.is_finite())
-                .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
                 .collect();
-            if pts.is_empty() {
+            if points.is_empty() {
                 continue;
             }
-            let _ = writeln!(
-                s,
-                r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#,
-                series.color,
-                pts.join(" ")
-            );
             if series.markers {
-                for p in &pts {
-                    let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
-                    let _ = writeln!(
-                        s,
-                        r#"<circle cx="{x}" cy="{y}" r="3" fill="{}"/>"#,
-                        series.color
-                    );
-                }
+                chart
+                    .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+                    .map_err(err)?;
             }
-            legend.push((series.color.clone(), false, series.name.clone()));
+            chart
+                .draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .map_err(err)?
+                .label(series.name.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 24, y)], color.stroke_width(3))
+                });
         }
-        // The legend sits top right on a light panel, over anything drawn there.
-        if !legend.is_empty() {
-            let _ = writeln!(
-                s,
-                r##"<rect x="{:.1}" y="{:.1}" width="296" height="{:.1}" fill="white" fill-opacity="0.85" stroke="#ccc"/>"##,
-                left + pw - 306.0,
-                top + 4.0,
-                16.0 * legend.len() as f64 + 4.0
-            );
-        }
-        for (i, (color, dashed, text)) in legend.iter().enumerate() {
-            let y = top + 14.0 + 16.0 * i as f64;
-            let x = left + pw - 300.0;
-            let dash = if *dashed {
-                r#" stroke-dasharray="6 4""#
-            } else {
-                ""
-            };
-            let _ = writeln!(
-                s,
-                r#"<line x1="{x:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{color}" stroke-width="2"{dash}/><text x="{:.1}" y="{:.1}">{}</text>"#,
-                x + 24.0,
-                x + 30.0,
-                y + 4.0,
-                escape(text)
-            );
-        }
-        s.push_str("</svg>\n");
-        s
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font(("sans-serif", 14))
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(0xbb, 0xbb, 0xbb))
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)
+    }
+
+    /// The chart as an SVG document.
+    pub fn to_svg(&self) -> Result<String, String> {
+        let mut svg = String::new();
+        self.draw(SVGBackend::with_string(&mut svg, SIZE).into_drawing_area())?;
+        Ok(svg)
+    }
+
+    /// The chart as an RGB image, `SIZE.0 × SIZE.1` pixels, row-major.
+    pub fn to_rgb(&self) -> Result<Vec<u8>, String> {
+        let mut rgb = vec![0u8; SIZE.0 as usize * SIZE.1 as usize * 3];
+        self.draw(BitMapBackend::with_buffer(&mut rgb, SIZE).into_drawing_area())?;
+        Ok(rgb)
+    }
+
+    /// Writes the chart to `svg` and to `png`.
+    pub fn write(&self, svg: &Path, png: &Path) -> Result<(), String> {
+        std::fs::write(svg, self.to_svg()?)
+            .map_err(|e| format!("writing {}: {e}", svg.display()))?;
+        let rgb = self.to_rgb()?;
+        let io = |e: std::io::Error| format!("writing {}: {e}", png.display());
+        let file = std::io::BufWriter::new(std::fs::File::create(png).map_err(io)?);
+        let mut encoder = png::Encoder::new(file, SIZE.0, SIZE.1);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.set_depth(png::BitDepth::Eight);
+        let encoding = |e: png::EncodingError| format!("writing {}: {e}", png.display());
+        let mut writer = encoder.write_header().map_err(encoding)?;
+        writer.write_image_data(&rgb).map_err(encoding)?;
+        writer.finish().map_err(encoding)
     }
 }

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::tensor::Tensor;
+use sshsdp::plan::Mesh;
 
 use super::*;
 
@@ -45,13 +46,15 @@ pub trait Task: Sync {
     ) -> Result<String, String>;
 }
 
-/// What a run measured (on rank 0).
+/// What a run measured (on rank 0), and how it was set up.
 #[derive(Clone, Debug)]
 pub struct Report {
     /// Global loss of the first step of this run.
     pub first_loss: f32,
     /// Mean global training loss over the last (up to) 20 steps.
     pub final_loss: f32,
+    /// Global loss of the last step.
+    pub last_loss: f32,
     /// Held-out loss: first and last evaluation.
     pub eval: Option<(f32, f32)>,
     /// Steps run and the step the run started at.
@@ -66,39 +69,148 @@ pub struct Report {
     pub items_per_s: f64,
     /// Peak resident set of the process, bytes.
     pub peak_rss: u64,
+    /// Parameters of the model.
+    pub parameters: usize,
+    /// Ranks.
+    pub world: usize,
+    /// The mesh (replicas × shards).
+    pub mesh: Mesh,
+    /// What the ranks are ("in-process ranks" or "MPI processes").
+    pub engine: &'static str,
+    /// The options of the run.
+    pub args: Args,
+    /// Runtime shard bytes per rank.
+    pub shard_bytes: u64,
+    /// fp32 master bytes per rank.
+    pub master_bytes: u64,
+    /// Largest gathered (resident) bucket bytes of rank 0 in any step.
+    pub peak_gathered: u64,
     /// Where the metrics, the plot and the samples went.
     pub csv: PathBuf,
-    /// The loss curve.
+    /// The loss curve as SVG.
     pub svg: PathBuf,
+    /// The loss curve as PNG.
+    pub png: PathBuf,
     /// What [`Task::finish`] returned.
     pub finish: String,
 }
 
-/// Prints the common part of a report.
-pub fn print_report(report: &Report, baseline: Option<&(f64, String)>) {
+/// `git describe` of the source tree the example was built from, when git can tell.
+fn git_describe() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["-C", env!("CARGO_MANIFEST_DIR")])
+        .args(["describe", "--always", "--dirty", "--abbrev=10"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    (out.status.success() && !text.trim().is_empty()).then(|| text.trim().to_string())
+}
+
+/// Prints the end-of-run summary: one screen a user can paste into an issue. `name` is the
+/// example, `model` describes its model and data (one line), `baseline` its reference level.
+pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<&(f64, String)>) {
+    let args = &report.args;
+    let rule = "-".repeat(72);
+    println!("{rule}\n{name} summary (paste this into an issue)");
     println!(
-        "steps {}..{}: train loss {:.4} -> {:.4} (mean of the last 20 steps)",
+        "version     sshsdp {}{}, {} build, {} {}, {} CPUs",
+        env!("CARGO_PKG_VERSION"),
+        git_describe().map_or(String::new(), |g| format!(" (git {g})")),
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        std::env::consts::OS,
+        std::env::consts::ARCH,
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+    println!(
+        "model       {:.2}M parameters; {model}",
+        report.parameters as f64 / 1e6
+    );
+    println!(
+        "sharding    {} {}, mesh {} (replicas x shards); {} runtime parameters",
+        report.world,
+        report.engine,
+        report.mesh,
+        format_name(args.format)
+    );
+    println!(
+        "optimizer   {}; lr {:.1e} (warm-up {}, cosine); clip {}; seed {}",
+        match args.optim {
+            OptimKind::Muon => "Muon (hidden matrices) + AdamW (the rest)",
+            OptimKind::AdamW => "AdamW",
+        },
+        args.lr,
+        args.warmup,
+        args.clip.map_or("off".to_string(), |c| c.to_string()),
+        args.seed
+    );
+    println!(
+        "steps       {}..{} ({} steps): {:.1} s in training steps, {:.1} s in all",
         report.first_step,
         report.first_step + report.steps,
+        report.steps,
+        report.train_s,
+        report.wall_s
+    );
+    println!(
+        "train loss  {:.4} -> {:.4} (global batch, first and last step); mean of the last {} \
+         steps {:.4}",
         report.first_loss,
+        report.last_loss,
+        report.steps.min(20),
         report.final_loss
     );
     if let Some((first, last)) = report.eval {
-        println!("held-out loss {first:.4} -> {last:.4}");
+        println!("held-out    {first:.4} -> {last:.4}");
     }
-    if let Some((level, name)) = baseline {
-        println!("{name}: {level:.4}");
+    if let Some((level, what)) = baseline {
+        let gap = *level - report.final_loss as f64;
+        let side = if gap >= 0.0 { "below" } else { "above" };
+        println!(
+            "reference   {what} {level:.4}: the mean train loss is {:.4} {side} it",
+            gap.abs()
+        );
     }
+    println!("throughput  {} tokens/s", human(report.items_per_s));
     println!(
-        "{:.1} s in training steps ({} tokens/s), {:.1} s in all; peak RSS {:.0} MiB",
-        report.train_s,
-        human(report.items_per_s),
-        report.wall_s,
-        mib(report.peak_rss)
+        "memory      peak RSS {:.0} MiB ({}); per rank: runtime shard {:.2} MiB, fp32 \
+         master {:.2} MiB, gathered peak {:.2} MiB",
+        mib(report.peak_rss),
+        if report.engine == "MPI processes" {
+            "rank 0's process"
+        } else {
+            "all ranks"
+        },
+        mib(report.shard_bytes),
+        mib(report.master_bytes),
+        mib(report.peak_gathered)
     );
+    let dir = report.csv.parent().unwrap_or(Path::new("."));
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .filter(|e| e.path().is_file())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    println!("outputs     {}/: {}", dir.display(), files.join(" "));
     println!(
-        "metrics: {}\nloss curve: {}",
-        report.csv.display(),
+        "loss curve  {} {}",
+        report.png.display(),
         report.svg.display()
     );
+    if let Some(save) = &args.save {
+        println!("checkpoint  {}", save.display());
+    }
+    if let Some(trace) = &args.trace {
+        println!("trace       {}", trace.display());
+    }
+    println!("{rule}");
 }

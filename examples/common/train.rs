@@ -58,6 +58,7 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
     }
     let csv = args.out.join("metrics.csv");
     let svg = args.out.join("loss.svg");
+    let png = args.out.join("loss.png");
     let mut metrics = if lead {
         Some(Metrics::create(&csv, first > 0)?)
     } else {
@@ -99,6 +100,7 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
     let mut losses = Vec::with_capacity(args.steps);
     let mut train_s = 0.0;
     let mut peak_rss = 0;
+    let mut peak_gathered = 0;
     let mut recent: Vec<f64> = Vec::new();
     for step in first..last {
         let t0 = Instant::now();
@@ -125,6 +127,7 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
             None
         };
         let counters = runtime.take_counters();
+        peak_gathered = peak_gathered.max(counters.peak_resident_bytes);
         if let (Some(metrics), Some(bar)) = (metrics.as_mut(), progress.as_ref()) {
             let rss = rss_bytes().unwrap_or(0);
             peak_rss = peak_rss.max(rss);
@@ -196,18 +199,17 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
             x_label: "step".into(),
             y_label: "loss".into(),
             series: vec![
-                plot::Series::new("train loss (global batch)", "#9ab8d8", train.clone()),
+                plot::Series::new("train loss (global batch)", 0x9ab8d8, train.clone()),
                 plot::Series::new(
                     "train loss (moving average, 20 steps)",
-                    "#1f5fa8",
+                    0x1f5fa8,
                     plot::moving_average(&train, 20),
                 ),
-                plot::Series::new("held-out loss", "#d2691e", eval_points).with_markers(),
+                plot::Series::new("held-out loss", 0xd2691e, eval_points).with_markers(),
             ],
-            baseline: baseline.clone(),
+            baseline,
         };
-        std::fs::write(&svg, chart.to_svg())
-            .map_err(|e| format!("writing {}: {e}", svg.display()))?;
+        chart.write(&svg, &png)?;
     }
     let mut broadcast = |values: &mut [f32]| stats.broadcast(values, 0).map_err(|e| e.to_string());
     let finish = task.finish(&model, rank, &args.out, &mut broadcast)?;
@@ -215,6 +217,7 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
     Ok(lead.then(|| Report {
         first_loss: losses[0],
         final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
+        last_loss: losses[losses.len() - 1],
         eval,
         steps: args.steps,
         first_step: first,
@@ -222,8 +225,21 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
         wall_s: start.elapsed().as_secs_f64(),
         items_per_s: (task.items_per_step() * args.steps) as f64 / train_s,
         peak_rss,
+        parameters: parameter_count(init),
+        world,
+        mesh,
+        engine: if mpi_launch_size().is_some() {
+            "MPI processes"
+        } else {
+            "in-process ranks"
+        },
+        args: args.clone(),
+        shard_bytes: runtime.shard_bytes(),
+        master_bytes: runtime.master_bytes(),
+        peak_gathered,
         csv,
         svg,
+        png,
         finish,
     }))
 }
