@@ -42,6 +42,8 @@ pub(crate) trait LaneFactory: Send + Sync {
         replicas: usize,
         shards: usize,
     ) -> CommResult<Box<dyn MeshComm>>;
+    /// Fails every lane's communicators on every rank, where the engine can.
+    fn abort_all(&self, reason: &str);
 }
 
 impl<F: CommFactory> LaneFactory for F {
@@ -57,6 +59,10 @@ impl<F: CommFactory> LaneFactory for F {
     ) -> CommResult<Box<dyn MeshComm>> {
         let world = self.connect(lane as usize)?;
         Ok(Box::new(MeshComms::new(world, replicas, shards)?))
+    }
+
+    fn abort_all(&self, reason: &str) {
+        self.abort(reason);
     }
 }
 

@@ -10,6 +10,10 @@ use std::sync::mpsc;
 
 use crate::{CommError, CommResult, Element, ReduceOp, Reducible};
 
+/// Fails every communicator of a rank's world, on every rank: each call in progress or to come
+/// returns an error. Called with the reason; can be called from any thread.
+pub type AbortHandle = std::sync::Arc<dyn Fn(&str) + Send + Sync>;
+
 /// A communicator: a group of ranks that run collectives together.
 pub trait Collective: Sized {
     /// This rank's index in the communicator.
@@ -44,6 +48,14 @@ pub trait Collective: Sized {
 
     /// Blocks until every rank has reached the barrier.
     fn barrier(&self) -> CommResult<()>;
+
+    /// A handle that fails every communicator of this rank's world on every rank (the world's
+    /// and all split from it), so that a local error on one rank is an error on all of them at
+    /// once rather than a wait for a timeout. `None` where the engine has no such mechanism (its
+    /// peers then fail by their own timeouts or watchdogs).
+    fn abort_handle(&self) -> Option<AbortHandle> {
+        None
+    }
 
     /// Splits into sub-communicators: ranks with the same `color` form one, ordered by `key`
     /// then by rank. Every rank gets the communicator of its own color.

@@ -14,7 +14,7 @@
 
 use std::sync::Mutex;
 
-use crate::{Collective, CommError, CommResult};
+use crate::{AbortHandle, Collective, CommError, CommResult};
 
 /// Makes this rank's world communicators, one per *lane*, each on the thread that will use it.
 ///
@@ -36,6 +36,12 @@ pub trait CommFactory: Send + Sync + 'static {
 
     /// Lane `lane`'s world communicator, made on (and for) the calling thread.
     fn connect(&self, lane: usize) -> CommResult<Self::Comm>;
+
+    /// Fails every lane's communicators on every rank (see [`Collective::abort_handle`]); does
+    /// nothing where the engine has no such mechanism.
+    fn abort(&self, reason: &str) {
+        let _ = reason;
+    }
 }
 
 /// The lanes of a communicator that can cross threads: lane 0 is the communicator itself, the
@@ -45,6 +51,7 @@ pub struct SplitLanes<C> {
     rank: usize,
     size: usize,
     lanes: Mutex<Vec<Option<C>>>,
+    abort: Option<AbortHandle>,
 }
 
 impl<C: Collective> SplitLanes<C> {
@@ -55,7 +62,7 @@ impl<C: Collective> SplitLanes<C> {
                 "a factory needs at least one lane".into(),
             ));
         }
-        let (rank, size) = (comm.rank(), comm.size());
+        let (rank, size, abort) = (comm.rank(), comm.size(), comm.abort_handle());
         let mut made = Vec::with_capacity(lanes);
         for _ in 1..lanes {
             made.push(Some(comm.split(0, rank)?));
@@ -65,6 +72,7 @@ impl<C: Collective> SplitLanes<C> {
             rank,
             size,
             lanes: Mutex::new(made),
+            abort,
         })
     }
 }
@@ -94,6 +102,12 @@ impl<C: Collective + Send + 'static> CommFactory for SplitLanes<C> {
             })?
             .take()
             .ok_or_else(|| CommError::InvalidArgument(format!("lane {lane} is already connected")))
+    }
+
+    fn abort(&self, reason: &str) {
+        if let Some(abort) = &self.abort {
+            abort(reason);
+        }
     }
 }
 

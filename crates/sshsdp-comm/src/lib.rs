@@ -26,7 +26,7 @@ pub mod nccl;
 #[cfg(feature = "threads")]
 pub mod threads;
 
-pub use collective::{check_chunks, check_root, equal_chunks, Collective, Pending};
+pub use collective::{check_chunks, check_root, equal_chunks, AbortHandle, Collective, Pending};
 pub use element::{Element, ElementKind, ReduceOp, Reducible};
 pub use error::{CommError, CommResult};
 pub use factory::{CommFactory, SplitLanes};

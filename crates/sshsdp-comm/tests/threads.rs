@@ -170,3 +170,41 @@ fn an_empty_world_is_an_error() {
         Err(CommError::InvalidArgument(_))
     ));
 }
+
+#[test]
+fn a_panic_or_an_abort_fails_every_communicator_of_the_world() {
+    // A rank that panics while its communicators live elsewhere (as a runtime's lanes do):
+    // the others' calls on a communicator split from the world fail at once.
+    for abort in [false, true] {
+        let start = Instant::now();
+        let results = ThreadsWorld::run(3, config(60_000), |comm| {
+            let rank = comm.rank();
+            let lane = comm.split(0, rank).unwrap();
+            let handle = comm.abort_handle().expect("the threads engine can abort");
+            std::mem::forget(comm); // kept alive, as a runtime would
+            if rank == 1 {
+                // Its lane stays alive too (dropping it would fail the lane's group by itself).
+                std::mem::forget(lane);
+                if abort {
+                    handle("rank 1 gave up");
+                    return Err(CommError::PeerFailed("aborted".into()));
+                }
+                panic!("rank 1 fails");
+            }
+            let mut buf = [1f32];
+            lane.all_reduce(&mut buf, ReduceOp::Sum)
+        })
+        .unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+        assert_eq!(results[1].is_err(), !abort, "rank 1 panicked");
+        for rank in [0, 2] {
+            let outcome = results[rank].as_ref().expect("no panic");
+            let err = outcome.as_ref().expect_err("the lane failed");
+            assert!(err.to_string().contains("rank 1"), "rank {rank}: {err}");
+        }
+    }
+}

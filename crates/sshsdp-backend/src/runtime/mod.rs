@@ -85,6 +85,8 @@ pub struct Runtime<B: Backend> {
     non_finite: NonFinitePolicy,
     /// Where gradients are accumulated.
     grad_placement: Placement,
+    /// The communicators' factory, to abort every rank's collectives after a local failure.
+    lanes: Arc<dyn LaneFactory>,
     state: Mutex<State<B>>,
     worker: Worker,
     timeline: Arc<Timeline>,
@@ -130,7 +132,13 @@ impl<B: Backend> Runtime<B> {
             .collect::<Result<Vec<_>, HsdpError>>()?;
         let timeline = Arc::new(Timeline::new(rank, config.trace));
         let mesh = (plan.mesh().replicas(), plan.mesh().shards());
-        let worker = Worker::start(lanes, mesh, plan.config().sharding, rank, timeline.clone())?;
+        let worker = Worker::start(
+            lanes.clone(),
+            mesh,
+            plan.config().sharding,
+            rank,
+            timeline.clone(),
+        )?;
         let leaves = Mutex::new(vec![None; plan.params().len()]);
         let buckets = storage.len();
         Ok(Self {
@@ -144,6 +152,7 @@ impl<B: Backend> Runtime<B> {
             },
             non_finite: config.non_finite,
             grad_placement: config.grads,
+            lanes,
             worker,
             timeline,
             leaves,
@@ -158,6 +167,16 @@ impl<B: Backend> Runtime<B> {
             }),
             ids: OnceLock::new(),
         })
+    }
+
+    /// Records this rank's first failure and aborts every rank's collectives (where the engine
+    /// can), so a local error is an error on every rank at once, not a wait for a timeout.
+    fn record_failure(&self, st: &mut State<B>, failure: String) {
+        if st.failure.is_none() {
+            self.lanes
+                .abort_all(&format!("rank {} failed: {failure}", self.world_rank));
+            st.failure = Some(failure);
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State<B>> {
@@ -271,7 +290,7 @@ impl<B: Backend> Runtime<B> {
             Some((reply, _)) => {
                 // Queued for the other pass (every rank queued it): complete it, gather again.
                 if let Err(e) = self.wait(b, "wait stale prefetch", reply) {
-                    st.failure = Some(e.to_string());
+                    self.record_failure(st, e.to_string());
                     return false;
                 }
                 self.start_gather(st, b, which)
@@ -281,7 +300,7 @@ impl<B: Backend> Runtime<B> {
         let full = match self.wait(b, "wait gather", reply) {
             Ok(full) => full,
             Err(e) => {
-                st.failure = Some(e.to_string());
+                self.record_failure(st, e.to_string());
                 return false;
             }
         };
@@ -362,7 +381,7 @@ impl<B: Backend> Runtime<B> {
             {
                 Ok(resident) => resident,
                 Err(e) => {
-                    st.failure = Some(e.to_string());
+                    self.record_failure(st, e.to_string());
                     return false;
                 }
             };
@@ -414,8 +433,8 @@ impl<B: Backend> Runtime<B> {
                     (st, complete)
                 }
                 Err(e) => {
-                    self.lock().failure =
-                        Some(format!("reading the gradient of {}: {e}", p.spec.path));
+                    let failure = format!("reading the gradient of {}: {e}", p.spec.path);
+                    self.record_failure(&mut self.lock(), failure);
                     return;
                 }
             }
@@ -430,7 +449,7 @@ impl<B: Backend> Runtime<B> {
                 }
                 Err(e) => {
                     // Peers queue this bucket's reduction; theirs times out and fails the step.
-                    st.failure = Some(format!("reading bucket {b}'s gradients: {e}"));
+                    self.record_failure(&mut st, format!("reading bucket {b}'s gradients: {e}"));
                 }
             }
             if st.schedule.reshards() {
@@ -478,7 +497,7 @@ impl<B: Backend> Runtime<B> {
             // A prefetch this step did not use still completed on every rank: drop its result.
             if let Some((reply, _)) = st.storage[b].take_gather() {
                 if let Err(e) = self.wait(b, "wait unused prefetch", reply) {
-                    st.failure = Some(e.to_string());
+                    self.record_failure(st, e.to_string());
                     return Err(e.into());
                 }
             }
@@ -491,14 +510,22 @@ impl<B: Backend> Runtime<B> {
     /// Every rank's `bytes` (all the same length), in rank order: an all-gather over the world
     /// on the replica lane, in program order with the runtime's other collectives.
     pub fn all_gather_world(&self, bytes: Vec<u8>) -> Result<Vec<u8>, HsdpError> {
-        if let Some(f) = &self.lock().failure {
+        self.gather_world(&mut self.lock(), bytes)
+    }
+
+    /// [`Self::all_gather_world`] with the state held; a failure is recorded.
+    fn gather_world(&self, st: &mut State<B>, bytes: Vec<u8>) -> Result<Vec<u8>, HsdpError> {
+        if let Some(f) = &st.failure {
             return Err(HsdpError::Failed(f.clone()));
         }
         let reply = self.worker.gather_world_bytes(bytes);
         let gathered = self
             .timeline
             .span(Track::Model, "wait world all-gather", None, || reply.wait());
-        Ok(gathered?)
+        gathered.map_err(|e| {
+            self.record_failure(st, e.to_string());
+            e.into()
+        })
     }
 
     /// The global gradient norm measured by the last update (`None` before the first).

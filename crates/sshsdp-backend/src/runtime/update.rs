@@ -129,13 +129,15 @@ pub(super) fn run<B: Backend>(
     step: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
 ) -> Result<(), HsdpError> {
     if let Some((b, pending)) = st.grads.waiting() {
-        return Err(HsdpError::Failed(format!(
+        let failure = format!(
             "bucket {b} is still waiting for {pending} gradients: finish backward before stepping"
-        )));
+        );
+        rt.record_failure(st, failure.clone());
+        return Err(HsdpError::Failed(failure));
     }
     for b in 0..st.storage.len() {
         if let Err(e) = st.grads.collect(b, &rt.timeline) {
-            st.failure.get_or_insert(e);
+            rt.record_failure(st, e);
         }
     }
     if let Some(f) = &st.failure {
@@ -180,14 +182,16 @@ pub(super) fn run<B: Backend>(
     if host_views {
         for &(b, _) in &grads {
             if let Some(MasterBuf::Device(t)) = &st.storage[b].master {
-                let values = download::<B>(t.clone())?;
+                let t = t.clone();
+                let values =
+                    download::<B>(t).inspect_err(|e| rt.record_failure(st, e.to_string()))?;
                 st.counters.staged_bytes += 4 * values.len() as u64;
                 st.counters.downloaded_bytes += 4 * values.len() as u64;
                 staged[b] = Some(values);
             }
         }
     }
-    {
+    let stepped = {
         let State {
             storage, counters, ..
         } = &mut *st;
@@ -232,7 +236,30 @@ pub(super) fn run<B: Backend>(
             piece,
             grad_norm,
         };
-        step(&mut pieces, &group)?;
+        step(&mut pieces, &group)
+    };
+    // Every rank learns whether every rank's step succeeded (one byte each, over the world), so
+    // an optimizer's local error is an error on every rank in this same call, and no rank goes
+    // on to re-derive and rebuild alone.
+    let verdicts = rt.gather_world(st, vec![u8::from(stepped.is_err())]);
+    let failed: Vec<usize> = match &verdicts {
+        Ok(v) => v
+            .iter()
+            .enumerate()
+            .filter(|(_, &f)| f != 0)
+            .map(|(r, _)| r)
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    if let Err(e) = stepped {
+        rt.record_failure(st, e.to_string());
+        return Err(e);
+    }
+    verdicts?;
+    if !failed.is_empty() {
+        let failure = format!("the optimizer step failed on ranks {failed:?}");
+        rt.record_failure(st, failure.clone());
+        return Err(HsdpError::Failed(failure));
     }
     // Re-derive each updated piece's runtime units and rebuild the shards across replicas.
     let mut rebuilds = Vec::new();
@@ -275,7 +302,7 @@ pub(super) fn run<B: Backend>(
         match rt.wait(b, "wait rebuild", reply) {
             Ok(shard) => st.storage[b].shard = Arc::new(shard),
             Err(e) => {
-                st.failure = Some(e.to_string());
+                rt.record_failure(st, e.to_string());
                 return Err(e.into());
             }
         }
@@ -304,7 +331,7 @@ fn global_grad_norm<B: Backend>(
     let all = match norm {
         Ok(all) => all,
         Err(e) => {
-            st.failure = Some(e.to_string());
+            rt.record_failure(st, e.to_string());
             return Err(e.into());
         }
     };

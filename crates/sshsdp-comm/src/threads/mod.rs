@@ -2,8 +2,10 @@
 //!
 //! Data moves straight from one rank's buffer into another's (one copy per received byte, no
 //! staging); reductions read every rank's chunk and accumulate in `f32` in rank order, so all
-//! ranks get bitwise equal results. A rank that panics or drops its communicator fails the group
-//! at once; a rank that stops calling makes the others time out after
+//! ranks get bitwise equal results. A rank that panics (in [`ThreadsWorld::run`], or while it
+//! holds a communicator) or aborts ([`Collective::abort_handle`]) fails every communicator of
+//! the world at once — the world's and all split from it; a rank that drops a communicator fails
+//! that communicator's group; a rank that stops calling makes the others time out after
 //! [`ThreadsConfig::timeout`]. Either way the others get an error, never a hang.
 //!
 //! Asynchronous calls ([`Collective::start_all_gather`], [`Collective::start_reduce_scatter`])
@@ -15,10 +17,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use rendezvous::{Arrival, CallGuard, Group, OpDesc, RawBufs};
+use rendezvous::{Arrival, CallGuard, Family, Group, OpDesc, RawBufs};
 
 use crate::collective::{check_chunks, check_root, equal_chunks};
-use crate::{Collective, CommError, CommResult, Element, Pending, ReduceOp, Reducible};
+use crate::{
+    AbortHandle, Collective, CommError, CommResult, Element, Pending, ReduceOp, Reducible,
+};
 
 /// Settings of a threads world.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,14 +50,16 @@ impl ThreadsWorld {
                 "a world needs at least one rank".into(),
             ));
         }
-        let group = Group::new(size, config.timeout);
+        let group = Group::new(size, config.timeout, &Arc::new(Family::default()));
         Ok((0..size)
             .map(|rank| ThreadComm::new(group.clone(), rank))
             .collect())
     }
 
     /// Runs `f` on `size` ranks, each on its own thread, and returns each rank's outcome in
-    /// rank order (`Err` holds a panic's payload).
+    /// rank order (`Err` holds a panic's payload). A rank that panics fails every communicator
+    /// of the world at once, including those its runtime still holds, so the others' calls
+    /// return errors instead of waiting for the timeout.
     pub fn run<R, F>(
         size: usize,
         config: ThreadsConfig,
@@ -69,13 +75,24 @@ impl ThreadsWorld {
                 .into_iter()
                 .map(|comm| {
                     let f = &f;
+                    let (rank, family) = (comm.rank(), comm.group.family().clone());
                     std::thread::Builder::new()
-                        .name(format!("rank-{}", comm.rank()))
-                        .spawn_scoped(s, move || f(comm))
+                        .name(format!("rank-{rank}"))
+                        .spawn_scoped(s, move || {
+                            let outcome =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
+                            if outcome.is_err() {
+                                family.fail(format!("rank {rank} panicked"));
+                            }
+                            outcome
+                        })
                         .expect("spawn rank thread")
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join()).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(Err))
+                .collect()
         }))
     }
 }
@@ -108,12 +125,14 @@ impl ThreadComm {
 
 impl Drop for ThreadComm {
     fn drop(&mut self) {
-        let why = if std::thread::panicking() {
-            "panicked"
+        if std::thread::panicking() {
+            self.group
+                .family()
+                .fail(format!("rank {} panicked", self.rank));
         } else {
-            "dropped its communicator"
-        };
-        self.group.fail(format!("rank {} {why}", self.rank));
+            let why = format!("rank {} dropped its communicator", self.rank);
+            self.group.fail(why);
+        }
     }
 }
 
@@ -361,6 +380,13 @@ impl Collective for ThreadComm {
         Ok(())
     }
 
+    fn abort_handle(&self) -> Option<AbortHandle> {
+        let family = self.group.family().clone();
+        Some(Arc::new(move |reason: &str| {
+            family.fail(reason.to_string())
+        }))
+    }
+
     fn split(&self, color: usize, key: usize) -> CommResult<Self> {
         let d = OpDesc {
             name: "split",
@@ -435,6 +461,7 @@ struct SplitGroups(std::collections::HashMap<usize, (Arc<Group>, Vec<usize>)>);
 fn build_split(
     colors: &[(usize, usize)],
     timeout: Duration,
+    family: &Arc<Family>,
 ) -> Arc<dyn std::any::Any + Send + Sync> {
     let mut by_color: std::collections::HashMap<usize, Vec<(usize, usize)>> = Default::default();
     for (rank, &(color, key)) in colors.iter().enumerate() {
@@ -445,7 +472,7 @@ fn build_split(
         .map(|(color, mut members)| {
             members.sort_unstable();
             let ranks: Vec<usize> = members.into_iter().map(|(_, r)| r).collect();
-            (color, (Group::new(ranks.len(), timeout), ranks))
+            (color, (Group::new(ranks.len(), timeout, family), ranks))
         })
         .collect();
     Arc::new(SplitGroups(groups))

@@ -14,7 +14,7 @@
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::{CommError, CommResult, ElementKind, ReduceOp};
@@ -55,10 +55,39 @@ struct State {
     failure: Option<String>,
 }
 
+/// Every group of one world — the world's and all split from it, directly or not. Failing the
+/// family (a rank panicked, or a rank aborted after a local error) fails each of its groups, so
+/// every rank's call on any communicator of the world returns an error at once instead of
+/// waiting for its timeout.
+#[derive(Default)]
+pub(crate) struct Family {
+    groups: Mutex<Vec<Weak<Group>>>,
+    failure: Mutex<Option<String>>,
+}
+
+impl Family {
+    /// Fails every group of the family, now and any made later.
+    pub fn fail(&self, reason: String) {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(reason.clone());
+        let groups = self
+            .groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for group in groups.iter().filter_map(Weak::upgrade) {
+            group.fail(reason.clone());
+        }
+    }
+}
+
 /// Shared state of one communicator's ranks.
 pub(crate) struct Group {
     size: usize,
     timeout: Duration,
+    family: Arc<Family>,
     state: Mutex<State>,
     cv: Condvar,
 }
@@ -69,17 +98,38 @@ pub(crate) struct Arrival {
     pub payload: Option<Payload>,
 }
 
-/// Builds the payload of a split from every rank's `(color, key)`; run by the last arriver.
-pub(crate) type SplitBuilder = fn(&[(usize, usize)], Duration) -> Payload;
+/// Builds the payload of a split from every rank's `(color, key)` (new groups join `family`);
+/// run by the last arriver.
+pub(crate) type SplitBuilder = fn(&[(usize, usize)], Duration, &Arc<Family>) -> Payload;
 
 impl Group {
-    pub fn new(size: usize, timeout: Duration) -> Arc<Self> {
-        Arc::new(Self {
+    /// A group of `size` ranks in `family` (failed from the start if the family has failed).
+    pub fn new(size: usize, timeout: Duration, family: &Arc<Family>) -> Arc<Self> {
+        let group = Arc::new(Self {
             size,
             timeout,
+            family: family.clone(),
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
-        })
+        });
+        let mut groups = family.groups.lock().unwrap_or_else(|p| p.into_inner());
+        groups.retain(|g| g.strong_count() > 0);
+        groups.push(Arc::downgrade(&group));
+        drop(groups);
+        if let Some(reason) = family
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            group.fail(reason);
+        }
+        group
+    }
+
+    /// The family of groups this one belongs to.
+    pub fn family(&self) -> &Arc<Family> {
+        &self.family
     }
 
     pub fn size(&self) -> usize {
@@ -144,7 +194,7 @@ impl Group {
         }
         if slot.arrived == size {
             if let Some((_, _, build)) = color {
-                slot.payload = Some(build(&slot.colors, self.timeout));
+                slot.payload = Some(build(&slot.colors, self.timeout, &self.family));
             }
             self.cv.notify_all();
         }
