@@ -14,22 +14,25 @@ use sshsdp_kernels::{dequantize_plane, widen_bf16, Plane, PlaneAt};
 use sshsdp_plan::Part;
 
 use crate::codec::{BucketCodec, DecodeOp, Phase};
-use crate::cube_views::{for_each_runtime, is_cube};
+use crate::cube_views::{for_each_runtime, is_cube, member_views};
+use crate::views::Member;
 use crate::HsdpError;
 
-/// The compute buffer of the gathered bytes `bytes` (the part `which` of every piece) for
-/// `phase`, decoded on `device`, as a 1-D tensor of `B` — if `B` is a CubeCL backend this build
-/// supports (`None` otherwise).
-pub(crate) fn decode_if_cube<B: Backend>(
+/// The parameters `members` of the gathered bytes `bytes` (the part `which` of every piece)
+/// decoded for `phase` on `device`: views of one compute buffer — if `B` is a CubeCL backend
+/// this build supports (`None` otherwise).
+pub(crate) fn decode_views_if_cube<B: Backend>(
     codec: &BucketCodec,
     bytes: &[u8],
     which: Part,
     phase: Phase,
+    members: &[Member],
     device: &B::Device,
-) -> Option<Result<B::FloatTensorPrimitive, HsdpError>> {
+) -> Option<Result<Vec<B::FloatTensorPrimitive>, HsdpError>> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            return Some(decode::<B, R>(codec, bytes, which, phase, device));
+            let bucket = decode::<B, R>(codec, bytes, which, phase, device);
+            return Some(bucket.map(|bucket| member_views::<B, R>(bucket, members)));
         }
     });
     None
@@ -154,9 +157,8 @@ mod tests {
                             .flat_map(|piece| piece[range.clone()].to_vec())
                             .collect();
                         let host = codec.decode(&part, which, phase).unwrap();
-                        let tensor = decode_if_cube::<B>(&codec, &part, which, phase, &device)
-                            .expect("a CubeCL backend")
-                            .unwrap();
+                        let tensor =
+                            decode::<B, WgpuRuntime>(&codec, &part, which, phase, &device).unwrap();
                         let dev = download::<B>(tensor).unwrap();
                         for (k, p) in members.iter().enumerate() {
                             let at = codec.compute_start(k);

@@ -80,19 +80,6 @@ fn views<B: Backend, R: CubeRuntime>(
     member_views::<B, R>(bucket, members)
 }
 
-/// `bucket` (a 1-D f32 tensor of a CubeCL backend `B`) as one view per member.
-pub(crate) fn views_of_bucket<B: Backend>(
-    bucket: B::FloatTensorPrimitive,
-    members: &[Member],
-) -> Vec<B::FloatTensorPrimitive> {
-    for_each_runtime!(R => {
-        if is_cube::<B, R>() {
-            return member_views::<B, R>(bucket, members);
-        }
-    });
-    unreachable!("only called with a tensor of a CubeCL backend")
-}
-
 /// `bucket` (a 1-D f32 `CubeTensor<R>` as `B`'s primitive) as one view per member.
 pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
     bucket: B::FloatTensorPrimitive,

@@ -166,10 +166,16 @@ impl<B: Backend> Materialiser<B> {
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
         if let (Elems::U8(bytes), CopyMode::ZeroCopy) = (&full, self.copy_mode) {
             // On a CubeCL backend the gathered bytes are decoded on the device.
-            let decoded =
-                crate::cube_codec::decode_if_cube::<B>(codec, bytes, which, phase, &self.device);
-            if let Some(bucket) = decoded {
-                let params = crate::cube_views::views_of_bucket::<B>(bucket?, &members);
+            let decoded = crate::cube_codec::decode_views_if_cube::<B>(
+                codec,
+                bytes,
+                which,
+                phase,
+                &members,
+                &self.device,
+            );
+            if let Some(params) = decoded {
+                let params = params?;
                 let compute_bytes = 4 * codec.compute_elems() as u64;
                 counters.decoded_bytes += compute_bytes;
                 counters.uploaded_bytes += bytes.len() as u64;
