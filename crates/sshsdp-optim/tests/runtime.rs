@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, SgdConfig};
@@ -245,81 +245,6 @@ fn gradient_accumulation_over_micro_batches_equals_one_batch() {
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         assert!(max < 1e-5, "{path}: {max}");
-    }
-}
-
-#[test]
-fn a_rank_failing_mid_step_makes_the_others_error_not_hang() {
-    let init = model();
-    let start = Instant::now();
-    // A timeout far above the bound below: the others must learn of the panic, not time out.
-    let results = ThreadsWorld::run(3, threads(120_000), |comm| -> Result<(), HsdpError> {
-        let device = Default::default();
-        let rank = comm.rank();
-        let config = HsdpConfig::new(Mesh::flat(3).unwrap()).with_bucket_elements(1500);
-        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device)?;
-        let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
-        for (step, batch) in batches(3, 6).iter().enumerate() {
-            let loss = model.loss(rows::<B>(batch, rank * 2, 2, &device));
-            if rank == 1 && step == 1 {
-                panic!("rank 1 fails in the middle of step 1");
-            }
-            let _ = loss.backward();
-            model = sgd.step(0.05, model, &runtime)?;
-        }
-        Ok(())
-    })
-    .unwrap();
-    assert!(
-        start.elapsed() < Duration::from_secs(20),
-        "took {:?}",
-        start.elapsed()
-    );
-    assert!(results[1].is_err(), "rank 1 panicked");
-    for rank in [0, 2] {
-        let outcome = results[rank]
-            .as_ref()
-            .expect("no panic on the surviving ranks");
-        let err = outcome.as_ref().unwrap_err();
-        assert!(
-            matches!(err, HsdpError::Failed(_) | HsdpError::Comm(_)),
-            "rank {rank}: {err}"
-        );
-    }
-}
-
-#[test]
-fn a_local_error_on_one_rank_is_an_error_on_every_rank_at_once() {
-    let init = model();
-    let results = ThreadsWorld::run(3, threads(120_000), |comm| {
-        let device = Default::default();
-        let rank = comm.rank();
-        let config = HsdpConfig::new(Mesh::flat(3).unwrap()).with_bucket_elements(1500);
-        let (model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
-        let batch = &batches(1, 6)[0];
-        let _ = model
-            .loss(rows::<B>(batch, rank * 2, 2, &device))
-            .backward();
-        // Rank 1's optimizer fails on its own; the others step and then rebuild, which needs
-        // rank 1: they must get an error at once, not after the two-minute timeout.
-        let started = Instant::now();
-        let outcome = runtime.update_pieces(sshsdp_backend::Views::Host, |_, _| match rank {
-            1 => Err(HsdpError::Failed("rank 1's optimizer failed".into())),
-            _ => Ok(()),
-        });
-        (outcome, started.elapsed())
-    })
-    .unwrap();
-    for (rank, r) in results.into_iter().enumerate() {
-        let (outcome, took) = r.expect("no panic");
-        let err = outcome.expect_err("every rank fails");
-        assert!(
-            took < Duration::from_secs(10),
-            "rank {rank} took {took:?}: {err}"
-        );
-        if rank != 1 {
-            assert!(err.to_string().contains("ranks [1]"), "rank {rank}: {err}");
-        }
     }
 }
 
