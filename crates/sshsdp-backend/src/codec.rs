@@ -313,11 +313,18 @@ impl BucketCodec {
     /// How to decode a gathered banded bucket holding the part `which` of every piece, for
     /// `phase`: one operation per view, in bucket order — what the host ([`Self::decode`]) and
     /// the device (`cube_codec.rs`) both run.
-    pub fn decode_ops(&self, which: Part, phase: Phase) -> Result<Vec<DecodeOp>, HsdpError> {
+    /// `gathered` is the gathered buffer's length in bytes, checked against the layout.
+    pub fn decode_ops(
+        &self,
+        gathered: usize,
+        which: Part,
+        phase: Phase,
+    ) -> Result<Vec<DecodeOp>, HsdpError> {
         let plane = phase.plane();
-        if !which.holds(plane) {
+        if gathered != self.gathered_units(which) || !which.holds(plane) {
             return Err(HsdpError::Failed(format!(
-                "a gathered MXFP8 bucket ({which:?}) cannot be decoded for {phase:?}"
+                "a gathered MXFP8 bucket of {gathered} bytes ({which:?}) cannot be decoded for \
+                 {phase:?}"
             )));
         }
         let per_piece = self.part_range(which).len();
@@ -363,14 +370,9 @@ impl BucketCodec {
 
     /// Decodes a gathered banded bucket holding the part `which` of every piece, for `phase`.
     pub fn decode(&self, bytes: &[u8], which: Part, phase: Phase) -> Result<Vec<f32>, HsdpError> {
-        if bytes.len() != self.gathered_units(which) {
-            return Err(HsdpError::Failed(format!(
-                "a gathered MXFP8 bucket of {} bytes ({which:?}) cannot be decoded for {phase:?}",
-                bytes.len(),
-            )));
-        }
+        let ops = self.decode_ops(bytes.len(), which, phase)?;
         let mut out = vec![0f32; self.compute_elems()];
-        for op in self.decode_ops(which, phase)? {
+        for op in ops {
             match op {
                 DecodeOp::Plane {
                     row_plane,

@@ -45,13 +45,7 @@ fn decode<B: Backend, R: CubeRuntime>(
     phase: Phase,
     device: &B::Device,
 ) -> Result<B::FloatTensorPrimitive, HsdpError> {
-    if bytes.len() != codec.gathered_units(which) {
-        return Err(HsdpError::Failed(format!(
-            "a gathered MXFP8 bucket of {} bytes ({which:?}) cannot be decoded for {phase:?}",
-            bytes.len()
-        )));
-    }
-    let ops = codec.decode_ops(which, phase)?;
+    let ops = codec.decode_ops(bytes.len(), which, phase)?;
     let any: &dyn Any = device;
     let device: &R::Device = any.downcast_ref().expect("the type was checked");
     let client = R::client(device);

@@ -196,8 +196,6 @@ where
     M: Module<B>,
     C: Collective + Send + 'static,
 {
-    config.validate()?;
-    config.mesh.check_world_size(comm.size())?;
     shard_with(
         module,
         config,
