@@ -5,6 +5,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::{PlanError, RuntimeFormat, MX_BLOCK};
 
+/// The largest `align_bytes` accepted: 1 MiB, beyond any device's buffer-offset alignment (a
+/// few hundred bytes); it bounds the gap before every parameter, so offsets cannot overflow.
+pub const MAX_ALIGN_BYTES: u64 = 1 << 20;
+
+/// The largest optimizer state per element accepted in an [`OptimizerFootprint`]: 1 KiB (256
+/// fp32 values; AdamW needs 8 bytes), so memory accounting cannot overflow.
+pub const MAX_STATE_BYTES: u64 = 1 << 10;
+
 /// Where the update parameters (fp32 master, optimizer state, gradient shard) are sharded.
 ///
 /// The runtime parameters are always sharded over the shard group (except in `Ddp`).
@@ -106,9 +114,13 @@ impl PlanConfig {
                 "bucket_elements must be at least 1".into(),
             ));
         }
-        if self.align_bytes == 0 || self.align_bytes % MX_BLOCK != 0 {
+        if self.align_bytes == 0
+            || self.align_bytes % MX_BLOCK != 0
+            || self.align_bytes > MAX_ALIGN_BYTES
+        {
             return Err(PlanError::InvalidConfig(format!(
-                "align_bytes = {} must be a positive multiple of {MX_BLOCK}",
+                "align_bytes = {} must be a positive multiple of {MX_BLOCK}, at most \
+                 {MAX_ALIGN_BYTES}",
                 self.align_bytes
             )));
         }
@@ -117,6 +129,17 @@ impl PlanConfig {
                 "mx_max_padding = {} must be finite and non-negative",
                 self.mx_max_padding
             )));
+        }
+        let state = &self.optimizer;
+        for (name, bytes) in [
+            ("matrix_state_bytes", state.matrix_state_bytes),
+            ("elementwise_state_bytes", state.elementwise_state_bytes),
+        ] {
+            if bytes > MAX_STATE_BYTES {
+                return Err(PlanError::InvalidConfig(format!(
+                    "optimizer.{name} = {bytes} is more than {MAX_STATE_BYTES}"
+                )));
+            }
         }
         Ok(())
     }

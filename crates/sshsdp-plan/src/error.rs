@@ -5,8 +5,12 @@ use thiserror::Error;
 /// Everything that can go wrong while describing a mesh or building a [`crate::Plan`].
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum PlanError {
-    /// A mesh dimension was zero.
-    #[error("invalid mesh {replicas}x{shards}: replicas and shards must both be at least 1")]
+    /// A mesh dimension was zero, or the mesh spans more than [`crate::MAX_WORLD_SIZE`] ranks.
+    #[error(
+        "invalid mesh {replicas}x{shards}: replicas and shards must both be at least 1 and span \
+         at most {} ranks",
+        crate::MAX_WORLD_SIZE
+    )]
     InvalidMesh {
         /// Requested replica count.
         replicas: usize,
@@ -68,6 +72,18 @@ pub enum PlanError {
         path: String,
         /// Its shape.
         shape: Vec<usize>,
+    },
+    /// A size in the inputs exceeds what the planner accepts: planning it would overflow 64-bit
+    /// arithmetic or allocate beyond reason (e.g. a corrupt or hostile saved plan). Checked
+    /// before anything is sized by it.
+    #[error("{what} is {value}, more than the limit {limit}")]
+    TooLarge {
+        /// What was measured.
+        what: &'static str,
+        /// Its value.
+        value: u128,
+        /// The largest value accepted.
+        limit: u128,
     },
     /// A configuration value is out of its valid range.
     #[error("invalid plan configuration: {0}")]

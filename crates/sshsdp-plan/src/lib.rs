@@ -40,7 +40,7 @@ pub mod presets;
 pub mod projection;
 mod spec;
 
-pub use config::{OptimizerFootprint, PlanConfig, Sharding};
+pub use config::{OptimizerFootprint, PlanConfig, Sharding, MAX_ALIGN_BYTES, MAX_STATE_BYTES};
 pub use error::PlanError;
 pub use format::{
     encoded_bytes, mx_band_bytes, mx_col_plane_bytes, mx_row_plane_bytes, resolve_format,
@@ -48,7 +48,9 @@ pub use format::{
 };
 pub use layout::{Bucket, Encoding, Part, PlannedParam, Section, UpdateView};
 pub use memory::{MemoryReport, RankMemory};
-pub use mesh::Mesh;
+pub use mesh::{Mesh, MAX_WORLD_SIZE};
 pub use owners::newton_schulz_cost;
-pub use plan::{Fallback, Fingerprint, Plan, PlanStats, PLAN_VERSION};
+pub use plan::{
+    Fallback, Fingerprint, Plan, PlanStats, MAX_LAYOUT_VIEWS, MAX_TOTAL_ELEMENTS, PLAN_VERSION,
+};
 pub use spec::{DType, ParamSpec, Role, RoleRule};

@@ -8,6 +8,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::PlanError;
 
+/// The most ranks a [`Mesh`] may span: 2^20, far beyond any cluster, yet small enough that the
+/// per-rank and per-piece tables a plan keeps stay in memory. A mesh read from a file is held to
+/// it before anything is sized by it.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
 /// A two-level mesh of ranks: `replicas` copies of a `shards`-way sharded model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Mesh {
@@ -16,9 +21,11 @@ pub struct Mesh {
 }
 
 impl Mesh {
-    /// A mesh of `replicas × shards` ranks; both must be at least 1.
+    /// A mesh of `replicas × shards` ranks; both must be at least 1 and their product at most
+    /// [`MAX_WORLD_SIZE`].
     pub fn new(replicas: usize, shards: usize) -> Result<Self, PlanError> {
-        if replicas == 0 || shards == 0 || replicas.checked_mul(shards).is_none() {
+        let world = replicas.checked_mul(shards);
+        if replicas == 0 || shards == 0 || world.is_none_or(|w| w > MAX_WORLD_SIZE) {
             return Err(PlanError::InvalidMesh { replicas, shards });
         }
         Ok(Self { replicas, shards })

@@ -16,6 +16,18 @@ use crate::{format, spec, Mesh, ParamSpec, PlanConfig, PlanError, Role, Sharding
 /// Version of the plan algorithm and its serialized form; part of the fingerprint.
 pub const PLAN_VERSION: u32 = 2;
 
+/// The most elements all parameters of a plan may hold together: 2^48 (a hundred times the
+/// largest models), so that every byte count the layout derives from them (up to 66 bytes per
+/// element for MXFP8's padded planes, plus alignment) fits 64 bits.
+pub const MAX_TOTAL_ELEMENTS: u64 = 1 << 48;
+
+/// The most `pieces × parameters` a plan may lay out: 2^24, e.g. 16384 ranks × 1024
+/// parameters, or 2^20 ranks × 16. The layout examines every parameter of a bucket for every
+/// piece and keeps one view list per piece and bucket (24 bytes each), so this bounds both the
+/// planning time (about a second at the limit) and its memory (about 400 MiB), whatever a plan
+/// file claims; it is checked before anything is allocated.
+pub const MAX_LAYOUT_VIEWS: u64 = 1 << 24;
+
 /// SHA-256 of a plan's canonical serialization: equal on every rank that planned the same
 /// model the same way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -64,6 +76,8 @@ impl Plan {
     ///
     /// The specs are put in canonical order (execution order where given, then natural path
     /// order), so ranks that discovered parameters in different orders get the same plan.
+    /// Sizes are checked before anything is allocated: at most [`MAX_TOTAL_ELEMENTS`] elements
+    /// and [`MAX_LAYOUT_VIEWS`] pieces × parameters ([`PlanError::TooLarge`]).
     pub fn build(
         specs: impl IntoIterator<Item = ParamSpec>,
         mesh: Mesh,
@@ -80,6 +94,23 @@ impl Plan {
             if !seen.insert(s.path.as_str()) {
                 return Err(PlanError::DuplicatePath(s.path.clone()));
             }
+        }
+        let elements: u128 = specs.iter().map(|s| u128::from(s.numel())).sum();
+        if elements > u128::from(MAX_TOTAL_ELEMENTS) {
+            return Err(PlanError::TooLarge {
+                what: "the parameters' total element count",
+                value: elements,
+                limit: MAX_TOTAL_ELEMENTS.into(),
+            });
+        }
+        let pieces = pieces_for(&mesh, config.sharding);
+        let views = pieces as u128 * specs.len() as u128;
+        if views > u128::from(MAX_LAYOUT_VIEWS) {
+            return Err(PlanError::TooLarge {
+                what: "pieces × parameters",
+                value: views,
+                limit: MAX_LAYOUT_VIEWS.into(),
+            });
         }
         specs.sort_by(spec::canonical_cmp);
 
@@ -98,7 +129,6 @@ impl Plan {
                 (s, fmt)
             })
             .collect();
-        let pieces = pieces_for(&mesh, config.sharding);
         let (mut params, buckets) = layout::place(resolved, &config, pieces);
         let piece_load = owners::assign(&mut params, &buckets, pieces);
         let mut plan = Self {
@@ -331,7 +361,7 @@ impl Plan {
             .map(|b| b.piece_bytes * self.pieces_per_shard() as u64)
             .sum();
         let gathered_peak = if self.runtime_shards() > 1 {
-            let window = self.config.prefetch_buckets + 1;
+            let window = self.config.prefetch_buckets.saturating_add(1);
             let sizes: Vec<u64> = (0..self.buckets.len())
                 .map(|b| self.buffer_bytes(b))
                 .collect();
