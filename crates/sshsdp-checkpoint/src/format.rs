@@ -8,11 +8,14 @@
 //! strings, so every `f64` (infinities and NaN included) comes back bit-exact (NaN
 //! payloads aside).
 
+use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
+use std::hash::BuildHasher;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -272,18 +275,27 @@ impl ShardFile {
     pub fn write(&self, path: impl AsRef<Path>) -> Result<(), CheckpointError> {
         let path = path.as_ref();
         let bytes = self.to_bytes()?;
-        let tmp = temp_path(path);
-        // `create_new`: never through an existing file or symlink at the temporary name.
-        let created = crate::layout::write_new_file(&tmp, &bytes);
-        if let Err(CheckpointError::Io { source, .. }) = &created {
-            if source.kind() == io::ErrorKind::AlreadyExists {
-                return created;
+        // A fresh, unpredictable name; `create_new` never opens an existing file or symlink
+        // there. A name someone else holds is left alone (neither followed nor removed) and
+        // another one drawn.
+        let mut attempts = 0;
+        let tmp = loop {
+            let tmp = temp_path(path);
+            match crate::layout::write_new_file(&tmp, &bytes) {
+                Ok(()) => break tmp,
+                Err(CheckpointError::Io { source, .. })
+                    if source.kind() == io::ErrorKind::AlreadyExists
+                        && attempts + 1 < TEMP_ATTEMPTS =>
+                {
+                    attempts += 1
+                }
+                // `write_new_file` removed what it created.
+                Err(e) => return Err(e),
             }
-        }
-        let result = created.and_then(|()| fs::rename(&tmp, path).map_err(io_err(path)));
-        if result.is_err() {
+        };
+        if let Err(e) = fs::rename(&tmp, path) {
             let _ = fs::remove_file(&tmp);
-            return result;
+            return Err(io_err(path)(e));
         }
         // Make the rename durable; not every platform can sync a directory.
         if let Some(dir) = path.parent() {
@@ -309,10 +321,11 @@ impl ShardFile {
 
     /// Reads and validates a shard file. Never panics, whatever the bytes: every problem is
     /// an `Err` naming the file ([`CheckpointError::Corrupt`] for bad bytes, structure or
-    /// checksums, [`CheckpointError::Version`] for another format version).
+    /// checksums, or for something other than a regular file, [`CheckpointError::Version`]
+    /// for another format version). Reads no more than the file's length.
     pub fn read(path: impl AsRef<Path>) -> Result<ShardFile, CheckpointError> {
         let path = path.as_ref();
-        let bytes = fs::read(path).map_err(io_err(path))?;
+        let bytes = read_file(path)?;
         Self::from_bytes(&bytes, path)
     }
 
@@ -443,14 +456,56 @@ impl ShardFile {
     }
 }
 
-/// A fresh temporary path next to `path` (same directory, so the rename is atomic).
+/// The bytes of the regular file `path` (a symlink to one is followed), no more than its
+/// length: a device or FIFO (say a shard name linked to `/dev/zero`, whose length is 0 but
+/// whose reads never end) is refused before it is opened, and a file that grows while read is
+/// an error rather than an allocation without bound.
+fn read_file(path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt {
+        file: path.to_path_buf(),
+        reason,
+    };
+    let not_regular = || corrupt("not a regular file".into());
+    if !fs::metadata(path).map_err(io_err(path))?.is_file() {
+        return Err(not_regular());
+    }
+    let file = fs::File::open(path).map_err(io_err(path))?;
+    // Checked again on the handle: the name may have been replaced in between.
+    let meta = file.metadata().map_err(io_err(path))?;
+    if !meta.is_file() {
+        return Err(not_regular());
+    }
+    let len = usize::try_from(meta.len()).map_err(|_| corrupt("too large".into()))?;
+    let mut bytes = Vec::with_capacity(len);
+    io::Read::read_to_end(&mut io::Read::take(file, meta.len() + 1), &mut bytes)
+        .map_err(io_err(path))?;
+    if bytes.len() != len {
+        return Err(corrupt(format!(
+            "changed while read: {len} bytes, then {}",
+            bytes.len()
+        )));
+    }
+    Ok(bytes)
+}
+
+/// Names [`ShardFile::write`] draws for its temporary file before giving up (each one taken
+/// already means someone else created it).
+const TEMP_ATTEMPTS: usize = 16;
+
+/// A fresh temporary path next to `path` (same directory, so the rename is atomic):
+/// `.{name}.tmp-{pid}-{nonce}`, the nonce 64 random bits (the standard library's per-process
+/// random hash keys over a counter and the time), so nobody can create the name first.
 fn temp_path(path: &Path) -> PathBuf {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let nonce = RandomState::new().hash_one((n, now));
     let name = path
         .file_name()
         .map_or_else(|| "shard".into(), |n| n.to_string_lossy().into_owned());
-    path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
+    path.with_file_name(format!(".{name}.tmp-{}-{nonce:016x}", std::process::id()))
 }
 
 /// The shard files of the checkpoint in `dir`, in rank order, checking that exactly ranks

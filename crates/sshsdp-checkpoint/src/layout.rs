@@ -141,16 +141,22 @@ pub(crate) fn check_real_dir(dir: &Path) -> Result<(), CheckpointError> {
     Ok(())
 }
 
-/// Creates the file `path`, which must not exist (never through an existing file or symlink),
-/// writes `bytes` and syncs it.
+/// Creates the file `path`, which must not exist (never through an existing file or symlink:
+/// `create_new` fails on any existing name, a dangling symlink included), writes `bytes` and
+/// syncs it. If writing fails, the file it created is removed.
 pub(crate) fn write_new_file(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let mut file = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(path)
         .map_err(io_err(path))?;
-    file.write_all(bytes).map_err(io_err(path))?;
-    file.sync_all().map_err(io_err(path))
+    let written = file.write_all(bytes).and_then(|()| file.sync_all());
+    if let Err(e) = written {
+        drop(file);
+        let _ = fs::remove_file(path);
+        return Err(io_err(path)(e));
+    }
+    Ok(())
 }
 
 /// Rank 0's preparation of a save of `step` under `root`: creates `root` if needed, refuses a

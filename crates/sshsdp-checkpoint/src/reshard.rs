@@ -179,25 +179,39 @@ impl<'a> Coverage<'a> {
         end: usize,
         array: &str,
     ) -> Result<Vec<f32>, CheckpointError> {
-        let mut out = vec![0.0f32; end - start];
-        // Every element of `[start, filled)` is set; pieces come in order of start, so a
-        // piece starting after `filled` leaves a gap no later piece can fill.
-        let mut filled = start;
-        for (pi, piece) in pieces.iter().enumerate() {
-            if piece.start > filled {
-                return Err(self.uncovered(path, array, filled, piece.start));
+        // First check that the pieces cover the range and hold the array, allocating nothing
+        // of the range's size: a shape read from a file can claim any number of elements, but
+        // a covered range is at most the values the covering slices hold in memory.
+        let mut sources = Vec::with_capacity(pieces.len());
+        // Every element of `[start, reach)` is covered; pieces come in order of start, so a
+        // piece starting after `reach` leaves a gap no later piece can fill.
+        let mut reach = start;
+        for piece in pieces {
+            if piece.start > reach {
+                return Err(self.uncovered(path, array, reach, piece.start));
             }
-            let slice = self.slice_of(piece);
-            let values = slice
-                .arrays
-                .get(array)
-                .ok_or_else(|| CheckpointError::Missing {
-                    location: PathBuf::from(self.files[piece.file].file_name()),
-                    what: format!(
-                        "array '{array}' of slice [{}, {}) of '{path}'",
-                        piece.start, piece.end
-                    ),
-                })?;
+            let values =
+                self.slice_of(piece)
+                    .arrays
+                    .get(array)
+                    .ok_or_else(|| CheckpointError::Missing {
+                        location: PathBuf::from(self.files[piece.file].file_name()),
+                        what: format!(
+                            "array '{array}' of slice [{}, {}) of '{path}'",
+                            piece.start, piece.end
+                        ),
+                    })?;
+            sources.push(values.as_slice());
+            reach = reach.max(piece.end.min(end));
+        }
+        if reach < end {
+            return Err(self.uncovered(path, array, reach, end));
+        }
+
+        let mut out = vec![0.0f32; end - start];
+        // Every element of `[start, filled)` is set.
+        let mut filled = start;
+        for (pi, (piece, values)) in pieces.iter().zip(sources).enumerate() {
             let lo = piece.start.max(start);
             let hi = piece.end.min(end);
             let src = |i: usize| values[i - piece.start];
@@ -214,9 +228,6 @@ impl<'a> Coverage<'a> {
                     .copy_from_slice(&values[from - piece.start..hi - piece.start]);
                 filled = hi;
             }
-        }
-        if filled < end {
-            return Err(self.uncovered(path, array, filled, end));
         }
         Ok(out)
     }

@@ -236,6 +236,13 @@ pub(crate) fn assemble_units<B: Backend>(
         .get(STEP)
         .copied()
         .ok_or_else(|| mismatch("no step counter".into()))?;
+    // Saved from a `u64`: a whole number in [0, 2^64). (An `as` cast would read NaN, -1 or 0.5
+    // as some step silently.)
+    if step.fract() != 0.0 || !(0.0..18_446_744_073_709_551_616.0).contains(&step) {
+        return Err(mismatch(format!(
+            "the step counter {step} is not a whole number of steps"
+        )));
+    }
     let mut values = Vec::with_capacity(units.len());
     for unit in units {
         let path = &plan.params()[unit.param].spec.path;

@@ -7,7 +7,12 @@ use serde::de::value::{MapDeserializer, SeqDeserializer};
 use serde::de::{IntoDeserializer, Visitor};
 use serde::Deserializer;
 
-use super::{codec, CodecError};
+use super::{codec, CodecError, MAX_EXACT};
+
+/// The most dotted components a state name may have. A name read from a file becomes a chain
+/// of nested nodes, one per component, whose drop recurses; Burn's optimizer states nest two
+/// or three levels deep, so 64 is ample and keeps a hostile name from overflowing the stack.
+pub(super) const MAX_NAME_DEPTH: usize = 64;
 
 // ------------------------------------------------------------------------------------------
 // Decoding: arrays + scalars -> tree -> record item.
@@ -36,6 +41,12 @@ pub(super) fn insert<'a>(
             }
             _ => codec("a value at the root ('') cannot share the state with other names"),
         };
+    }
+    if name.split('.').nth(MAX_NAME_DEPTH).is_some() {
+        return codec(format!(
+            "'{}…' has more than {MAX_NAME_DEPTH} components",
+            name.chars().take(32).collect::<String>()
+        ));
     }
     let mut node = root;
     let mut parts = name.split('.').peekable();
@@ -89,6 +100,18 @@ impl DNode<'_> {
             _ => None,
         }
     }
+
+    /// An integral scalar of magnitude at most 2^53 (the only integers [`super::encode_state`]
+    /// writes), or why not.
+    fn exact_integer(self) -> Result<f64, CodecError> {
+        match self.integer() {
+            Some(v) if v.abs() <= MAX_EXACT as f64 => Ok(v),
+            Some(v) => codec(format!(
+                "integer {v} beyond 2^53 (encoding never writes one)"
+            )),
+            None => Err(self.expected("an integer")),
+        }
+    }
 }
 
 /// Visits an integral `v` as `u64` (non-negative) or `i64`.
@@ -106,10 +129,7 @@ fn visit_integer<'de, V: Visitor<'de>>(v: f64, visitor: V) -> Result<V::Value, C
 macro_rules! integer_hint {
     ($($method:ident)*) => {$(
         fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, CodecError> {
-            match self.integer() {
-                Some(v) => visit_integer(v, visitor),
-                None => Err(self.expected("an integer")),
-            }
+            visit_integer(self.exact_integer()?, visitor)
         }
     )*};
 }

@@ -83,7 +83,9 @@ pub fn encode_state<B: Backend, R: Record<B>>(record: R) -> Result<EncodedState,
 
 /// Rebuilds a record from [`encode_state`]'s output (e.g. re-assembled for another slice of
 /// the parameter): every array must have `len` values (the slice length). Names the
-/// record's item does not know are ignored; a missing `Option` becomes `None`.
+/// record's item does not know are ignored; a missing `Option` becomes `None`. The input is
+/// untrusted: names of more than 64 dotted components and integer fields beyond 2^53 (which
+/// [`encode_state`] never writes) are [`CheckpointError::Codec`] errors.
 pub fn decode_state<B: Backend, R: Record<B>>(
     arrays: &BTreeMap<String, Vec<f32>>,
     scalars: &BTreeMap<String, f64>,
