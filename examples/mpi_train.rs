@@ -5,7 +5,7 @@
 //! mpirun -n 2 target/release/examples/mpi_train [STEPS]
 //! ```
 //! Every process trains its share of a small GPT with `Autodiff<Hsdp<NdArray>>` over an
-//! `MpiComm` mesh. Rank 0 then trains the same model on the same data with the threads engine at
+//! `MpiComm` mesh (from an `MpiSession`). Rank 0 then trains the same model on the same data with the threads engine at
 //! the same world size and compares the global losses and its final weights; the program exits
 //! non-zero if they differ or if the model did not learn.
 
@@ -16,7 +16,7 @@ use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig, HsdpError};
-use sshsdp::comm::mpi::MpiComm;
+use sshsdp::comm::mpi::{MpiOptions, MpiSession};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::{Collective, ReduceOp};
 use sshsdp::models::{Gpt, GptConfig};
@@ -78,7 +78,19 @@ fn run() -> Result<(), String> {
         .map(|s| s.parse().map_err(|e| format!("STEPS: {e}")))
         .transpose()?
         .unwrap_or(20);
-    let comm = MpiComm::init().map_err(|e| e.to_string())?;
+    // Fault injection for the failure tests: `FAILPOINTS=sshsdp::gather=return(1)` fails rank 1
+    // at that point (sshsdp_comm::faults), and a short watchdog bounds the job.
+    let _faults = fail::FailScenario::setup();
+    let options = if std::env::var_os("FAILPOINTS").is_some() {
+        MpiOptions {
+            watchdog: Some(std::time::Duration::from_secs(10)),
+            ..MpiOptions::default()
+        }
+    } else {
+        MpiOptions::default()
+    };
+    let mpi = MpiSession::init_with(options).map_err(|e| e.to_string())?;
+    let comm = mpi.world().map_err(|e| e.to_string())?;
     let (rank, world) = (comm.rank(), comm.size());
     if BATCH % world != 0 {
         return Err(format!(

@@ -132,7 +132,8 @@ pub fn run<T: Task>(task: &T, args: &Args) -> Result<Option<Report>, String> {
         }
         #[cfg(feature = "mpi")]
         Engine::Mpi => {
-            let comm = sshsdp::comm::mpi::MpiComm::init().map_err(|e| e.to_string())?;
+            let mpi = sshsdp::comm::mpi::MpiSession::init().map_err(|e| e.to_string())?;
+            let comm = mpi.world().map_err(|e| e.to_string())?;
             let init = init();
             if comm.rank() == 0 {
                 println!(

@@ -9,7 +9,7 @@
 //! (NCCL's) work as well as those that can.
 
 use sshsdp_comm::hierarchy::{self, MeshComms};
-use sshsdp_comm::{Collective, CommError, CommFactory, CommResult, Element, ReduceOp};
+use sshsdp_comm::{CallTag, Collective, CommError, CommFactory, CommResult, Element, ReduceOp};
 use sshsdp_plan::Sharding;
 use std::ops::Range;
 
@@ -35,6 +35,10 @@ pub const RUNTIME_LANES: usize = 3;
 pub(crate) trait LaneFactory: Send + Sync {
     /// This rank's index in the world.
     fn world_rank(&self) -> usize;
+    /// Number of ranks in the world.
+    fn world_size(&self) -> usize;
+    /// Number of lanes the factory makes.
+    fn lanes(&self) -> usize;
     /// Lane `lane`'s communicators over a `replicas × shards` mesh (collective over the lane).
     fn connect_mesh(
         &self,
@@ -49,6 +53,14 @@ pub(crate) trait LaneFactory: Send + Sync {
 impl<F: CommFactory> LaneFactory for F {
     fn world_rank(&self) -> usize {
         self.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.size()
+    }
+
+    fn lanes(&self) -> usize {
+        CommFactory::lanes(self)
     }
 
     fn connect_mesh(
@@ -73,6 +85,9 @@ pub(crate) trait MeshComm {
     fn world_rank(&self) -> usize;
     /// World size.
     fn world_size(&self) -> usize;
+    /// Labels the calls that follow (step, bucket, stage), so that engines that check labels
+    /// report ranks making different calls instead of pairing them.
+    fn set_tag(&self, tag: CallTag);
     /// Shard lane. All-gather of runtime shards over the shard group into the full bucket
     /// (under DDP the runtime shard is the whole bucket: a copy).
     fn gather_bucket(
@@ -125,6 +140,10 @@ impl<C: Collective> MeshComm for MeshComms<C> {
 
     fn world_size(&self) -> usize {
         self.world.size()
+    }
+
+    fn set_tag(&self, tag: CallTag) {
+        MeshComms::set_tag(self, tag);
     }
 
     fn gather_bucket(

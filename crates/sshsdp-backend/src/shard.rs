@@ -219,8 +219,33 @@ where
     M: Module<B>,
     F: CommFactory,
 {
+    let rank = factory.rank();
+    let factory = Arc::new(factory);
+    let lanes: Arc<dyn crate::comm::LaneFactory> = factory.clone();
+    let sharded = shard_on::<B, M>(module, config, lanes, device);
+    if let Err(e) = &sharded {
+        // The others may be waiting in a collective of `shard` for this rank: fail them now
+        // (where the engine can) rather than leave them to their timeouts.
+        factory.abort(&format!("rank {rank} failed in shard: {e}"));
+    }
+    sharded
+}
+
+/// [`shard_with`] on a factory seen as lanes; an error here is aborted on every rank there.
+fn shard_on<B, M>(
+    module: M,
+    config: HsdpConfig,
+    factory: Arc<dyn crate::comm::LaneFactory>,
+    device: &B::Device,
+) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
+where
+    B: ShardableBackend,
+    M: Module<B>,
+{
+    sshsdp_comm::faults::inject("sshsdp::shard", factory.world_rank())
+        .map_err(HsdpError::Failed)?;
     config.validate()?;
-    config.mesh.check_world_size(factory.size())?;
+    config.mesh.check_world_size(factory.world_size())?;
     // Parameters start on the device's buffer-offset alignment, so each is a view of its bucket.
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     let config = {
@@ -246,7 +271,6 @@ where
         })
         .collect();
     let plan = Plan::build(specs, config.mesh, config.plan.clone())?;
-    let factory: Arc<dyn crate::comm::LaneFactory> = Arc::new(factory);
     let (replicas, shards) = (config.mesh.replicas(), config.mesh.shards());
     let comm = factory.connect_mesh(LaneId::Bootstrap, replicas, shards)?;
     check_same_plan(&*comm, &plan)?;

@@ -47,11 +47,12 @@
 //! and every later request gets the first error at once.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use sshsdp_comm::{CommError, CommResult};
+use sshsdp_comm::{CallTag, CommError, CommResult};
 use sshsdp_plan::Sharding;
 
 use crate::comm::{LaneFactory, LaneId, MeshComm};
@@ -61,12 +62,14 @@ use crate::timeline::{Timeline, Track};
 /// A request of the model thread; it enters the shard lane.
 enum Request {
     Gather {
+        tag: CallTag,
         shard: Arc<Elems>,
         part: Range<usize>,
         full_len: usize,
         reply: Sender<CommResult<Elems>>,
     },
     Reduce {
+        tag: CallTag,
         full: Vec<f32>,
         piece_len: usize,
         reply: Sender<CommResult<Vec<f32>>>,
@@ -79,23 +82,28 @@ enum Request {
 enum ReplicaRequest {
     /// The second stage of a reduction whose first stage ran on the shard lane.
     FinishReduce {
+        tag: CallTag,
         shard: CommResult<Vec<f32>>,
         piece_len: usize,
         reply: Sender<CommResult<Vec<f32>>>,
     },
     Rebuild {
+        tag: CallTag,
         shard: Elems,
         reply: Sender<CommResult<Elems>>,
     },
     AllReduce {
+        tag: CallTag,
         buf: Vec<f32>,
         reply: Sender<CommResult<Vec<f32>>>,
     },
     GatherBytes {
+        tag: CallTag,
         send: Vec<u8>,
         reply: Sender<CommResult<Vec<u8>>>,
     },
     WorldGatherBytes {
+        tag: CallTag,
         send: Vec<u8>,
         reply: Sender<CommResult<Vec<u8>>>,
     },
@@ -122,6 +130,8 @@ type Failure = Arc<Mutex<Option<CommError>>>;
 pub(crate) struct Worker {
     tx: Option<Sender<Request>>,
     threads: Vec<JoinHandle<()>>,
+    /// The optimizer step the requests belong to, for their [`CallTag`]s.
+    step: AtomicU64,
 }
 
 impl Worker {
@@ -180,6 +190,7 @@ impl Worker {
         let mut worker = Self {
             tx: Some(tx),
             threads: vec![shard_lane],
+            step: AtomicU64::new(0),
         };
         worker.threads.push(spawn(
             format!("hsdp-replica-{rank}"),
@@ -213,10 +224,28 @@ impl Worker {
         Reply(rx)
     }
 
-    /// All-gather of part `part` of every rank's runtime shard (the whole shard, or the
-    /// sections one pass decodes) into a new buffer of `full_len` units.
-    pub fn gather(&self, shard: Arc<Elems>, part: Range<usize>, full_len: usize) -> Reply<Elems> {
+    /// The label of a request of `stage` about `bucket` in the current step.
+    fn tag(&self, bucket: Option<usize>, stage: &'static str) -> CallTag {
+        CallTag::new(self.step.load(Ordering::Relaxed), bucket, stage)
+    }
+
+    /// Marks the end of an optimizer step: later requests carry the next step in their tags.
+    pub fn end_step(&self) {
+        self.step.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// All-gather of part `part` of every rank's runtime shard of `bucket` (the whole shard, or
+    /// the sections one pass decodes) into a new buffer of `full_len` units.
+    pub fn gather(
+        &self,
+        bucket: usize,
+        shard: Arc<Elems>,
+        part: Range<usize>,
+        full_len: usize,
+    ) -> Reply<Elems> {
+        let tag = self.tag(Some(bucket), "gather");
         self.send(|reply| Request::Gather {
+            tag,
             shard,
             part,
             full_len,
@@ -224,9 +253,11 @@ impl Worker {
         })
     }
 
-    /// World-averaged gradient piece of a full-bucket gradient.
-    pub fn reduce(&self, full: Vec<f32>, piece_len: usize) -> Reply {
+    /// World-averaged gradient piece of `bucket`'s full-bucket gradient.
+    pub fn reduce(&self, bucket: usize, full: Vec<f32>, piece_len: usize) -> Reply {
+        let tag = self.tag(Some(bucket), "reduce");
         self.send(|reply| Request::Reduce {
+            tag,
             full,
             piece_len,
             reply,
@@ -236,22 +267,27 @@ impl Worker {
     /// Sum of `buf` over the update group (the optimizer's exchanges, e.g. Muon's split
     /// matrices).
     pub fn all_reduce(&self, buf: Vec<f32>) -> Reply {
-        self.send(|reply| Request::Replica(ReplicaRequest::AllReduce { buf, reply }))
+        let tag = self.tag(None, "optimizer all-reduce");
+        self.send(|reply| Request::Replica(ReplicaRequest::AllReduce { tag, buf, reply }))
     }
 
-    /// Every update-group rank's `send` (equal lengths), in rank order.
-    pub fn gather_bytes(&self, send: Vec<u8>) -> Reply<Vec<u8>> {
-        self.send(|reply| Request::Replica(ReplicaRequest::GatherBytes { send, reply }))
+    /// Every update-group rank's `send` (equal lengths), in rank order; `stage` names what for.
+    pub fn gather_bytes(&self, stage: &'static str, send: Vec<u8>) -> Reply<Vec<u8>> {
+        let tag = self.tag(None, stage);
+        self.send(|reply| Request::Replica(ReplicaRequest::GatherBytes { tag, send, reply }))
     }
 
-    /// All-gather of equal byte strings over the whole world, in rank order.
-    pub fn gather_world_bytes(&self, send: Vec<u8>) -> Reply<Vec<u8>> {
-        self.send(|reply| Request::Replica(ReplicaRequest::WorldGatherBytes { send, reply }))
+    /// All-gather of equal byte strings over the whole world, in rank order; `stage` names
+    /// what for.
+    pub fn gather_world_bytes(&self, stage: &'static str, send: Vec<u8>) -> Reply<Vec<u8>> {
+        let tag = self.tag(None, stage);
+        self.send(|reply| Request::Replica(ReplicaRequest::WorldGatherBytes { tag, send, reply }))
     }
 
-    /// Rebuild of a runtime shard from the replica group's updated pieces.
-    pub fn rebuild(&self, shard: Elems) -> Reply<Elems> {
-        self.send(|reply| Request::Replica(ReplicaRequest::Rebuild { shard, reply }))
+    /// Rebuild of `bucket`'s runtime shard from the replica group's updated pieces.
+    pub fn rebuild(&self, bucket: usize, shard: Elems) -> Reply<Elems> {
+        let tag = self.tag(Some(bucket), "rebuild");
+        self.send(|reply| Request::Replica(ReplicaRequest::Rebuild { tag, shard, reply }))
     }
 }
 
@@ -275,8 +311,15 @@ struct Lane {
 }
 
 impl Lane {
-    /// Runs one collective named `name` (see [`run`]), timed on this lane's track.
-    fn run<T>(&self, name: &'static str, f: impl FnOnce() -> CommResult<T>) -> CommResult<T> {
+    /// Runs one collective named `name`, labelled `tag` (see [`run`]), timed on this lane's
+    /// track.
+    fn run<T>(
+        &self,
+        name: &'static str,
+        tag: CallTag,
+        f: impl FnOnce() -> CommResult<T>,
+    ) -> CommResult<T> {
+        self.comm.set_tag(tag);
         self.timeline
             .span(self.track, name, None, || run(&self.failure, f))
     }
@@ -287,12 +330,13 @@ fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sender<ReplicaRe
     for request in rx {
         match request {
             Request::Gather {
+                tag,
                 shard,
                 part,
                 full_len,
                 reply,
             } => {
-                let r = lane.run("all-gather", || {
+                let r = lane.run("all-gather", tag, || {
                     let mut full = shard.zeros_like(full_len);
                     comm.gather_bucket(sharding, &shard, part, &mut full)?;
                     Ok(full)
@@ -303,14 +347,16 @@ fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sender<ReplicaRe
                 let _ = reply.send(r);
             }
             Request::Reduce {
+                tag,
                 full,
                 piece_len,
                 reply,
             } => {
-                let shard = lane.run("reduce (shard group)", || {
+                let shard = lane.run("reduce (shard group)", tag, || {
                     comm.reduce_within_shard_group(sharding, full)
                 });
                 let _ = replica.send(ReplicaRequest::FinishReduce {
+                    tag,
                     shard,
                     piece_len,
                     reply,
@@ -328,42 +374,51 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
     for request in rx {
         match request {
             ReplicaRequest::FinishReduce {
+                tag,
                 shard,
                 piece_len,
                 reply,
             } => {
                 let r = shard.and_then(|shard| {
-                    lane.run("reduce (replicas)", || {
+                    lane.run("reduce (replicas)", tag, || {
                         comm.reduce_across_replicas(sharding, shard, piece_len)
                     })
                 });
                 let _ = reply.send(r);
             }
-            ReplicaRequest::AllReduce { mut buf, reply } => {
-                let r = lane.run("all-reduce (update group)", || {
+            ReplicaRequest::AllReduce {
+                tag,
+                mut buf,
+                reply,
+            } => {
+                let r = lane.run("all-reduce (update group)", tag, || {
                     comm.all_reduce_update_group(sharding, &mut buf)?;
                     Ok(buf)
                 });
                 let _ = reply.send(r);
             }
-            ReplicaRequest::GatherBytes { send, reply } => {
-                let r = lane.run("gradient norm", || {
+            ReplicaRequest::GatherBytes { tag, send, reply } => {
+                let r = lane.run("all-gather (update group)", tag, || {
                     let mut recv = vec![0u8; send.len() * comm.update_group_size(sharding)];
                     comm.all_gather_update_group_bytes(sharding, &send, &mut recv)?;
                     Ok(recv)
                 });
                 let _ = reply.send(r);
             }
-            ReplicaRequest::WorldGatherBytes { send, reply } => {
-                let r = lane.run("all-gather (world)", || {
+            ReplicaRequest::WorldGatherBytes { tag, send, reply } => {
+                let r = lane.run("all-gather (world)", tag, || {
                     let mut recv = vec![0u8; send.len() * comm.world_size()];
                     comm.all_gather_bytes(&send, &mut recv)?;
                     Ok(recv)
                 });
                 let _ = reply.send(r);
             }
-            ReplicaRequest::Rebuild { mut shard, reply } => {
-                let r = lane.run("rebuild", || {
+            ReplicaRequest::Rebuild {
+                tag,
+                mut shard,
+                reply,
+            } => {
+                let r = lane.run("rebuild", tag, || {
                     comm.rebuild_shard(sharding, &mut shard)?;
                     Ok(shard)
                 });

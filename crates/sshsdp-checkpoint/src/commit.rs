@@ -107,7 +107,8 @@ pub fn save_with<B: Backend>(
         .0;
 
     // 2. write.
-    let written = write_shard(&tmp, &shard);
+    let written =
+        injected("sshsdp::save", runtime.rank(), &tmp).and_then(|()| write_shard(&tmp, &shard));
     let mut verdict = Verdict::of(&written);
     if let Ok((size, digest)) = &written {
         verdict.size = *size;
@@ -161,4 +162,17 @@ fn write_shard(tmp: &Path, shard: &crate::ShardFile) -> Result<(u64, [u8; 32]), 
 
 fn hex(digest: &[u8; 32]) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A fault injected at `point` on `rank` (tests only: see `sshsdp_comm::faults`), reported as
+/// an I/O error on `file`.
+pub(crate) fn injected(
+    point: &'static str,
+    rank: usize,
+    file: &Path,
+) -> Result<(), CheckpointError> {
+    sshsdp_comm::faults::inject(point, rank).map_err(|msg| CheckpointError::Io {
+        file: file.to_path_buf(),
+        source: std::io::Error::other(msg),
+    })
 }

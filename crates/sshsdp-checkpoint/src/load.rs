@@ -37,7 +37,8 @@ pub fn load<B: Backend>(
 ) -> Result<u64, CheckpointError> {
     // Collective and infallible in content: every rank runs it before anything can fail.
     let units = layout(runtime)?;
-    let prepared = prepare(path.as_ref(), runtime, &*optimizer, &units);
+    let prepared = crate::commit::injected("sshsdp::load", runtime.rank(), path.as_ref())
+        .and_then(|()| prepare(path.as_ref(), runtime, &*optimizer, &units));
     let mut verdict = Verdict::of(&prepared);
     if let Ok(p) = &prepared {
         verdict.tag = p.step;

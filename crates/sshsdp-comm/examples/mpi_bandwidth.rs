@@ -21,7 +21,7 @@ use std::time::Instant;
 use mpi::collective::{CommunicatorCollectives, SystemOperation};
 use mpi::ffi;
 use mpi::raw::AsRaw;
-use sshsdp_comm::mpi::MpiComm;
+use sshsdp_comm::mpi::{MpiComm, MpiSession};
 use sshsdp_comm::{Collective, ReduceOp};
 
 const MIB: usize = 1 << 20;
@@ -49,7 +49,8 @@ fn gbps(bytes: usize, secs: f64) -> f64 {
 }
 
 fn main() {
-    let comm = MpiComm::init().expect("MPI init");
+    let mpi = MpiSession::init().expect("MPI init");
+    let comm = mpi.world().expect("MPI world");
     let (rank, n) = (comm.rank(), comm.size());
     let raw = comm.communicator();
     let sizes: Vec<usize> = {

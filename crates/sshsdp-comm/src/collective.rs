@@ -4,11 +4,12 @@
 //! over its engine, `C: Collective`, and sub-communicators have the engine's own type. Every
 //! call is *collective*: all ranks of the communicator make the same calls in the same order
 //! with matching arguments. Engines check what they can (the threads engine checks operation,
-//! element type, counts and roots) and report a mismatch as an error on every rank.
+//! element type, counts, roots and [`CallTag`]s) and report a mismatch as an error on every
+//! rank.
 
 use std::sync::mpsc;
 
-use crate::{CommError, CommResult, Element, ReduceOp, Reducible};
+use crate::{CallTag, CommError, CommResult, Element, ReduceOp, Reducible};
 
 /// Fails every communicator of a rank's world, on every rank: each call in progress or to come
 /// returns an error. Called with the reason; can be called from any thread.
@@ -48,6 +49,13 @@ pub trait Collective: Sized {
 
     /// Blocks until every rank has reached the barrier.
     fn barrier(&self) -> CommResult<()>;
+
+    /// Labels the calls that follow on this communicator, until the next label, with `tag`.
+    /// Engines that check tags (threads; MPI with call checks) report ranks whose calls carry
+    /// different tags as [`CommError::Mismatch`] on every rank; others ignore them.
+    fn set_tag(&self, tag: CallTag) {
+        let _ = tag;
+    }
 
     /// A handle that fails every communicator of this rank's world on every rank (the world's
     /// and all split from it), so that a local error on one rank is an error on all of them at

@@ -7,7 +7,7 @@
 use half::bf16;
 
 use crate::hierarchy::{self, MeshComms};
-use crate::{Collective, CommError, Element, ReduceOp, Reducible};
+use crate::{CallTag, Collective, CommError, Element, ReduceOp, Reducible};
 
 /// Outcome of one check on this rank.
 pub type Outcome = Result<(), String>;
@@ -341,6 +341,49 @@ pub fn hierarchical_paths<C: Collective>(comm: &C, replicas: usize, shards: usiz
         );
     }
     Ok(())
+}
+
+/// Fault check (fails the communicator's world: run it last, on a world of its own): ranks
+/// making the same operation with different [`CallTag`]s (here: different buckets) all get an
+/// error naming the difference ([`CommError::Mismatch`], or [`CommError::PeerFailed`] carrying
+/// the mismatch where a peer found it first), with no data moved. A world of one rank has
+/// nobody to differ from.
+pub fn mismatched_tags<C: Collective>(comm: &C) -> Outcome {
+    let (rank, size) = (comm.rank(), comm.size());
+    comm.set_tag(CallTag::new(7, Some(rank % 2), "gather"));
+    let mut buf = vec![1f32; 4];
+    let result = comm.all_reduce(&mut buf, ReduceOp::Sum);
+    match (size, result) {
+        (1, Ok(())) => Ok(()),
+        (_, Err(CommError::Mismatch(msg) | CommError::PeerFailed(msg))) => {
+            ensure!(
+                msg.contains("bucket"),
+                "the mismatch does not name the bucket: {msg}"
+            );
+            ensure!(buf == [1f32; 4], "data moved despite the mismatch");
+            Ok(())
+        }
+        (_, other) => Err(format!("expected a mismatch error, got {other:?}")),
+    }
+}
+
+/// Fault check (fails the communicator's world: run it last, on a world of its own): the last
+/// rank aborts through [`Collective::abort_handle`], then every rank calls an all-reduce, which
+/// must be an error on every rank (not a hang). Returns how long this rank's call took.
+pub fn abort_fails_every_rank<C: Collective>(comm: &C) -> Result<std::time::Duration, String> {
+    let (rank, size) = (comm.rank(), comm.size());
+    let Some(abort) = comm.abort_handle() else {
+        return Err("the engine offers no abort handle".into());
+    };
+    if rank == size - 1 {
+        abort("injected fault");
+    }
+    let start = std::time::Instant::now();
+    let mut buf = vec![1f32; 4];
+    match comm.all_reduce(&mut buf, ReduceOp::Sum) {
+        Err(CommError::PeerFailed(_)) => Ok(start.elapsed()),
+        other => Err(format!("expected a peer-failed error, got {other:?}")),
+    }
 }
 
 /// Every check, in a fixed order (all ranks must run the same list), with its name.

@@ -13,7 +13,7 @@
 //! `shard` of the bucket, i.e. piece `shard · replicas + replica` — the order `sshsdp-plan`
 //! assigns pieces in.
 
-use crate::{Collective, CommError, CommResult, Element, ReduceOp, Reducible};
+use crate::{CallTag, Collective, CommError, CommResult, Element, ReduceOp, Reducible};
 
 /// A rank's three communicators over a `replicas × shards` mesh.
 pub struct MeshComms<C> {
@@ -46,6 +46,13 @@ impl<C: Collective> MeshComms<C> {
             replicas,
             shards,
         })
+    }
+
+    /// Labels the calls that follow on all three communicators (see [`Collective::set_tag`]).
+    pub fn set_tag(&self, tag: CallTag) {
+        self.world.set_tag(tag);
+        self.shard_group.set_tag(tag);
+        self.replica_group.set_tag(tag);
     }
 
     /// Number of replicas.

@@ -2,7 +2,8 @@
 //!
 //! * [`Collective`]: the trait every engine implements — `all_gather` (equal counts, in place
 //!   into the caller's buffer), `reduce_scatter`, `all_reduce` (sum or average), `broadcast`,
-//!   `barrier`, `split` into sub-communicators, and asynchronous starts returning [`Pending`].
+//!   `barrier`, `split` into sub-communicators, and asynchronous starts returning [`Pending`];
+//!   each call can carry a [`CallTag`] (step, bucket, stage) that engines check across ranks.
 //! * Engines: `threads` (default feature; in-process ranks for tests and one-host training),
 //!   `mpi` (feature; OpenMPI processes), `nccl` (feature; GPUs through cudarc).
 //! * [`CommFactory`]: one communicator per thread that runs collectives, made on that thread
@@ -18,11 +19,13 @@ pub mod conformance;
 mod element;
 mod error;
 mod factory;
+pub mod faults;
 pub mod hierarchy;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod tag;
 #[cfg(feature = "threads")]
 pub mod threads;
 
@@ -30,3 +33,4 @@ pub use collective::{check_chunks, check_root, equal_chunks, AbortHandle, Collec
 pub use element::{Element, ElementKind, ReduceOp, Reducible};
 pub use error::{CommError, CommResult};
 pub use factory::{CommFactory, SplitLanes};
+pub use tag::CallTag;

@@ -208,3 +208,29 @@ fn a_panic_or_an_abort_fails_every_communicator_of_the_world() {
         }
     }
 }
+
+#[test]
+fn calls_with_different_tags_are_errors_on_every_rank() {
+    for size in [1, 2, 3] {
+        let results = ThreadsWorld::run(size, config(30_000), |comm| {
+            conformance::mismatched_tags(&comm)
+        })
+        .unwrap();
+        for (rank, r) in results.into_iter().enumerate() {
+            r.unwrap()
+                .unwrap_or_else(|e| panic!("world {size}, rank {rank}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn an_abort_is_an_error_on_every_rank_long_before_the_timeout() {
+    let results = ThreadsWorld::run(4, config(60_000), |comm| {
+        conformance::abort_fails_every_rank(&comm)
+    })
+    .unwrap();
+    for (rank, r) in results.into_iter().enumerate() {
+        let took = r.unwrap().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(took.as_secs_f64() < 1.0, "rank {rank} took {took:?}");
+    }
+}

@@ -155,7 +155,7 @@ impl<B: Backend> GradSync<B> {
         }
         let full = std::mem::take(&mut bucket.full);
         let bytes = 4 * full.len() as u64;
-        let reply = worker.reduce(full, codec.piece_elems());
+        let reply = worker.reduce(b, full, codec.piece_elems());
         bucket.reductions.push(reply);
         Ok(Reduced { bytes, staged })
     }

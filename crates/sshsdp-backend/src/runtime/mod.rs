@@ -281,6 +281,10 @@ impl<B: Backend> Runtime<B> {
         if st.failure.is_some() {
             return false;
         }
+        if let Err(e) = sshsdp_comm::faults::inject("sshsdp::gather", self.world_rank) {
+            self.record_failure(st, e);
+            return false;
+        }
         let which = self.part(st, b);
         let reply = match st.storage[b].take_gather() {
             Some((reply, queued)) if queued == which => {
@@ -338,6 +342,7 @@ impl<B: Backend> Runtime<B> {
             storage, counters, ..
         } = st;
         storage[b].start_gather(
+            b,
             &self.worker,
             &self.codecs[b],
             self.materialiser.copy_mode,
@@ -440,6 +445,10 @@ impl<B: Backend> Runtime<B> {
             }
         };
         if complete {
+            if let Err(e) = sshsdp_comm::faults::inject("sshsdp::reduce", self.world_rank) {
+                self.record_failure(&mut st, e);
+                return;
+            }
             match st.grads.reduce(b, &self.codecs[b], &self.worker) {
                 Ok(reduced) => {
                     st.counters.reduced_bytes += reduced.bytes;
@@ -504,21 +513,27 @@ impl<B: Backend> Runtime<B> {
             st.release(b);
         }
         st.schedule.end_step();
+        self.worker.end_step();
         Ok(())
     }
 
     /// Every rank's `bytes` (all the same length), in rank order: an all-gather over the world
     /// on the replica lane, in program order with the runtime's other collectives.
     pub fn all_gather_world(&self, bytes: Vec<u8>) -> Result<Vec<u8>, HsdpError> {
-        self.gather_world(&mut self.lock(), bytes)
+        self.gather_world(&mut self.lock(), "world agreement", bytes)
     }
 
-    /// [`Self::all_gather_world`] with the state held; a failure is recorded.
-    fn gather_world(&self, st: &mut State<B>, bytes: Vec<u8>) -> Result<Vec<u8>, HsdpError> {
+    /// [`Self::all_gather_world`] with the state held, labelled `stage`; a failure is recorded.
+    fn gather_world(
+        &self,
+        st: &mut State<B>,
+        stage: &'static str,
+        bytes: Vec<u8>,
+    ) -> Result<Vec<u8>, HsdpError> {
         if let Some(f) = &st.failure {
             return Err(HsdpError::Failed(f.clone()));
         }
-        let reply = self.worker.gather_world_bytes(bytes);
+        let reply = self.worker.gather_world_bytes(stage, bytes);
         let gathered = self
             .timeline
             .span(Track::Model, "wait world all-gather", None, || reply.wait());

@@ -109,10 +109,11 @@ impl<B: Backend> BucketStorage<B> {
         }
     }
 
-    /// Queues the all-gather of `part` of every rank's shard (the result is returned, not
+    /// Queues the all-gather of `part` of every rank's shard of bucket `bucket` (the result is returned, not
     /// stored: the caller waits for it or records it as a prefetch).
     pub fn start_gather(
         &self,
+        bucket: usize,
         worker: &Worker,
         codec: &BucketCodec,
         copy_mode: CopyMode,
@@ -134,7 +135,7 @@ impl<B: Backend> BucketStorage<B> {
             Part::All => 0..input.len(),
             _ => codec.part_range(part),
         };
-        worker.gather(input, range, codec.gathered_units(part))
+        worker.gather(bucket, input, range, codec.gathered_units(part))
     }
 }
 

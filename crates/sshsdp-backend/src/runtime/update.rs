@@ -236,12 +236,14 @@ pub(super) fn run<B: Backend>(
             piece,
             grad_norm,
         };
-        step(&mut pieces, &group)
+        sshsdp_comm::faults::inject("sshsdp::update", rt.world_rank)
+            .map_err(HsdpError::Failed)
+            .and_then(|()| step(&mut pieces, &group))
     };
     // Every rank learns whether every rank's step succeeded (one byte each, over the world), so
     // an optimizer's local error is an error on every rank in this same call, and no rank goes
     // on to re-derive and rebuild alone.
-    let verdicts = rt.gather_world(st, vec![u8::from(stepped.is_err())]);
+    let verdicts = rt.gather_world(st, "step verdict", vec![u8::from(stepped.is_err())]);
     let failed: Vec<usize> = match &verdicts {
         Ok(v) => v
             .iter()
@@ -296,7 +298,7 @@ pub(super) fn run<B: Backend>(
         let empty = Arc::new(shard.zeros_like(0));
         let shard = std::mem::replace(&mut bucket.shard, empty);
         let shard = Arc::try_unwrap(shard).unwrap_or_else(|shared| (*shared).clone());
-        rebuilds.push((b, rt.worker.rebuild(shard)));
+        rebuilds.push((b, rt.worker.rebuild(b, shard)));
     }
     for (b, reply) in rebuilds {
         match rt.wait(b, "wait rebuild", reply) {
@@ -324,7 +326,9 @@ fn global_grad_norm<B: Backend>(
         .flat_map(|(_, g)| g.iter())
         .map(|&g| f64::from(g) * f64::from(g))
         .sum();
-    let reply = rt.worker.gather_bytes(local.to_le_bytes().to_vec());
+    let reply = rt
+        .worker
+        .gather_bytes("gradient norm", local.to_le_bytes().to_vec());
     let norm = rt
         .timeline
         .span(Track::Model, "wait gradient norm", None, || reply.wait());

@@ -17,7 +17,8 @@ use sshsdp_optim::{units_of, UpdateUnit};
 use sshsdp_plan::Mesh;
 
 pub type Inner = NdArray<f32>;
-type Hb = Autodiff<Hsdp<Inner>>;
+/// The backend the model is sharded on.
+pub type Hb = Autodiff<Hsdp<Inner>>;
 pub type Runtime = HsdpRuntime<Inner>;
 
 /// Two linear layers and a norm: parameters of several shapes over a few buckets.
@@ -28,7 +29,8 @@ pub struct Net<B: Backend> {
     pub norm: LayerNorm<B>,
 }
 
-fn net() -> Net<Hb> {
+/// The model every test shards (the same initial values in every call).
+pub fn net() -> Net<Hb> {
     let device = Default::default();
     Net {
         a: LinearConfig::new(12, 20).init(&device),

@@ -2,19 +2,21 @@
 //!
 //! # Starting MPI
 //!
-//! A process initialises MPI once and owns one [`Universe`]; dropping the `Universe` calls
-//! `MPI_Finalize`, after which no MPI call may be made (not even freeing a communicator).
-//! [`MpiComm::init`] initialises MPI and returns the world communicator; [`MpiComm::world`]
-//! wraps a `Universe` the caller initialised itself. Either way the `Universe` moves into a
-//! reference count shared by the world communicator and every communicator [`split`] from it,
-//! so MPI is finalised exactly when the last of them is dropped, never while one is alive.
-//! Launch with `mpirun -n N <binary>`.
+//! A process initialises MPI once, in an [`MpiSession`] that stays on the initialising thread:
+//! [`MpiSession::world`] makes world communicators (duplicates of `MPI_COMM_WORLD`, so this
+//! engine's traffic never matches the application's own messages, with the `MPI_ERRORS_RETURN`
+//! handler, so failures of our calls come back as [`CommError::Engine`]). Sub-communicators
+//! come from `MPI_Comm_split` with the same handler. Dropping the session waits for every
+//! communicator to be freed and finalises MPI on the thread that initialised it. Launch with
+//! `mpirun -n N <binary>`.
 //!
-//! The world communicator is a *duplicate* of `MPI_COMM_WORLD` (so this engine's traffic
-//! never matches the application's own messages) with the `MPI_ERRORS_RETURN` error handler,
-//! so failures of our calls come back as [`CommError::Engine`] instead of aborting the job.
-//! Sub-communicators come from `MPI_Comm_split` (rsmpi's `split_by_color_with_key`) and get
-//! the same error handler.
+//! # Failures
+//!
+//! Every collective first runs the session's *call check* (one small all-reduce: the ranks'
+//! operations, counts and [`crate::CallTag`]s must agree, and a rank that failed — see
+//! [`Collective::abort_handle`] — makes the call an error on every rank), and a watchdog
+//! ends the job with `MPI_Abort` when a collective does not complete within its limit (a dead
+//! or hung peer). Both are set by [`MpiOptions`]; see the `guard` module for what they cost.
 //!
 //! # Data movement and copies
 //!
@@ -108,15 +110,14 @@
 //! broadcast, and `send` of the all-reduce reduce-scatter path) of more than `i32::MAX`
 //! elements is an argument error; split such buckets. MPI cannot check that ranks call
 //! the same collective with matching counts; a mismatch is undefined behaviour of the MPI job
-//! (typically a truncation error or a hang), unlike the threads engine, which reports it.
-//! [`MpiComm`] is neither `Send` nor `Sync`: MPI is initialised with `MPI_THREAD_SINGLE`
-//! semantics and every call must come from the thread that owns the communicator.
+//! (typically a truncation error or a hang) unless call checks are on (the default), which
+//! report it as the threads engine does. [`MpiComm`] is `Send` but not `Sync`: one thread at
+//! a time uses a communicator.
 //!
 //! [`split`]: Collective::split
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
-use std::sync::Arc;
 
 use mpi::ffi;
 use mpi::raw::AsRaw;
@@ -125,19 +126,27 @@ use mpi::topology::{Color, Communicator, SimpleCommunicator};
 /// rsmpi's MPI environment handle, re-exported: one per process; dropping it finalises MPI.
 pub use mpi::environment::Universe;
 
+mod guard;
 mod policy;
 mod raw;
+mod session;
 
+pub use guard::{MpiOptions, WATCHDOG_EXIT_CODE};
 pub use policy::{ReduceScatterAlgo, ReduceScatterPolicy, DEFAULT_ALLREDUCE_FROM_BYTES};
+pub use session::MpiSession;
+
+use guard::{Call, Live};
 use raw::*;
 
 use crate::collective::{check_chunks, check_root, equal_chunks};
-use crate::{Collective, CommError, CommResult, Element, ReduceOp, Reducible};
+use crate::{
+    AbortHandle, CallTag, Collective, CommError, CommResult, Element, ReduceOp, Reducible,
+};
 
 /// One rank's communicator in an MPI job.
 ///
-/// Field order matters: `comm` is freed (`MPI_Comm_free`) before this communicator's share of
-/// the `Universe` is released, so MPI is never finalised under a live communicator.
+/// Field order matters: `comm` is freed (`MPI_Comm_free`) before `live` tells the session, so
+/// MPI is never finalised under a live communicator.
 pub struct MpiComm {
     comm: SimpleCommunicator,
     rank: usize,
@@ -152,55 +161,26 @@ pub struct MpiComm {
     /// Result buffer of the all-reduce reduce-scatter path, kept across calls (see
     /// [`MpiComm::release_scratch`]).
     scratch: RefCell<Vec<f32>>,
-    universe: Arc<Universe>,
+    /// The label of the calls made now (see [`Collective::set_tag`]).
+    tag: Cell<CallTag>,
+    /// Whether calls run the call check (see [`MpiOptions::check_calls`]).
+    check_calls: bool,
+    live: Live,
 }
 
 // SAFETY: MPI handles may be used from any thread once MPI runs at MPI_THREAD_MULTIPLE, which
-// `MpiComm::world` checks before any communicator exists; the universe is shared through an
+// `MpiSession` checks before any communicator exists; the session's state is shared through an
 // `Arc`; and `MpiComm` is not `Sync` (its scratch buffer is a `RefCell`), so one thread at a time
 // uses a given communicator.
 unsafe impl Send for MpiComm {}
 
 impl MpiComm {
-    /// Initialises MPI and returns the world communicator, which keeps MPI alive (see
-    /// [`MpiComm::world`]). Fails with [`CommError::Unavailable`] if MPI was already
-    /// initialised in this process (then pass that `Universe` to [`MpiComm::world`]).
-    pub fn init() -> CommResult<Self> {
-        let (universe, _) =
-            mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or_else(|| {
-                CommError::Unavailable(
-                    "MPI is already initialised in this process; pass its Universe to \
-                     MpiComm::world"
-                        .into(),
-                )
-            })?;
-        Self::world(universe)
-    }
-
-    /// The world communicator (a duplicate of `MPI_COMM_WORLD` with `MPI_ERRORS_RETURN`).
-    ///
-    /// Takes the process's only `Universe`: it lives as long as this communicator or any
-    /// communicator split from it, and MPI is finalised when the last of them is dropped.
-    pub fn world(universe: Universe) -> CommResult<Self> {
-        // Communicators may move to another thread (the `Hsdp` runtime runs its collectives on
-        // a communication thread), which MPI allows only at MPI_THREAD_MULTIPLE.
-        let level = mpi::environment::threading_support();
-        if level != mpi::Threading::Multiple {
-            return Err(CommError::Unavailable(format!(
-                "MPI provides thread level {level:?}; MpiComm needs MPI_THREAD_MULTIPLE \
-                 (initialise with mpi::initialize_with_threading(Threading::Multiple))"
-            )));
-        }
-        let comm = universe.world().duplicate();
-        let in_place = in_place_sentinel(&mpi::environment::library_version().unwrap_or_default());
-        Self::wrap(comm, in_place, None, Arc::new(universe))
-    }
-
     fn wrap(
         comm: SimpleCommunicator,
         in_place: Option<*mut c_void>,
         rs_override: Option<ReduceScatterPolicy>,
-        universe: Arc<Universe>,
+        check_calls: bool,
+        live: Live,
     ) -> CommResult<Self> {
         // SAFETY: `comm` is a live intra-communicator owned by us; the error handler is a
         // predefined handle, valid between MPI_Init and MPI_Finalize (the Universe is alive).
@@ -217,13 +197,36 @@ impl MpiComm {
             rs_policy: rs_override.unwrap_or(ReduceScatterPolicy::measured(size)),
             rs_override,
             scratch: RefCell::new(Vec::new()),
-            universe,
+            tag: Cell::new(CallTag::NONE),
+            check_calls,
+            live,
         })
     }
 
-    /// The MPI environment this communicator keeps alive.
-    pub fn universe(&self) -> &Universe {
-        &self.universe
+    /// Turns the call check on or off for this communicator (and those split from it later);
+    /// must be equal on all ranks. Off, a call costs one small all-reduce less, a mismatch is
+    /// undefined behaviour of the MPI job, and a failed peer is found by the watchdog only.
+    pub fn set_check_calls(&mut self, on: bool) {
+        self.check_calls = on;
+    }
+
+    /// Whether calls on this communicator run the call check.
+    pub fn checks_calls(&self) -> bool {
+        self.check_calls
+    }
+
+    /// Runs collective `call` after the session's call check (see [`MpiOptions`]), watched by
+    /// the watchdog; an engine error fails the session, so that every later call is an error on
+    /// every rank rather than a mismatch.
+    fn guarded<R>(&self, call: Call, f: impl FnOnce() -> CommResult<R>) -> CommResult<R> {
+        let (guard, tag) = (self.live.guard(), self.tag.get());
+        let _watched = guard.enter(&call, tag);
+        guard.agree(self.raw(), self.check_calls, &call, tag)?;
+        let result = f();
+        if let Err(e) = &result {
+            guard.fail(&e.to_string());
+        }
+        result
     }
 
     /// The underlying rsmpi communicator, for calls this engine does not wrap. It has the
@@ -360,52 +363,57 @@ impl Collective for MpiComm {
         let n = equal_chunks("all_gather", buf.len(), self.size)?;
         let dt = datatype::<T>("all_gather")?;
         let count = mpi_count("all_gather", n)?;
-        if n == 0 || self.size == 1 {
-            return Ok(());
-        }
-        let code = match self.in_place {
-            // SAFETY: `buf` holds size · n elements of T, whose MPI datatype is `dt` (checked by
-            // `datatype`); with MPI_IN_PLACE chunk `rank` is the input and the rest is written.
-            Some(ip) => unsafe {
-                ffi::MPI_Allgather(ip, 0, dt, buf.as_mut_ptr().cast(), count, dt, self.raw())
-            },
-            None => {
-                let mine = buf[self.rank * n..(self.rank + 1) * n].to_vec();
-                // SAFETY: `mine` (n elements) and `buf` (size · n) are disjoint buffers of T.
-                unsafe {
-                    ffi::MPI_Allgather(
-                        mine.as_ptr().cast(),
-                        count,
-                        dt,
-                        buf.as_mut_ptr().cast(),
-                        count,
-                        dt,
-                        self.raw(),
-                    )
-                }
+        self.guarded(Call::data::<T>("all_gather", n), || {
+            if n == 0 || self.size == 1 {
+                return Ok(());
             }
-        };
-        check("MPI_Allgather", code)
+            let code = match self.in_place {
+                // SAFETY: `buf` holds size · n elements of T, whose MPI datatype is `dt`
+                // (checked by `datatype`); with MPI_IN_PLACE chunk `rank` is the input and the
+                // rest is written.
+                Some(ip) => unsafe {
+                    ffi::MPI_Allgather(ip, 0, dt, buf.as_mut_ptr().cast(), count, dt, self.raw())
+                },
+                None => {
+                    let mine = buf[self.rank * n..(self.rank + 1) * n].to_vec();
+                    // SAFETY: `mine` (n elements) and `buf` (size · n) are disjoint buffers of T.
+                    unsafe {
+                        ffi::MPI_Allgather(
+                            mine.as_ptr().cast(),
+                            count,
+                            dt,
+                            buf.as_mut_ptr().cast(),
+                            count,
+                            dt,
+                            self.raw(),
+                        )
+                    }
+                }
+            };
+            check("MPI_Allgather", code)
+        })
     }
 
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
         check_chunks("all_gather", "recv", recv.len(), send.len(), self.size)?;
         let dt = datatype::<T>("all_gather")?;
         let count = mpi_count("all_gather", send.len())?;
-        if send.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: `send` (n) and `recv` (size · n) are distinct borrows of T, datatype `dt`.
-        check("MPI_Allgather", unsafe {
-            ffi::MPI_Allgather(
-                send.as_ptr().cast(),
-                count,
-                dt,
-                recv.as_mut_ptr().cast(),
-                count,
-                dt,
-                self.raw(),
-            )
+        self.guarded(Call::data::<T>("all_gather", send.len()), || {
+            if send.is_empty() {
+                return Ok(());
+            }
+            // SAFETY: `send` (n) and `recv` (size · n) are distinct borrows of T, datatype `dt`.
+            check("MPI_Allgather", unsafe {
+                ffi::MPI_Allgather(
+                    send.as_ptr().cast(),
+                    count,
+                    dt,
+                    recv.as_mut_ptr().cast(),
+                    count,
+                    dt,
+                    self.raw(),
+                )
+            })
         })
     }
 
@@ -417,22 +425,25 @@ impl Collective for MpiComm {
     ) -> CommResult<()> {
         check_chunks("reduce_scatter", "send", send.len(), recv.len(), self.size)?;
         mpi_count("reduce_scatter", send.len())?;
-        if recv.is_empty() {
-            return Ok(());
-        }
-        let scale = op.scale(self.size);
-        if let (Some(send), Some(recv)) = (as_f32(send), as_f32_mut(recv)) {
-            self.reduce_scatter_f32(send, recv)?;
-            if op != ReduceOp::Sum {
-                recv.iter_mut().for_each(|x| *x *= scale);
+        let call = Call::reduce::<T>("reduce_scatter", recv.len(), op);
+        self.guarded(call, || {
+            if recv.is_empty() {
+                return Ok(());
             }
-            return Ok(());
-        }
-        // Widen to f32, reduce, round once.
-        let mut wide: Vec<f32> = send.iter().map(|x| x.to_acc()).collect();
-        let n = recv.len();
-        let out =
-            if self.rs_policy.algo(size_of_val(wide.as_slice())) == ReduceScatterAlgo::AllReduce {
+            let scale = op.scale(self.size);
+            if let (Some(send), Some(recv)) = (as_f32(send), as_f32_mut(recv)) {
+                self.reduce_scatter_f32(send, recv)?;
+                if op != ReduceOp::Sum {
+                    recv.iter_mut().for_each(|x| *x *= scale);
+                }
+                return Ok(());
+            }
+            // Widen to f32, reduce, round once.
+            let mut wide: Vec<f32> = send.iter().map(|x| x.to_acc()).collect();
+            let n = recv.len();
+            let all_reduce =
+                self.rs_policy.algo(size_of_val(wide.as_slice())) == ReduceScatterAlgo::AllReduce;
+            let out = if all_reduce {
                 // The widened copy is ours: all-reduce it in place, no scratch buffer.
                 // SAFETY: `wide` is an owned buffer of `wide.len()` f32s.
                 unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
@@ -442,53 +453,73 @@ impl Collective for MpiComm {
                 self.reduce_scatter_f32(&wide, &mut out)?;
                 out
             };
-        recv.iter_mut()
-            .zip(&out)
-            .for_each(|(r, &s)| *r = T::from_acc(s * scale));
-        Ok(())
+            recv.iter_mut()
+                .zip(&out)
+                .for_each(|(r, &s)| *r = T::from_acc(s * scale));
+            Ok(())
+        })
     }
 
     fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
         mpi_count("all_reduce", buf.len())?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let scale = op.scale(self.size);
-        if let Some(buf) = as_f32_mut(buf) {
-            // SAFETY: `buf` is an exclusive borrow of `buf.len()` f32s.
-            unsafe { self.sum_f32_in_place(buf.as_mut_ptr(), buf.len())? };
-            if op != ReduceOp::Sum {
-                buf.iter_mut().for_each(|x| *x *= scale);
+        self.guarded(Call::reduce::<T>("all_reduce", buf.len(), op), || {
+            if buf.is_empty() {
+                return Ok(());
             }
-            return Ok(());
-        }
-        let mut wide: Vec<f32> = buf.iter().map(|x| x.to_acc()).collect();
-        // SAFETY: `wide` is an owned buffer of `buf.len()` f32s.
-        unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
-        buf.iter_mut()
-            .zip(&wide)
-            .for_each(|(b, &s)| *b = T::from_acc(s * scale));
-        Ok(())
+            let scale = op.scale(self.size);
+            if let Some(buf) = as_f32_mut(buf) {
+                // SAFETY: `buf` is an exclusive borrow of `buf.len()` f32s.
+                unsafe { self.sum_f32_in_place(buf.as_mut_ptr(), buf.len())? };
+                if op != ReduceOp::Sum {
+                    buf.iter_mut().for_each(|x| *x *= scale);
+                }
+                return Ok(());
+            }
+            let mut wide: Vec<f32> = buf.iter().map(|x| x.to_acc()).collect();
+            // SAFETY: `wide` is an owned buffer of `buf.len()` f32s.
+            unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
+            buf.iter_mut()
+                .zip(&wide)
+                .for_each(|(b, &s)| *b = T::from_acc(s * scale));
+            Ok(())
+        })
     }
 
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
         check_root("broadcast", root, self.size)?;
         let dt = datatype::<T>("broadcast")?;
         let count = mpi_count("broadcast", buf.len())?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        // `root < size`, and `size` came from a c_int.
-        let root = root as c_int;
-        // SAFETY: `buf` is an exclusive borrow of `count` elements of T, datatype `dt`.
-        check("MPI_Bcast", unsafe {
-            ffi::MPI_Bcast(buf.as_mut_ptr().cast(), count, dt, root, self.raw())
+        let call = Call {
+            root,
+            ..Call::data::<T>("broadcast", buf.len())
+        };
+        self.guarded(call, || {
+            if buf.is_empty() {
+                return Ok(());
+            }
+            // `root < size`, and `size` came from a c_int.
+            let root = root as c_int;
+            // SAFETY: `buf` is an exclusive borrow of `count` elements of T, datatype `dt`.
+            check("MPI_Bcast", unsafe {
+                ffi::MPI_Bcast(buf.as_mut_ptr().cast(), count, dt, root, self.raw())
+            })
         })
     }
 
     fn barrier(&self) -> CommResult<()> {
-        // SAFETY: `self.comm` is a live communicator.
-        check("MPI_Barrier", unsafe { ffi::MPI_Barrier(self.raw()) })
+        self.guarded(Call::control("barrier"), || {
+            // SAFETY: `self.comm` is a live communicator.
+            check("MPI_Barrier", unsafe { ffi::MPI_Barrier(self.raw()) })
+        })
+    }
+
+    fn set_tag(&self, tag: CallTag) {
+        self.tag.set(tag);
+    }
+
+    fn abort_handle(&self) -> Option<AbortHandle> {
+        let guard = self.live.guard().clone();
+        Some(std::sync::Arc::new(move |reason: &str| guard.fail(reason)))
     }
 
     fn split(&self, color: usize, key: usize) -> CommResult<Self> {
@@ -496,15 +527,17 @@ impl Collective for MpiComm {
             .map_err(|_| CommError::InvalidArgument(format!("split: color {color} > i32::MAX")))?;
         let key = c_int::try_from(key)
             .map_err(|_| CommError::InvalidArgument(format!("split: key {key} > i32::MAX")))?;
-        let comm = self
-            .comm
-            .split_by_color_with_key(Color::with_value(color), key)
-            .ok_or_else(|| engine("MPI_Comm_split returned no communicator"))?;
+        let comm = self.guarded(Call::control("split"), || {
+            self.comm
+                .split_by_color_with_key(Color::with_value(color), key)
+                .ok_or_else(|| engine("MPI_Comm_split returned no communicator"))
+        })?;
         Self::wrap(
             comm,
             self.in_place,
             self.rs_override,
-            Arc::clone(&self.universe),
+            self.check_calls,
+            self.live.guard().register(),
         )
     }
 }

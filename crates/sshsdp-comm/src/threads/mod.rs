@@ -14,14 +14,14 @@
 mod rendezvous;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use rendezvous::{Arrival, CallGuard, Family, Group, OpDesc, RawBufs};
 
 use crate::collective::{check_chunks, check_root, equal_chunks};
 use crate::{
-    AbortHandle, Collective, CommError, CommResult, Element, Pending, ReduceOp, Reducible,
+    AbortHandle, CallTag, Collective, CommError, CommResult, Element, Pending, ReduceOp, Reducible,
 };
 
 /// Settings of a threads world.
@@ -102,6 +102,8 @@ pub struct ThreadComm {
     group: Arc<Group>,
     rank: usize,
     seq: AtomicU64,
+    /// The label of the calls made now (see [`Collective::set_tag`]).
+    tag: Mutex<CallTag>,
 }
 
 impl ThreadComm {
@@ -110,11 +112,32 @@ impl ThreadComm {
             group,
             rank,
             seq: AtomicU64::new(0),
+            tag: Mutex::new(CallTag::NONE),
         }
     }
 
     fn next_seq(&self) -> u64 {
         self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// What this rank asks for: operation `name` on `count` elements of `T` (no element type
+    /// for `None`), labelled with the current tag.
+    fn desc<T: Element>(&self, name: &'static str, count: Option<usize>) -> OpDesc {
+        OpDesc {
+            name,
+            kind: count.map(|_| T::KIND),
+            count: count.unwrap_or(0),
+            root: 0,
+            op: None,
+            tag: *self.tag.lock().unwrap_or_else(|p| p.into_inner()),
+        }
+    }
+
+    fn reduce_desc<T: Element>(&self, chunk: usize, op: ReduceOp) -> OpDesc {
+        OpDesc {
+            op: Some(op),
+            ..self.desc::<T>("reduce_scatter", Some(chunk))
+        }
     }
 
     /// The timeout this communicator's group uses.
@@ -136,21 +159,11 @@ impl Drop for ThreadComm {
     }
 }
 
-fn desc<T: Element>(name: &'static str, count: usize) -> OpDesc {
-    OpDesc {
-        name,
-        kind: Some(T::KIND),
-        count,
-        root: 0,
-        op: None,
-    }
-}
-
 /// In-place all-gather: chunk `rank` of the buffer at `base` is ours, the rest is filled.
 fn gather_into<T: Element>(
     g: &Group,
     rank: usize,
-    seq: u64,
+    (seq, desc): (u64, OpDesc),
     base: *mut T,
     chunk: usize,
 ) -> CommResult<()> {
@@ -159,8 +172,7 @@ fn gather_into<T: Element>(
         send: mine as usize,
         recv: 0,
     };
-    let Arrival { bufs: all, .. } =
-        g.arrive(seq, rank, desc::<T>("all_gather", chunk), bufs, None)?;
+    let Arrival { bufs: all, .. } = g.arrive(seq, rank, desc, bufs, None)?;
     let _guard = CallGuard::new(g, seq, false);
     for (q, peer) in all.iter().enumerate() {
         if q != rank && chunk > 0 {
@@ -178,7 +190,7 @@ fn gather_into<T: Element>(
 fn gather_out<T: Element>(
     g: &Group,
     rank: usize,
-    seq: u64,
+    (seq, desc): (u64, OpDesc),
     send: &[T],
     recv: &mut [T],
 ) -> CommResult<()> {
@@ -187,8 +199,7 @@ fn gather_out<T: Element>(
         send: send.as_ptr() as usize,
         recv: 0,
     };
-    let Arrival { bufs: all, .. } =
-        g.arrive(seq, rank, desc::<T>("all_gather", chunk), bufs, None)?;
+    let Arrival { bufs: all, .. } = g.arrive(seq, rank, desc, bufs, None)?;
     let _guard = CallGuard::new(g, seq, false);
     for (q, peer) in all.iter().enumerate() {
         // SAFETY: as in `gather_into`; `recv` is ours alone and holds size · chunk elements.
@@ -234,16 +245,12 @@ unsafe fn reduce_chunk<T: Reducible>(srcs: &[*const T], dst: *mut T, len: usize,
 fn reduce_scatter_impl<T: Reducible>(
     g: &Group,
     rank: usize,
-    seq: u64,
+    (seq, d): (u64, OpDesc),
     send: &[T],
     recv: &mut [T],
     op: ReduceOp,
 ) -> CommResult<()> {
     let chunk = recv.len();
-    let d = OpDesc {
-        op: Some(op),
-        ..desc::<T>("reduce_scatter", chunk)
-    };
     let bufs = RawBufs {
         send: send.as_ptr() as usize,
         recv: 0,
@@ -271,18 +278,17 @@ impl Collective for ThreadComm {
 
     fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> CommResult<()> {
         let chunk = equal_chunks("all_gather", buf.len(), self.size())?;
-        gather_into(
-            &self.group,
-            self.rank,
-            self.next_seq(),
-            buf.as_mut_ptr(),
-            chunk,
-        )
+        let call = (self.next_seq(), self.desc::<T>("all_gather", Some(chunk)));
+        gather_into(&self.group, self.rank, call, buf.as_mut_ptr(), chunk)
     }
 
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
         check_chunks("all_gather", "recv", recv.len(), send.len(), self.size())?;
-        gather_out(&self.group, self.rank, self.next_seq(), send, recv)
+        let call = (
+            self.next_seq(),
+            self.desc::<T>("all_gather", Some(send.len())),
+        );
+        gather_out(&self.group, self.rank, call, send, recv)
     }
 
     fn reduce_scatter<T: Reducible>(
@@ -298,7 +304,8 @@ impl Collective for ThreadComm {
             recv.len(),
             self.size(),
         )?;
-        reduce_scatter_impl(&self.group, self.rank, self.next_seq(), send, recv, op)
+        let call = (self.next_seq(), self.reduce_desc::<T>(recv.len(), op));
+        reduce_scatter_impl(&self.group, self.rank, call, send, recv, op)
     }
 
     fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
@@ -306,7 +313,7 @@ impl Collective for ThreadComm {
         let base = buf.as_mut_ptr();
         let d = OpDesc {
             op: Some(op),
-            ..desc::<T>("all_reduce", n)
+            ..self.desc::<T>("all_reduce", Some(n))
         };
         let bufs = RawBufs {
             send: 0,
@@ -349,7 +356,7 @@ impl Collective for ThreadComm {
         let base = buf.as_mut_ptr();
         let d = OpDesc {
             root,
-            ..desc::<T>("broadcast", buf.len())
+            ..self.desc::<T>("broadcast", Some(buf.len()))
         };
         let bufs = RawBufs {
             send: base as usize,
@@ -366,13 +373,7 @@ impl Collective for ThreadComm {
     }
 
     fn barrier(&self) -> CommResult<()> {
-        let d = OpDesc {
-            name: "barrier",
-            kind: None,
-            count: 0,
-            root: 0,
-            op: None,
-        };
+        let d = self.desc::<u8>("barrier", None);
         let seq = self.next_seq();
         self.group
             .arrive(seq, self.rank, d, RawBufs::default(), None)?;
@@ -387,14 +388,12 @@ impl Collective for ThreadComm {
         }))
     }
 
+    fn set_tag(&self, tag: CallTag) {
+        *self.tag.lock().unwrap_or_else(|p| p.into_inner()) = tag;
+    }
+
     fn split(&self, color: usize, key: usize) -> CommResult<Self> {
-        let d = OpDesc {
-            name: "split",
-            kind: None,
-            count: 0,
-            root: 0,
-            op: None,
-        };
+        let d = self.desc::<u8>("split", None);
         let seq = self.next_seq();
         let arrival = self.group.arrive(
             seq,
@@ -418,9 +417,10 @@ impl Collective for ThreadComm {
 
     fn start_all_gather<T: Element>(&self, mut buf: Vec<T>) -> CommResult<Pending<Vec<T>>> {
         let chunk = equal_chunks("all_gather", buf.len(), self.size())?;
-        let (group, rank, seq) = (self.group.clone(), self.rank, self.next_seq());
+        let call = (self.next_seq(), self.desc::<T>("all_gather", Some(chunk)));
+        let (group, rank) = (self.group.clone(), self.rank);
         Ok(spawn_pending(move || {
-            gather_into(&group, rank, seq, buf.as_mut_ptr(), chunk).map(|()| buf)
+            gather_into(&group, rank, call, buf.as_mut_ptr(), chunk).map(|()| buf)
         }))
     }
 
@@ -437,9 +437,10 @@ impl Collective for ThreadComm {
             recv.len(),
             self.size(),
         )?;
-        let (group, rank, seq) = (self.group.clone(), self.rank, self.next_seq());
+        let call = (self.next_seq(), self.reduce_desc::<T>(recv.len(), op));
+        let (group, rank) = (self.group.clone(), self.rank);
         Ok(spawn_pending(move || {
-            reduce_scatter_impl(&group, rank, seq, &send, &mut recv, op).map(|()| (send, recv))
+            reduce_scatter_impl(&group, rank, call, &send, &mut recv, op).map(|()| (send, recv))
         }))
     }
 }

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use crate::{CommError, CommResult, ElementKind, ReduceOp};
+use crate::{CallTag, CommError, CommResult, ElementKind, ReduceOp};
 
 /// What a rank asked for; every rank of a call must ask for the same.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -27,6 +27,24 @@ pub(crate) struct OpDesc {
     pub count: usize,
     pub root: usize,
     pub op: Option<ReduceOp>,
+    pub tag: CallTag,
+}
+
+impl std::fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.name)?;
+        if let Some(kind) = self.kind {
+            write!(f, "({kind:?} × {}", self.count)?;
+            if let Some(op) = self.op {
+                write!(f, ", {op:?}")?;
+            }
+            if self.name == "broadcast" {
+                write!(f, ", root {}", self.root)?;
+            }
+            f.write_str(")")?;
+        }
+        write!(f, " [{}]", self.tag)
+    }
 }
 
 /// Addresses of a rank's send and receive buffers (0 when unused).
@@ -179,8 +197,8 @@ impl Group {
         });
         if slot.desc != desc {
             let msg = format!(
-                "call #{seq}: rank {rank} called {:?} but another rank called {:?}",
-                desc, slot.desc
+                "call #{seq}: rank {rank} called {desc} but another rank called {}",
+                slot.desc
             );
             st.failure = Some(msg.clone());
             self.cv.notify_all();
