@@ -9,13 +9,15 @@
 //! the same world size and compares the global losses and its final weights; the program exits
 //! non-zero if they differ or if the model did not learn.
 
+use std::path::Path;
 use std::process::ExitCode;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig, HsdpError};
+use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig};
+use sshsdp::checkpoint::{self, PieceStates};
 use sshsdp::comm::mpi::{MpiOptions, MpiSession};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::{Collective, ReduceOp};
@@ -42,17 +44,19 @@ fn batch(step: usize) -> Vec<i64> {
         .collect()
 }
 
-/// Trains on `comm`'s rank; returns this rank's local losses and the final weights.
+/// Trains on `comm`'s rank; returns this rank's local losses and the final weights. With
+/// `checkpoint`, the trained state is then saved there and loaded back (the same values).
 fn train<C: Collective + Send + 'static>(
     comm: C,
     init: &Gpt<B>,
     steps: usize,
-) -> Result<(Vec<f32>, Vec<f32>), HsdpError> {
+    checkpoint: Option<&Path>,
+) -> Result<(Vec<f32>, Vec<f32>), String> {
     let device = Default::default();
     let (rank, world) = (comm.rank(), comm.size());
-    let mesh = Mesh::flat(world)?;
-    let (mut model, runtime) =
-        shard::<B, _, _>(init.clone(), HsdpConfig::new(mesh), comm, &device)?;
+    let mesh = Mesh::flat(world).map_err(|e| e.to_string())?;
+    let (mut model, runtime) = shard::<B, _, _>(init.clone(), HsdpConfig::new(mesh), comm, &device)
+        .map_err(|e| e.to_string())?;
     let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);
     let local = BATCH / world;
     let w = CONFIG.seq + 1;
@@ -63,9 +67,16 @@ fn train<C: Collective + Send + 'static>(
         let loss = model.loss(tokens);
         losses.push(loss.clone().into_scalar());
         let _ = loss.backward();
-        model = optim.step(LR, model, &runtime)?;
+        model = optim.step(LR, model, &runtime).map_err(|e| e.to_string())?;
     }
-    let weights = named_params(&model)?
+    if let Some(dir) = checkpoint {
+        let saved = checkpoint::save(dir, &runtime, &PieceStates::new(&mut optim), steps as u64)
+            .map_err(|e| format!("save: {e}"))?;
+        checkpoint::load(&saved, &runtime, &mut PieceStates::new(&mut optim))
+            .map_err(|e| format!("load: {e}"))?;
+    }
+    let weights = named_params(&model)
+        .map_err(|e| e.to_string())?
         .into_iter()
         .flat_map(|p| p.values)
         .collect();
@@ -104,7 +115,18 @@ fn run() -> Result<(), String> {
     named_params(&init).map_err(|e| e.to_string())?;
     // A second communicator for the check below (the first moves into the runtime).
     let check = comm.split(0, rank).map_err(|e| e.to_string())?;
-    let (losses, weights) = train(comm, &init, steps).map_err(|e| e.to_string())?;
+    // A checkpoint directory every rank agrees on: named by rank 0's process id.
+    let mut id = std::process::id().to_le_bytes();
+    check.broadcast(&mut id, 0).map_err(|e| e.to_string())?;
+    let dir = std::env::temp_dir().join(format!("sshsdp-mpi-train-{}", u32::from_le_bytes(id)));
+    let trained = train(comm, &init, steps, Some(&dir));
+    // Every rank is done with the directory (after a failure the barrier fails too, at once).
+    let synced = check.barrier();
+    if rank == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let (losses, weights) = trained?;
+    synced.map_err(|e| e.to_string())?;
     // The global loss of each step: the mean of the ranks' local losses.
     let mut global = losses.clone();
     check
@@ -112,15 +134,13 @@ fn run() -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let mut verdict = [0f32];
     if rank == 0 {
-        let threads =
-            ThreadsWorld::run(world, ThreadsConfig::default(), |c| train(c, &init, steps))
-                .map_err(|e| e.to_string())?;
+        let threads = ThreadsWorld::run(world, ThreadsConfig::default(), |c| {
+            train(c, &init, steps, None)
+        })
+        .map_err(|e| e.to_string())?;
         let mut reference: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
         for r in threads {
-            reference.push(
-                r.map_err(|_| "a threads rank panicked".to_string())?
-                    .map_err(|e| e.to_string())?,
-            );
+            reference.push(r.map_err(|_| "a threads rank panicked".to_string())??);
         }
         let ref_global: Vec<f32> = (0..steps)
             .map(|s| reference.iter().map(|(l, _)| l[s]).sum::<f32>() / world as f32)

@@ -242,10 +242,6 @@ where
     B: ShardableBackend,
     M: Module<B>,
 {
-    sshsdp_comm::faults::inject("sshsdp::shard", factory.world_rank())
-        .map_err(HsdpError::Failed)?;
-    config.validate()?;
-    config.mesh.check_world_size(factory.world_size())?;
     // Parameters start on the device's buffer-offset alignment, so each is a view of its bucket.
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     let config = {
@@ -256,24 +252,15 @@ where
         }
         config
     };
-    if factory.lanes() < RUNTIME_LANES {
-        return Err(HsdpError::Unsupported(format!(
-            "the communicator factory offers {} lanes; the runtime connects {RUNTIME_LANES}",
-            factory.lanes()
-        )));
-    }
-    let params = named_params(&module)?;
-    let specs: Vec<ParamSpec> = params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            ParamSpec::new(p.path.clone(), p.shape.clone(), DType::F32).with_order(i as u64)
-        })
-        .collect();
-    let plan = Plan::build(specs, config.mesh, config.plan.clone())?;
+    // What this rank can get wrong on its own is folded into the plan agreement, so that it is
+    // an error on every rank in that same call (on MPI too, whose peers would otherwise wait).
+    let local = local_plan(&module, &config, &*factory);
     let (replicas, shards) = (config.mesh.replicas(), config.mesh.shards());
-    let comm = factory.connect_mesh(LaneId::Bootstrap, replicas, shards)?;
-    check_same_plan(&*comm, &plan)?;
+    let comm = match factory.connect_mesh(LaneId::Bootstrap, replicas, shards) {
+        Ok(comm) => comm,
+        Err(e) => return Err(local.err().unwrap_or(e.into())),
+    };
+    let (params, plan) = agree_on_plan(&*comm, local)?;
 
     let values: HashMap<&str, &[f32]> = params
         .iter()
@@ -321,12 +308,55 @@ where
 }
 
 /// Compares plan fingerprints over the world; every rank gets the same verdict.
-fn check_same_plan(comm: &dyn MeshComm, plan: &Plan) -> Result<(), HsdpError> {
-    let ours = plan.fingerprint().0;
-    let mut all = vec![0u8; 32 * comm.world_size()];
+/// This rank's parameters and plan, or why it cannot shard (a local error: bad config, world
+/// size, factory, parameters, or an injected fault).
+fn local_plan<B: ShardableBackend, M: Module<B>>(
+    module: &M,
+    config: &HsdpConfig,
+    factory: &dyn crate::comm::LaneFactory,
+) -> Result<(Vec<NamedParam>, Plan), HsdpError> {
+    sshsdp_comm::faults::inject("sshsdp::shard", factory.world_rank())
+        .map_err(HsdpError::Failed)?;
+    config.validate()?;
+    config.mesh.check_world_size(factory.world_size())?;
+    if factory.lanes() < RUNTIME_LANES {
+        return Err(HsdpError::Unsupported(format!(
+            "the communicator factory offers {} lanes; the runtime connects {RUNTIME_LANES}",
+            factory.lanes()
+        )));
+    }
+    let params = named_params(module)?;
+    let specs: Vec<ParamSpec> = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            ParamSpec::new(p.path.clone(), p.shape.clone(), DType::F32).with_order(i as u64)
+        })
+        .collect();
+    let plan = Plan::build(specs, config.mesh, config.plan.clone())?;
+    Ok((params, plan))
+}
+
+/// Every rank learns whether every rank could plan, and that all planned the same: one
+/// all-gather of a failure flag and the plan's fingerprint. A local error is returned as is on
+/// its rank and names the failed rank on the others.
+fn agree_on_plan<T>(
+    comm: &dyn MeshComm,
+    local: Result<(T, Plan), HsdpError>,
+) -> Result<(T, Plan), HsdpError> {
+    let mut ours = [0u8; 33];
+    match &local {
+        Ok((_, plan)) => ours[1..].copy_from_slice(&plan.fingerprint().0),
+        Err(_) => ours[0] = 1,
+    }
+    let mut all = vec![0u8; 33 * comm.world_size()];
     comm.all_gather_bytes(&ours, &mut all)?;
-    if all.chunks(32).all(|fp| fp == ours) {
-        Ok(())
+    let (params, plan) = local?;
+    if let Some(r) = all.chunks(33).position(|x| x[0] != 0) {
+        return Err(HsdpError::Failed(format!("rank {r} failed in shard")));
+    }
+    if all.chunks(33).all(|x| x == ours) {
+        Ok((params, plan))
     } else {
         Err(HsdpError::PlanMismatch {
             ours: plan.fingerprint().to_string(),

@@ -43,8 +43,9 @@
 //! (threads; MPI initialised with `MPI_THREAD_MULTIPLE`; NCCL with a stream per
 //! communicator); under MPI each rank is a process of its own, whose graph locks no peer shares.
 //!
-//! After a failure no further collective is attempted on either lane (peers would not match it)
-//! and every later request gets the first error at once.
+//! After a failure the lanes still run every queued collective, which the engine fails at once
+//! (see [`run`]): every rank meets the failure in the same call, and no peer waits for a call
+//! this rank skipped.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -123,7 +124,7 @@ impl<T> Reply<T> {
     }
 }
 
-/// The first failure of either lane: once set, no lane attempts another collective.
+/// The first failure of either lane, reported by every later request.
 type Failure = Arc<Mutex<Option<CommError>>>;
 
 /// Handle to the two communication lanes.
@@ -428,19 +429,24 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
     }
 }
 
-/// Runs one collective unless an earlier one (on either lane) failed: after a failure no
-/// further collective is attempted (peers would not match it) and every later request gets the
-/// first error at once.
+/// Runs one collective and keeps the first failure of either lane.
+///
+/// After a failure the lanes still run every collective the model thread queues, in order:
+/// the engine fails each at once (the threads engine's aborted world, MPI's call check with
+/// this rank's failure flag, an aborted NCCL communicator), so every rank meets the failure in
+/// the same call and the ranks stay in step — no peer is left waiting for a call this rank
+/// skipped. Where an engine cannot abort, the call runs normally and its result is discarded
+/// by the runtime, which has recorded the failure.
 fn run<T>(failure: &Failure, f: impl FnOnce() -> CommResult<T>) -> CommResult<T> {
-    if let Some(e) = failure.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-        return Err(e.clone());
-    }
     let r = f();
-    if let Err(e) = &r {
-        failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert_with(|| e.clone());
+    let mut first = failure.lock().unwrap_or_else(|p| p.into_inner());
+    match (&r, first.as_ref()) {
+        (Err(e), None) => {
+            *first = Some(e.clone());
+            r
+        }
+        // Report the first failure, the cause, rather than its echo.
+        (_, Some(e)) => Err(e.clone()),
+        (Ok(_), None) => r,
     }
-    r
 }

@@ -19,8 +19,10 @@
 //! ([`crate::worker`]); the model thread only queues them and waits for replies.
 //!
 //! Errors inside ops (a failed gather during forward or backward) cannot be returned through
-//! Burn's op signatures: the runtime records the failure, hands out zeros from then on (no
-//! further collectives, so no hang), and the next [`Runtime::update_pieces`] returns the error.
+//! Burn's op signatures: the runtime records the failure (and aborts the engine's
+//! communicators, so every rank's calls fail at once), hands out zeros from then on while still
+//! queuing the collectives its peers expect (which fail at once: the ranks stay in step, no
+//! peer waits for a skipped call), and the next [`Runtime::update_pieces`] returns the error.
 
 mod counters;
 mod grad_sync;
@@ -278,13 +280,13 @@ impl<B: Backend> Runtime<B> {
         if st.storage[b].resident().is_some() {
             return true;
         }
-        if st.failure.is_some() {
-            return false;
-        }
         if let Err(e) = sshsdp_comm::faults::inject("sshsdp::gather", self.world_rank) {
             self.record_failure(st, e);
-            return false;
         }
+        // After a failure the gather is still queued (it fails at once on every rank: see
+        // `worker::run`) and the bucket is installed as zeros, so that this rank's later calls
+        // are exactly its peers' (the same schedule, prefetches included): the ranks stay in
+        // step until the update reports the failure.
         let which = self.part(st, b);
         let reply = match st.storage[b].take_gather() {
             Some((reply, queued)) if queued == which => {
@@ -295,17 +297,21 @@ impl<B: Backend> Runtime<B> {
                 // Queued for the other pass (every rank queued it): complete it, gather again.
                 if let Err(e) = self.wait(b, "wait stale prefetch", reply) {
                     self.record_failure(st, e.to_string());
-                    return false;
                 }
                 self.start_gather(st, b, which)
             }
             None => self.start_gather(st, b, which),
         };
         let full = match self.wait(b, "wait gather", reply) {
-            Ok(full) => full,
+            Ok(full) if st.failure.is_none() => full,
+            Ok(_) => st.storage[b]
+                .shard
+                .zeros_like(self.codecs[b].gathered_units(which)),
             Err(e) => {
                 self.record_failure(st, e.to_string());
-                return false;
+                st.storage[b]
+                    .shard
+                    .zeros_like(self.codecs[b].gathered_units(which))
             }
         };
         self.count_gather(st, &full);
@@ -446,8 +452,8 @@ impl<B: Backend> Runtime<B> {
         };
         if complete {
             if let Err(e) = sshsdp_comm::faults::inject("sshsdp::reduce", self.world_rank) {
+                // The reduction is still queued (see `worker::run`): the ranks stay in step.
                 self.record_failure(&mut st, e);
-                return;
             }
             match st.grads.reduce(b, &self.codecs[b], &self.worker) {
                 Ok(reduced) => {
@@ -530,17 +536,19 @@ impl<B: Backend> Runtime<B> {
         stage: &'static str,
         bytes: Vec<u8>,
     ) -> Result<Vec<u8>, HsdpError> {
-        if let Some(f) = &st.failure {
-            return Err(HsdpError::Failed(f.clone()));
-        }
+        // Made after a failure too (it fails at once: see `worker::run`): the ranks stay in step.
         let reply = self.worker.gather_world_bytes(stage, bytes);
         let gathered = self
             .timeline
             .span(Track::Model, "wait world all-gather", None, || reply.wait());
-        gathered.map_err(|e| {
-            self.record_failure(st, e.to_string());
-            e.into()
-        })
+        match (gathered, &st.failure) {
+            (Ok(all), None) => Ok(all),
+            (Ok(_), Some(f)) => Err(HsdpError::Failed(f.clone())),
+            (Err(e), _) => {
+                self.record_failure(st, e.to_string());
+                Err(e.into())
+            }
+        }
     }
 
     /// The global gradient norm measured by the last update (`None` before the first).

@@ -132,16 +132,24 @@ pub(super) fn run<B: Backend>(
         let failure = format!(
             "bucket {b} is still waiting for {pending} gradients: finish backward before stepping"
         );
-        rt.record_failure(st, failure.clone());
-        return Err(HsdpError::Failed(failure));
+        rt.record_failure(st, failure);
     }
     for b in 0..st.storage.len() {
         if let Err(e) = st.grads.collect(b, &rt.timeline) {
             rt.record_failure(st, e);
         }
     }
-    if let Some(f) = &st.failure {
-        return Err(HsdpError::Failed(f.clone()));
+    if let Some(f) = st.failure.clone() {
+        // The update's collectives are still made (they fail at once: see `worker::run`), so
+        // that peers that have not met the failure yet meet it here, in this same call.
+        if !all_buckets {
+            let _ = rt
+                .worker
+                .gather_bytes("gradient norm", 0f64.to_le_bytes().to_vec())
+                .wait();
+        }
+        let _ = rt.gather_world(st, "step verdict", vec![1]);
+        return Err(HsdpError::Failed(f));
     }
     let grads: Vec<(usize, Vec<f32>)> = (0..st.storage.len())
         .map(|b| {
