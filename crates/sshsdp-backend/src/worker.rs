@@ -399,7 +399,8 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                 let _ = reply.send(r);
             }
             ReplicaRequest::GatherBytes { tag, send, reply } => {
-                let r = lane.run("all-gather (update group)", tag, || {
+                // Named by its stage (e.g. "gradient norm") on the timeline.
+                let r = lane.run(tag.stage, tag, || {
                     let mut recv = vec![0u8; send.len() * comm.update_group_size(sharding)];
                     comm.all_gather_update_group_bytes(sharding, &send, &mut recv)?;
                     Ok(recv)
