@@ -140,15 +140,18 @@ pub(super) fn run<B: Backend>(
         }
     }
     if let Some(f) = st.failure.clone() {
-        // The update's collectives are still made (they fail at once: see `worker::run`), so
-        // that peers that have not met the failure yet meet it here, in this same call.
-        if !all_buckets {
+        // The update's first collective is still made (it fails at once: see `worker::run`), so
+        // that peers that have not met the failure yet meet it here and return from this same
+        // call: the gradient norm, or the verdict when there is no norm (all buckets). Only the
+        // first: peers stop at it too, so a second would wait for them in vain.
+        if all_buckets {
+            let _ = rt.gather_world(st, "step verdict", vec![1]);
+        } else {
             let _ = rt
                 .worker
                 .gather_bytes("gradient norm", 0f64.to_le_bytes().to_vec())
                 .wait();
         }
-        let _ = rt.gather_world(st, "step verdict", vec![1]);
         return Err(HsdpError::Failed(f));
     }
     let grads: Vec<(usize, Vec<f32>)> = (0..st.storage.len())
@@ -248,6 +251,12 @@ pub(super) fn run<B: Backend>(
             .map_err(HsdpError::Failed)
             .and_then(|()| step(&mut pieces, &group))
     };
+    // A collective of the step failed (a peer failed or called something else): every rank of
+    // the update group met that failure in that same call and stops there, so no verdict.
+    if let (Err(e), true) = (&stepped, rt.worker.failed()) {
+        rt.record_failure(st, e.to_string());
+        return stepped;
+    }
     // Every rank learns whether every rank's step succeeded (one byte each, over the world), so
     // an optimizer's local error is an error on every rank in this same call, and no rank goes
     // on to re-derive and rebuild alone.
