@@ -14,6 +14,7 @@
 
 #![deny(missing_docs)]
 
+mod call;
 mod collective;
 pub mod conformance;
 mod element;

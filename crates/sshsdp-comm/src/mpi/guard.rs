@@ -4,7 +4,7 @@
 //!
 //! * **Call check** ([`MpiOptions::check_calls`], on by default): before each collective every
 //!   rank contributes its call — operation, element type, count, root, reduction and
-//!   [`CallTag`] — and whether it has failed, in one `MPI_Allreduce` of 17 `i64`s with `MPI_MAX`
+//!   [`crate::CallTag`] — and whether it has failed, in one `MPI_Allreduce` of 17 `i64`s with `MPI_MAX`
 //!   (each field is sent as `x` and `−x`, so one maximum gives both the largest and the
 //!   smallest value). Ranks whose calls differ all get [`CommError::Mismatch`]; if any rank has
 //!   failed, all get [`CommError::PeerFailed`] in the same call, and no data moves. This is
@@ -33,7 +33,8 @@ use mpi::ffi;
 use mpi::raw::AsRaw;
 
 use super::raw::check;
-use crate::{CallTag, CommError, CommResult};
+use crate::call::{CallDesc, WORD_NAMES};
+use crate::{CommError, CommResult};
 
 /// Settings of an MPI session, equal on every rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,102 +59,6 @@ impl Default for MpiOptions {
 
 /// The exit status of a job the watchdog ends.
 pub const WATCHDOG_EXIT_CODE: c_int = 124;
-
-/// A collective call, as its ranks must agree on it.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Call {
-    /// The operation.
-    pub name: &'static str,
-    /// The element type's name (empty for calls without data).
-    pub elem: &'static str,
-    /// Elements per rank as the operation counts them.
-    pub count: usize,
-    /// Root rank (broadcast) or 0.
-    pub root: usize,
-    /// Reduction (`"sum"`, `"avg"`) or empty.
-    pub op: &'static str,
-}
-
-impl Call {
-    /// A call moving `count` elements of `T` per rank.
-    pub fn data<T: crate::Element>(name: &'static str, count: usize) -> Self {
-        Self {
-            name,
-            elem: std::any::type_name::<T>(),
-            count,
-            root: 0,
-            op: "",
-        }
-    }
-
-    /// A reduction of `count` elements of `T` per rank with `op`.
-    pub fn reduce<T: crate::Element>(
-        name: &'static str,
-        count: usize,
-        op: crate::ReduceOp,
-    ) -> Self {
-        Self {
-            op: match op {
-                crate::ReduceOp::Sum => "sum",
-                crate::ReduceOp::Avg => "avg",
-            },
-            ..Self::data::<T>(name, count)
-        }
-    }
-
-    /// A call without data (barrier, split).
-    pub fn control(name: &'static str) -> Self {
-        Self {
-            name,
-            elem: "",
-            count: 0,
-            root: 0,
-            op: "",
-        }
-    }
-}
-
-const FIELDS: [&str; 8] = [
-    "operation",
-    "element type",
-    "count",
-    "root",
-    "reduction",
-    "step",
-    "bucket",
-    "stage",
-];
-
-impl Call {
-    fn words(&self, tag: CallTag) -> [i64; 8] {
-        let [step, bucket, stage] = tag.to_words();
-        [
-            crate::tag::stable_hash(self.name),
-            crate::tag::stable_hash(self.elem),
-            i64::try_from(self.count).unwrap_or(i64::MAX),
-            i64::try_from(self.root).unwrap_or(i64::MAX),
-            crate::tag::stable_hash(self.op),
-            step,
-            bucket,
-            stage,
-        ]
-    }
-
-    fn describe(&self, tag: CallTag) -> String {
-        let mut s = self.name.to_string();
-        if !self.elem.is_empty() {
-            s += &format!("({} × {}", self.elem, self.count);
-            if !self.op.is_empty() {
-                s += &format!(", {}", self.op);
-            }
-            if self.name == "broadcast" {
-                s += &format!(", root {}", self.root);
-            }
-            s += ")";
-        }
-        s + &format!(" [{tag}]")
-    }
-}
 
 /// The state a session's communicators share.
 pub(super) struct Guard {
@@ -274,7 +179,7 @@ impl Guard {
     }
 
     /// Notes `call` as started, for the watchdog.
-    pub fn enter(&self, call: &Call, tag: CallTag) -> InFlight {
+    pub fn enter(&self, call: &CallDesc) -> InFlight {
         if self.options.watchdog.is_none() {
             return InFlight { watch: None, id: 0 };
         }
@@ -283,7 +188,7 @@ impl Guard {
             .inflight
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(id, (Instant::now(), call.describe(tag)));
+            .insert(id, (Instant::now(), call.to_string()));
         InFlight {
             watch: Some(self.watch.clone()),
             id,
@@ -293,13 +198,7 @@ impl Guard {
     /// The call check on communicator `comm`: every rank's call and failure state, agreed in
     /// one all-reduce. Without call checks (`checked` false), only this rank's own failure is
     /// reported.
-    pub fn agree(
-        &self,
-        comm: ffi::MPI_Comm,
-        checked: bool,
-        call: &Call,
-        tag: CallTag,
-    ) -> CommResult<()> {
+    pub fn agree(&self, comm: ffi::MPI_Comm, checked: bool, call: &CallDesc) -> CommResult<()> {
         let local = self.failure();
         if !checked {
             return match local {
@@ -307,17 +206,17 @@ impl Guard {
                 None => Ok(()),
             };
         }
-        let words = call.words(tag);
-        let mut send = [0i64; 1 + 2 * FIELDS.len()];
+        let words = call.words();
+        let mut send = [0i64; 1 + 2 * WORD_NAMES.len()];
         // Which rank failed, plus one (0: none); the maximum names one failed rank.
         send[0] = local.as_ref().map_or(0, |_| {
             i64::try_from(self.world_rank).unwrap_or(i64::MAX - 1) + 1
         });
         for (i, &w) in words.iter().enumerate() {
             send[1 + i] = w;
-            send[1 + FIELDS.len() + i] = w.saturating_neg();
+            send[1 + WORD_NAMES.len() + i] = w.saturating_neg();
         }
-        let mut recv = [0i64; 1 + 2 * FIELDS.len()];
+        let mut recv = [0i64; 1 + 2 * WORD_NAMES.len()];
         // SAFETY: `send` and `recv` are distinct arrays of `send.len()` i64s, the datatype is
         // MPI's 64-bit integer, and `comm` is a live communicator of this session.
         check("MPI_Allreduce (call check)", unsafe {
@@ -338,9 +237,9 @@ impl Guard {
             self.fail(&reason);
             return Err(CommError::PeerFailed(reason));
         }
-        let differ: Vec<&str> = (0..FIELDS.len())
-            .filter(|&i| recv[1 + i] != recv[1 + FIELDS.len() + i].saturating_neg())
-            .map(|i| FIELDS[i])
+        let differ: Vec<&str> = (0..WORD_NAMES.len())
+            .filter(|&i| recv[1 + i] != recv[1 + WORD_NAMES.len() + i].saturating_neg())
+            .map(|i| WORD_NAMES[i])
             .collect();
         if differ.is_empty() {
             return Ok(());
@@ -348,7 +247,7 @@ impl Guard {
         let msg = format!(
             "rank {} called {}, and the ranks' calls differ in {}",
             self.world_rank,
-            call.describe(tag),
+            call,
             differ.join(", ")
         );
         self.fail(&msg);

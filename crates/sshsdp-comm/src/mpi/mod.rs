@@ -135,7 +135,9 @@ pub use guard::{MpiOptions, WATCHDOG_EXIT_CODE};
 pub use policy::{ReduceScatterAlgo, ReduceScatterPolicy, DEFAULT_ALLREDUCE_FROM_BYTES};
 pub use session::MpiSession;
 
-use guard::{Call, Live};
+use guard::Live;
+
+use crate::call::CallDesc as Call;
 use raw::*;
 
 use crate::collective::{check_chunks, check_root, equal_chunks};
@@ -219,9 +221,9 @@ impl MpiComm {
     /// the watchdog; an engine error fails the session, so that every later call is an error on
     /// every rank rather than a mismatch.
     fn guarded<R>(&self, call: Call, f: impl FnOnce() -> CommResult<R>) -> CommResult<R> {
-        let (guard, tag) = (self.live.guard(), self.tag.get());
-        let _watched = guard.enter(&call, tag);
-        guard.agree(self.raw(), self.check_calls, &call, tag)?;
+        let guard = self.live.guard();
+        let _watched = guard.enter(&call);
+        guard.agree(self.raw(), self.check_calls, &call)?;
         let result = f();
         if let Err(e) = &result {
             guard.fail(&e.to_string());
@@ -363,7 +365,7 @@ impl Collective for MpiComm {
         let n = equal_chunks("all_gather", buf.len(), self.size)?;
         let dt = datatype::<T>("all_gather")?;
         let count = mpi_count("all_gather", n)?;
-        self.guarded(Call::data::<T>("all_gather", n), || {
+        self.guarded(Call::data::<T>("all_gather", n, self.tag.get()), || {
             if n == 0 || self.size == 1 {
                 return Ok(());
             }
@@ -398,23 +400,26 @@ impl Collective for MpiComm {
         check_chunks("all_gather", "recv", recv.len(), send.len(), self.size)?;
         let dt = datatype::<T>("all_gather")?;
         let count = mpi_count("all_gather", send.len())?;
-        self.guarded(Call::data::<T>("all_gather", send.len()), || {
-            if send.is_empty() {
-                return Ok(());
-            }
-            // SAFETY: `send` (n) and `recv` (size · n) are distinct borrows of T, datatype `dt`.
-            check("MPI_Allgather", unsafe {
-                ffi::MPI_Allgather(
-                    send.as_ptr().cast(),
-                    count,
-                    dt,
-                    recv.as_mut_ptr().cast(),
-                    count,
-                    dt,
-                    self.raw(),
-                )
-            })
-        })
+        self.guarded(
+            Call::data::<T>("all_gather", send.len(), self.tag.get()),
+            || {
+                if send.is_empty() {
+                    return Ok(());
+                }
+                // SAFETY: `send` (n) and `recv` (size · n) are distinct borrows of T, datatype `dt`.
+                check("MPI_Allgather", unsafe {
+                    ffi::MPI_Allgather(
+                        send.as_ptr().cast(),
+                        count,
+                        dt,
+                        recv.as_mut_ptr().cast(),
+                        count,
+                        dt,
+                        self.raw(),
+                    )
+                })
+            },
+        )
     }
 
     fn reduce_scatter<T: Reducible>(
@@ -425,7 +430,7 @@ impl Collective for MpiComm {
     ) -> CommResult<()> {
         check_chunks("reduce_scatter", "send", send.len(), recv.len(), self.size)?;
         mpi_count("reduce_scatter", send.len())?;
-        let call = Call::reduce::<T>("reduce_scatter", recv.len(), op);
+        let call = Call::reduce::<T>("reduce_scatter", recv.len(), op, self.tag.get());
         self.guarded(call, || {
             if recv.is_empty() {
                 return Ok(());
@@ -462,27 +467,30 @@ impl Collective for MpiComm {
 
     fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
         mpi_count("all_reduce", buf.len())?;
-        self.guarded(Call::reduce::<T>("all_reduce", buf.len(), op), || {
-            if buf.is_empty() {
-                return Ok(());
-            }
-            let scale = op.scale(self.size);
-            if let Some(buf) = as_f32_mut(buf) {
-                // SAFETY: `buf` is an exclusive borrow of `buf.len()` f32s.
-                unsafe { self.sum_f32_in_place(buf.as_mut_ptr(), buf.len())? };
-                if op != ReduceOp::Sum {
-                    buf.iter_mut().for_each(|x| *x *= scale);
+        self.guarded(
+            Call::reduce::<T>("all_reduce", buf.len(), op, self.tag.get()),
+            || {
+                if buf.is_empty() {
+                    return Ok(());
                 }
-                return Ok(());
-            }
-            let mut wide: Vec<f32> = buf.iter().map(|x| x.to_acc()).collect();
-            // SAFETY: `wide` is an owned buffer of `buf.len()` f32s.
-            unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
-            buf.iter_mut()
-                .zip(&wide)
-                .for_each(|(b, &s)| *b = T::from_acc(s * scale));
-            Ok(())
-        })
+                let scale = op.scale(self.size);
+                if let Some(buf) = as_f32_mut(buf) {
+                    // SAFETY: `buf` is an exclusive borrow of `buf.len()` f32s.
+                    unsafe { self.sum_f32_in_place(buf.as_mut_ptr(), buf.len())? };
+                    if op != ReduceOp::Sum {
+                        buf.iter_mut().for_each(|x| *x *= scale);
+                    }
+                    return Ok(());
+                }
+                let mut wide: Vec<f32> = buf.iter().map(|x| x.to_acc()).collect();
+                // SAFETY: `wide` is an owned buffer of `buf.len()` f32s.
+                unsafe { self.sum_f32_in_place(wide.as_mut_ptr(), wide.len())? };
+                buf.iter_mut()
+                    .zip(&wide)
+                    .for_each(|(b, &s)| *b = T::from_acc(s * scale));
+                Ok(())
+            },
+        )
     }
 
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
@@ -491,7 +499,7 @@ impl Collective for MpiComm {
         let count = mpi_count("broadcast", buf.len())?;
         let call = Call {
             root,
-            ..Call::data::<T>("broadcast", buf.len())
+            ..Call::data::<T>("broadcast", buf.len(), self.tag.get())
         };
         self.guarded(call, || {
             if buf.is_empty() {
@@ -507,7 +515,7 @@ impl Collective for MpiComm {
     }
 
     fn barrier(&self) -> CommResult<()> {
-        self.guarded(Call::control("barrier"), || {
+        self.guarded(Call::control("barrier", self.tag.get()), || {
             // SAFETY: `self.comm` is a live communicator.
             check("MPI_Barrier", unsafe { ffi::MPI_Barrier(self.raw()) })
         })
@@ -527,7 +535,7 @@ impl Collective for MpiComm {
             .map_err(|_| CommError::InvalidArgument(format!("split: color {color} > i32::MAX")))?;
         let key = c_int::try_from(key)
             .map_err(|_| CommError::InvalidArgument(format!("split: key {key} > i32::MAX")))?;
-        let comm = self.guarded(Call::control("split"), || {
+        let comm = self.guarded(Call::control("split", self.tag.get()), || {
             self.comm
                 .split_by_color_with_key(Color::with_value(color), key)
                 .ok_or_else(|| engine("MPI_Comm_split returned no communicator"))

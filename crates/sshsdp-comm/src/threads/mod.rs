@@ -120,24 +120,8 @@ impl ThreadComm {
         self.seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// What this rank asks for: operation `name` on `count` elements of `T` (no element type
-    /// for `None`), labelled with the current tag.
-    fn desc<T: Element>(&self, name: &'static str, count: Option<usize>) -> OpDesc {
-        OpDesc {
-            name,
-            kind: count.map(|_| T::KIND),
-            count: count.unwrap_or(0),
-            root: 0,
-            op: None,
-            tag: *self.tag.lock().unwrap_or_else(|p| p.into_inner()),
-        }
-    }
-
-    fn reduce_desc<T: Element>(&self, chunk: usize, op: ReduceOp) -> OpDesc {
-        OpDesc {
-            op: Some(op),
-            ..self.desc::<T>("reduce_scatter", Some(chunk))
-        }
+    fn tag(&self) -> CallTag {
+        *self.tag.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The timeout this communicator's group uses.
@@ -278,7 +262,10 @@ impl Collective for ThreadComm {
 
     fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> CommResult<()> {
         let chunk = equal_chunks("all_gather", buf.len(), self.size())?;
-        let call = (self.next_seq(), self.desc::<T>("all_gather", Some(chunk)));
+        let call = (
+            self.next_seq(),
+            OpDesc::data::<T>("all_gather", chunk, self.tag()),
+        );
         gather_into(&self.group, self.rank, call, buf.as_mut_ptr(), chunk)
     }
 
@@ -286,7 +273,7 @@ impl Collective for ThreadComm {
         check_chunks("all_gather", "recv", recv.len(), send.len(), self.size())?;
         let call = (
             self.next_seq(),
-            self.desc::<T>("all_gather", Some(send.len())),
+            OpDesc::data::<T>("all_gather", send.len(), self.tag()),
         );
         gather_out(&self.group, self.rank, call, send, recv)
     }
@@ -304,17 +291,17 @@ impl Collective for ThreadComm {
             recv.len(),
             self.size(),
         )?;
-        let call = (self.next_seq(), self.reduce_desc::<T>(recv.len(), op));
+        let call = (
+            self.next_seq(),
+            OpDesc::reduce::<T>("reduce_scatter", recv.len(), op, self.tag()),
+        );
         reduce_scatter_impl(&self.group, self.rank, call, send, recv, op)
     }
 
     fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
         let (g, rank, seq, n) = (&*self.group, self.rank, self.next_seq(), buf.len());
         let base = buf.as_mut_ptr();
-        let d = OpDesc {
-            op: Some(op),
-            ..self.desc::<T>("all_reduce", Some(n))
-        };
+        let d = OpDesc::reduce::<T>("all_reduce", n, op, self.tag());
         let bufs = RawBufs {
             send: 0,
             recv: base as usize,
@@ -356,7 +343,7 @@ impl Collective for ThreadComm {
         let base = buf.as_mut_ptr();
         let d = OpDesc {
             root,
-            ..self.desc::<T>("broadcast", Some(buf.len()))
+            ..OpDesc::data::<T>("broadcast", buf.len(), self.tag())
         };
         let bufs = RawBufs {
             send: base as usize,
@@ -373,7 +360,7 @@ impl Collective for ThreadComm {
     }
 
     fn barrier(&self) -> CommResult<()> {
-        let d = self.desc::<u8>("barrier", None);
+        let d = OpDesc::control("barrier", self.tag());
         let seq = self.next_seq();
         self.group
             .arrive(seq, self.rank, d, RawBufs::default(), None)?;
@@ -393,7 +380,7 @@ impl Collective for ThreadComm {
     }
 
     fn split(&self, color: usize, key: usize) -> CommResult<Self> {
-        let d = self.desc::<u8>("split", None);
+        let d = OpDesc::control("split", self.tag());
         let seq = self.next_seq();
         let arrival = self.group.arrive(
             seq,
@@ -417,7 +404,10 @@ impl Collective for ThreadComm {
 
     fn start_all_gather<T: Element>(&self, mut buf: Vec<T>) -> CommResult<Pending<Vec<T>>> {
         let chunk = equal_chunks("all_gather", buf.len(), self.size())?;
-        let call = (self.next_seq(), self.desc::<T>("all_gather", Some(chunk)));
+        let call = (
+            self.next_seq(),
+            OpDesc::data::<T>("all_gather", chunk, self.tag()),
+        );
         let (group, rank) = (self.group.clone(), self.rank);
         Ok(spawn_pending(move || {
             gather_into(&group, rank, call, buf.as_mut_ptr(), chunk).map(|()| buf)
@@ -437,7 +427,10 @@ impl Collective for ThreadComm {
             recv.len(),
             self.size(),
         )?;
-        let call = (self.next_seq(), self.reduce_desc::<T>(recv.len(), op));
+        let call = (
+            self.next_seq(),
+            OpDesc::reduce::<T>("reduce_scatter", recv.len(), op, self.tag()),
+        );
         let (group, rank) = (self.group.clone(), self.rank);
         Ok(spawn_pending(move || {
             reduce_scatter_impl(&group, rank, call, &send, &mut recv, op).map(|()| (send, recv))

@@ -17,35 +17,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use crate::{CallTag, CommError, CommResult, ElementKind, ReduceOp};
-
-/// What a rank asked for; every rank of a call must ask for the same.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct OpDesc {
-    pub name: &'static str,
-    pub kind: Option<ElementKind>,
-    pub count: usize,
-    pub root: usize,
-    pub op: Option<ReduceOp>,
-    pub tag: CallTag,
-}
-
-impl std::fmt::Display for OpDesc {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.name)?;
-        if let Some(kind) = self.kind {
-            write!(f, "({kind:?} × {}", self.count)?;
-            if let Some(op) = self.op {
-                write!(f, ", {op:?}")?;
-            }
-            if self.name == "broadcast" {
-                write!(f, ", root {}", self.root)?;
-            }
-            f.write_str(")")?;
-        }
-        write!(f, " [{}]", self.tag)
-    }
-}
+pub(crate) use crate::call::CallDesc as OpDesc;
+use crate::{CommError, CommResult};
 
 /// Addresses of a rank's send and receive buffers (0 when unused).
 #[derive(Clone, Copy, Debug, Default)]
