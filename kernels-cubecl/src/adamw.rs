@@ -14,7 +14,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use crate::error::{check_size, to_u32, KernelError};
+use crate::error::{check_size, product, to_u32, KernelError};
 
 /// Hyper-parameters of one AdamW step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -137,7 +137,7 @@ pub fn adamw_step<R: Runtime>(
     if len == 0 {
         return Ok(());
     }
-    let bytes = (len * 4) as u64;
+    let bytes = product("len", &[len, 4])?;
     for (what, h) in [("param", param), ("grad", grad), ("m", m), ("v", v)] {
         check_size(what, h, bytes)?;
     }

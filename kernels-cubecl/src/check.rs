@@ -357,7 +357,7 @@ fn newton_schulz<R: Runtime>(ck: &mut Check<R>, rng: &mut Rng, (m, n): (usize, u
     let x: Vec<f32> = x0.iter().map(|v| v / norm).collect();
     let hx = ck.upload(&x);
     let out = c.empty(m * n * 4);
-    let ws = NsWorkspace::new(&c, m, n, NsPrecision::F32);
+    let ws = NsWorkspace::new(&c, m, n, NsPrecision::F32).unwrap();
     ns_step(&c, &hx, m, n, NS_COEFFICIENTS, NsPrecision::F32, &ws, &out).unwrap();
     let got = ck.read_f32(&out);
     // reference: Gram in f64, then sampled outputs

@@ -45,6 +45,18 @@ pub(crate) fn to_u32(what: &'static str, value: u64) -> Result<u32, KernelError>
     u32::try_from(value).map_err(|_| KernelError::TooLarge { what, value })
 }
 
+/// The product of `factors` (sizes a launch computes), or [`KernelError::TooLarge`] when it
+/// overflows 64 bits: never a wrapped size that a buffer check would wrongly accept.
+pub(crate) fn product(what: &'static str, factors: &[usize]) -> Result<u64, KernelError> {
+    factors
+        .iter()
+        .try_fold(1u64, |acc, &f| acc.checked_mul(f as u64))
+        .ok_or(KernelError::TooLarge {
+            what,
+            value: u64::MAX,
+        })
+}
+
 /// The shape `[rows, cols]` once it is checked to fit in memory, or `None` when it is empty (the
 /// kernels then have nothing to do).
 pub(crate) fn checked_shape(

@@ -10,7 +10,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::e4m3::round_bf16;
-use crate::error::{check_size, to_u32, KernelError};
+use crate::error::{check_size, product, to_u32, KernelError};
 
 /// Output rows per cube.
 pub(crate) const BM: u32 = 64;
@@ -216,12 +216,21 @@ impl<'a> MatRef<'a> {
         }
     }
 
-    /// Bytes spanned by a `rows x cols` view.
-    fn span_bytes(&self, rows: usize, cols: usize) -> u64 {
+    /// Bytes spanned by a `rows x cols` view (an error when that overflows).
+    fn span_bytes(&self, what: &'static str, rows: usize, cols: usize) -> Result<u64, KernelError> {
         if rows == 0 || cols == 0 {
-            return 0;
+            return Ok(0);
         }
-        4 * ((rows - 1) * self.row_stride + (cols - 1) * self.col_stride + 1) as u64
+        let last_row = product(what, &[rows - 1, self.row_stride])?;
+        let last_col = product(what, &[cols - 1, self.col_stride])?;
+        last_row
+            .checked_add(last_col)
+            .and_then(|v| v.checked_add(1))
+            .and_then(|v| v.checked_mul(4))
+            .ok_or(KernelError::TooLarge {
+                what,
+                value: u64::MAX,
+            })
     }
 }
 
@@ -261,19 +270,27 @@ pub(crate) fn gemm_impl<R: Runtime>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    check_size("a", a.handle, a.span_bytes(m, k))?;
-    check_size("b", b.handle, b.span_bytes(k, n))?;
-    check_size("c", c, (m * n * 4) as u64)?;
+    let a_span = a.span_bytes("a span", m, k)?;
+    let b_span = b.span_bytes("b span", k, n)?;
+    let mn = product("m * n", &[m, n])?;
+    check_size("a", a.handle, a_span)?;
+    check_size("b", b.handle, b_span)?;
+    check_size("c", c, mn * 4)?;
     if let Some(d) = d {
-        check_size("d", d, (m * n * 4) as u64)?;
+        check_size("d", d, mn * 4)?;
     }
-    for (what, v) in [
-        ("a span", a.span_bytes(m, k) / 4),
-        ("b span", b.span_bytes(k, n) / 4),
-        ("m * n", (m * n) as u64),
-    ] {
-        to_u32(what, v)?;
-    }
+    to_u32("a span", a_span / 4)?;
+    to_u32("b span", b_span / 4)?;
+    to_u32("m * n", mn)?;
+    let [k32, a_rows, a_cols, b_rows, b_cols] = [
+        ("k", k),
+        ("a row stride", a.row_stride),
+        ("a column stride", a.col_stride),
+        ("b row stride", b.row_stride),
+        ("b column stride", b.col_stride),
+    ]
+    .map(|(what, v)| to_u32(what, v as u64));
+    let (k32, a_rows, a_cols, b_rows, b_cols) = (k32?, a_rows?, a_cols?, b_rows?, b_cols?);
     let len = |h: &Handle| h.size_in_used() as usize / 4;
     let d_handle = d.unwrap_or(a.handle);
     let count = CubeCount::Static((n as u32).div_ceil(BN), (m as u32).div_ceil(BM), 1);
@@ -289,11 +306,11 @@ pub(crate) fn gemm_impl<R: Runtime>(
             ArrayArg::from_raw_parts(c.clone(), len(c)),
             m as u32,
             n as u32,
-            k as u32,
-            a.row_stride as u32,
-            a.col_stride as u32,
-            b.row_stride as u32,
-            b.col_stride as u32,
+            k32,
+            a_rows,
+            a_cols,
+            b_rows,
+            b_cols,
             alpha,
             beta,
             a.col_stride == 1,

@@ -13,7 +13,7 @@ use cubecl::server::Handle;
 use sshsdp_mx::MxShape;
 
 use crate::e4m3::{byte_of, decode_e4m3};
-use crate::error::{check_size, to_u32, KernelError};
+use crate::error::{check_size, product, to_u32, KernelError};
 use crate::gemm::{block_fma, store_plain, BM, BN, SMEM_LD, UNITS};
 use crate::layout::{ROW_SCALES_W, TILE_WORDS};
 
@@ -129,14 +129,14 @@ pub fn mx_matmul<R: Runtime>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let a_words = a_offset + sa.tiled_bytes() / 4;
-    let b_words = b_offset + sb.tiled_bytes() / 4;
-    check_size("a", a, a_words as u64 * 4)?;
-    check_size("b", b, b_words as u64 * 4)?;
-    check_size("c", c, (m * n * 4) as u64)?;
-    to_u32("a words", a_words as u64)?;
-    to_u32("b words", b_words as u64)?;
-    to_u32("m * n", (m * n) as u64)?;
+    let a_words = a_offset as u64 + (sa.tiled_bytes() / 4) as u64;
+    let b_words = b_offset as u64 + (sb.tiled_bytes() / 4) as u64;
+    to_u32("a words", a_words)?;
+    to_u32("b words", b_words)?;
+    let mn = to_u32("m * n", product("m * n", &[m, n])?)?;
+    check_size("a", a, a_words * 4)?;
+    check_size("b", b, b_words * 4)?;
+    check_size("c", c, mn as u64 * 4)?;
     let len = |h: &Handle| h.size_in_used() as usize / 4;
     let count = CubeCount::Static((n as u32).div_ceil(BN), (m as u32).div_ceil(BM), 1);
     // SAFETY: tile indices stay inside the two tiled layouts and `m * n`, checked above.

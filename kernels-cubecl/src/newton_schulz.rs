@@ -12,7 +12,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::e4m3::round_bf16;
-use crate::error::{check_size, to_u32, KernelError};
+use crate::error::{check_size, product, to_u32, KernelError};
 use crate::gemm::{gemm_impl, MatRef};
 
 /// Quintic Newton–Schulz coefficients `(a, b, c)` (the same as `sshsdp_optim`).
@@ -154,20 +154,22 @@ pub struct NsWorkspace {
 }
 
 impl NsWorkspace {
-    /// Allocates the scratch for an `m x n` iterate in `precision`.
+    /// Allocates the scratch for an `m x n` iterate in `precision` (an error when the sizes
+    /// do not fit the kernels' 32-bit indexing).
     pub fn new<R: Runtime>(
         client: &ComputeClient<R>,
         m: usize,
         n: usize,
         precision: NsPrecision,
-    ) -> Self {
-        let mm = (m * m * 4).max(4);
-        Self {
-            gram: client.empty(mm),
-            bm: client.empty(mm),
+    ) -> Result<Self, KernelError> {
+        let mm = to_u32("m * m", product("m * m", &[m, m])?)? as usize * 4;
+        let mn = to_u32("m * n", product("m * n", &[m, n])?)? as usize * 4;
+        Ok(Self {
+            gram: client.empty(mm.max(4)),
+            bm: client.empty(mm.max(4)),
             bf16_terms: (precision == NsPrecision::Bf16)
-                .then(|| (client.empty(mm), client.empty((m * n * 4).max(4)))),
-        }
+                .then(|| (client.empty(mm.max(4)), client.empty(mn.max(4)))),
+        })
     }
 }
 
@@ -188,8 +190,10 @@ pub fn ns_step<R: Runtime>(
     out: &Handle,
 ) -> Result<(), KernelError> {
     let (a, b, c) = coeffs;
-    check_size("gram", &ws.gram, (m * m * 4) as u64)?;
-    check_size("bm", &ws.bm, (m * m * 4) as u64)?;
+    let mm_bytes = product("m * m", &[m, m, 4])?;
+    let mn_bytes = product("m * n", &[m, n, 4])?;
+    check_size("gram", &ws.gram, mm_bytes)?;
+    check_size("bm", &ws.bm, mm_bytes)?;
     let xr = MatRef::row_major(x, n);
     let gram = MatRef::row_major(&ws.gram, m);
     let bm = MatRef::row_major(&ws.bm, m);
@@ -228,8 +232,8 @@ pub fn ns_step<R: Runtime>(
                     "NsPrecision::Bf16 needs a workspace made for it".into(),
                 ));
             };
-            check_size("gram2", gram2, (m * m * 4) as u64)?;
-            check_size("bmx", bmx, (m * n * 4) as u64)?;
+            check_size("gram2", gram2, mm_bytes)?;
+            check_size("bmx", bmx, mn_bytes)?;
             let xt = MatRef::transposed(x, n);
             gemm_impl(
                 client,
@@ -261,8 +265,9 @@ fn axpby_bf16<R: Runtime>(
     out: &Handle,
     len: usize,
 ) -> Result<(), KernelError> {
+    let bytes = product("len", &[len, 4])?;
     for (what, h) in [("u", u), ("w", w), ("out", out)] {
-        check_size(what, h, (len * 4) as u64)?;
+        check_size(what, h, bytes)?;
     }
     let len32 = to_u32("len", len as u64)?;
     // SAFETY: indices are below `len`, checked against the three handles above.
@@ -295,13 +300,13 @@ pub fn newton_schulz<R: Runtime>(
     precision: NsPrecision,
     out: &Handle,
 ) -> Result<(), KernelError> {
-    let len = rows * cols;
+    let len32 = to_u32("rows * cols", product("rows * cols", &[rows, cols])?)?;
+    let len = len32 as usize;
     if len == 0 {
         return Ok(());
     }
-    check_size("g", g, (len * 4) as u64)?;
-    check_size("out", out, (len * 4) as u64)?;
-    let len32 = to_u32("rows * cols", len as u64)?;
+    check_size("g", g, len as u64 * 4)?;
+    check_size("out", out, len as u64 * 4)?;
     let transposed = rows > cols;
     let (m, n) = if transposed {
         (cols, rows)
@@ -348,7 +353,7 @@ pub fn newton_schulz<R: Runtime>(
             precision == NsPrecision::Bf16,
         );
     }
-    let ws = NsWorkspace::new(client, m, n, precision);
+    let ws = NsWorkspace::new(client, m, n, precision)?;
     for _ in 0..steps {
         ns_step(client, &x, m, n, NS_COEFFICIENTS, precision, &ws, &next)?;
         core::mem::swap(&mut x, &mut next);

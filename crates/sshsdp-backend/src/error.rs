@@ -31,7 +31,8 @@ pub enum HsdpError {
         /// The global gradient norm measured (NaN or infinite).
         norm: f64,
     },
-    /// An earlier failure left the runtime unusable.
-    #[error("the runtime failed earlier: {0}")]
+    /// The runtime failed: a collective, the codec, a device read, or a failure recorded during
+    /// this step's forward or backward (ops cannot return errors, so it surfaces here).
+    #[error("the runtime failed: {0}")]
     Failed(String),
 }

@@ -111,6 +111,18 @@ impl<B: Backend> HsdpRuntime<B> {
         self.runtime.param_values(index)
     }
 
+    /// Handles to the parameters alive now: the module's own plus those autodiff graphs keep
+    /// for backward (grows with forward passes that never run backward).
+    pub fn live_param_handles(&self) -> u64 {
+        self.runtime.live_param_handles()
+    }
+
+    /// Whether the runtime warned that forward passes without backward keep autodiff graphs
+    /// (and their memory) alive; see `docs/FAILURES.md`.
+    pub fn forwards_without_backward_warned(&self) -> bool {
+        self.runtime.forwards_without_backward_warned()
+    }
+
     /// Bytes of this rank's persistent runtime shards.
     pub fn shard_bytes(&self) -> u64 {
         self.runtime.shard_bytes()

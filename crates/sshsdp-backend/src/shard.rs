@@ -122,11 +122,7 @@ impl<B: ShardableBackend> ModuleMapper<B> for Swapper<B> {
         let (id, tensor, mapper) = param.consume();
         let index = self.index[&self.paths.path()];
         let require_grad = tensor.is_require_grad();
-        let handle = ParamHandle {
-            runtime: self.runtime.clone(),
-            index,
-            shape: tensor.shape(),
-        };
+        let handle = ParamHandle::new(self.runtime.clone(), index, tensor.shape());
         Param::from_mapped_value(
             id,
             leaf::<B, D>(HsdpFloat::Param(handle), require_grad),

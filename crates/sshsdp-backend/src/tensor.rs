@@ -30,15 +30,28 @@ pub struct ParamHandle<B: Backend> {
 
 impl<B: Backend> Clone for ParamHandle<B> {
     fn clone(&self) -> Self {
-        Self {
-            runtime: self.runtime.clone(),
-            index: self.index,
-            shape: self.shape.clone(),
-        }
+        Self::new(self.runtime.clone(), self.index, self.shape.clone())
+    }
+}
+
+impl<B: Backend> Drop for ParamHandle<B> {
+    fn drop(&mut self) {
+        self.runtime.handle_dropped();
     }
 }
 
 impl<B: Backend> ParamHandle<B> {
+    /// A handle to parameter `index` of `runtime` (counted while it lives: see
+    /// `runtime::retention`).
+    pub(crate) fn new(runtime: Arc<Runtime<B>>, index: usize, shape: Shape) -> Self {
+        runtime.handle_made();
+        Self {
+            runtime,
+            index,
+            shape,
+        }
+    }
+
     /// Module path of the parameter.
     pub fn path(&self) -> &str {
         &self.runtime.plan().params()[self.index].spec.path

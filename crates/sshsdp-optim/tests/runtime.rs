@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, SgdConfig};
-use common::{batches, rows, TinyLm};
+use common::{batches, rows, with_rng, TinyLm};
 use sshsdp_backend::{
     chrome_trace, named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError,
     Placement, Track,
@@ -21,9 +21,11 @@ type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
 
 fn model() -> TinyLm<B> {
-    let m = TinyLm::new(&Default::default());
-    named_params(&m).unwrap();
-    m
+    with_rng(|| {
+        let m = TinyLm::new(&Default::default());
+        named_params(&m).unwrap();
+        m
+    })
 }
 
 fn threads(timeout_ms: u64) -> ThreadsConfig {

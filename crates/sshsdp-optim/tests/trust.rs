@@ -13,10 +13,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, NdArray};
+use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use common::{batches, rows, TinyLm};
+use common::{batches, rows, with_rng, TinyLm};
 use sshsdp_backend::{
     named_params, refresh_leaves, shard, Hsdp, HsdpConfig, HsdpError, NamedParam, NonFinitePolicy,
     Views,
@@ -29,12 +30,15 @@ use sshsdp_plan::{Mesh, Sharding};
 type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
 
+/// The initial model (the same on every call: seeded and drawn under [`with_rng`]).
 fn model() -> TinyLm<B> {
-    let device = Default::default();
-    B::seed(&device, 11);
-    let model = TinyLm::new(&device);
-    named_params(&model).unwrap();
-    model
+    with_rng(|| {
+        let device = Default::default();
+        B::seed(&device, 11);
+        let model = TinyLm::new(&device);
+        named_params(&model).unwrap();
+        model
+    })
 }
 
 fn threads(timeout: Duration) -> ThreadsConfig {
@@ -108,9 +112,8 @@ fn a_lagging_replica_never_deadlocks_hierarchical_with_reshard() {
 }
 
 /// Two steps of two micro-batches each on two ranks, refreshing the module's leaves after each
-/// micro-batch or not; returns rank 0's final weights.
-fn accumulate(refresh: bool, reshard: bool) -> Vec<NamedParam> {
-    let init = model();
+/// micro-batch or not, from `init`; returns rank 0's final weights.
+fn accumulate(init: &TinyLm<B>, refresh: bool, reshard: bool) -> Vec<NamedParam> {
     let results = ThreadsWorld::run(2, threads(Duration::from_secs(30)), |comm| {
         let device = Default::default();
         let rank = comm.rank();
@@ -137,11 +140,18 @@ fn accumulate(refresh: bool, reshard: bool) -> Vec<NamedParam> {
 
 #[test]
 fn accumulation_without_refreshing_leaves_loses_no_micro_batch() {
+    // One initial model for both runs: what differs between them is only the refreshing.
+    let init = model();
+    let initial = named_params(&init).unwrap();
     for reshard in [false, true] {
-        let refreshed = accumulate(true, reshard);
-        let plain = accumulate(false, reshard);
-        let init = named_params(&model()).unwrap();
-        assert_ne!(refreshed, init, "the steps changed the weights");
+        let refreshed = accumulate(&init, true, reshard);
+        let plain = accumulate(&init, false, reshard);
+        assert_eq!(
+            named_params(&init).unwrap(),
+            initial,
+            "the runs left init alone"
+        );
+        assert_ne!(refreshed, initial, "the steps changed the weights");
         for (a, b) in plain.iter().zip(&refreshed) {
             let diff = a
                 .values
@@ -339,5 +349,66 @@ fn a_local_error_on_one_rank_is_an_error_on_every_rank_at_once() {
         if rank != 1 {
             assert!(err.to_string().contains("ranks [1]"), "rank {rank}: {err}");
         }
+    }
+}
+
+/// What one training step and then `passes` of one kind leave behind on one rank: (warned, live
+/// parameter handles after the passes, live handles right after `shard`).
+fn after_passes(kind: &'static str, passes: usize) -> (bool, u64, u64) {
+    let init = model();
+    ThreadsWorld::run(1, threads(Duration::from_secs(30)), |comm| {
+        let device = Default::default();
+        let config = HsdpConfig::new(Mesh::flat(1).unwrap()).with_bucket_elements(1500);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let at_start = runtime.live_param_handles();
+        let mut sgd = ShardedOptimizer::new(SgdConfig::new().build::<Inner>(), device);
+        let batch = &batches(1, 2)[0];
+        let _ = model.loss(rows::<B>(batch, 0, 2, &device)).backward();
+        model = sgd.step(0.01, model, &runtime).unwrap();
+        for _ in 0..passes {
+            match kind {
+                "forward" => {
+                    let _ = model.loss(rows::<B>(batch, 0, 2, &device));
+                }
+                "valid" => {
+                    let _ = model
+                        .valid()
+                        .loss(rows::<Hsdp<Inner>>(batch, 0, 2, &device));
+                }
+                "train" => {
+                    let _ = model.loss(rows::<B>(batch, 0, 2, &device)).backward();
+                    model = sgd.step(0.01, model, &runtime).unwrap();
+                }
+                _ => unreachable!(),
+            }
+        }
+        (
+            runtime.forwards_without_backward_warned(),
+            runtime.live_param_handles(),
+            at_start,
+        )
+    })
+    .unwrap()
+    .into_iter()
+    .next()
+    .unwrap()
+    .expect("rank 0")
+}
+
+#[test]
+fn forwards_without_backward_are_reported_and_training_or_valid_is_not() {
+    // Each forward keeps its graph (and the parameters it saved) until a backward: the runtime
+    // sees its handles pile up and warns.
+    let (warned, live, start) = after_passes("forward", 50);
+    assert!(
+        warned,
+        "50 forwards without backward: {start} → {live} handles, no warning"
+    );
+    assert!(live > 10 * start, "{start} → {live}");
+    // Training steps keep one step's worth; evaluation on `valid()` keeps nothing.
+    for kind in ["train", "valid"] {
+        let (warned, live, start) = after_passes(kind, 200);
+        assert!(!warned, "{kind}: warned with {start} → {live} handles");
+        assert!(live <= 2 * start, "{kind}: {start} → {live} handles");
     }
 }

@@ -64,7 +64,7 @@ fn ns_step_matches_f64_reference() {
             .collect();
         let hx = upload_f32(&c, &x);
         let out = c.empty(m * n * 4);
-        let ws = NsWorkspace::new(&c, m, n, NsPrecision::F32);
+        let ws = NsWorkspace::new(&c, m, n, NsPrecision::F32).unwrap();
         ns_step(&c, &hx, m, n, NS_COEFFICIENTS, NsPrecision::F32, &ws, &out).unwrap();
         let got = read_f32(&c, &out);
         let d = max_abs_diff(&got, &want);
@@ -189,4 +189,41 @@ fn adamw_matches_burn_and_reference() {
         assert!(max_abs_diff(&gm, &m) <= 1e-6 * m.iter().fold(0f32, |a, b| a.max(b.abs())));
         assert!(max_abs_diff(&gv, &v) <= 1e-6 * v.iter().fold(0f32, |a, b| a.max(b.abs())));
     }
+}
+
+/// Sizes whose byte counts overflow (or do not fit 32-bit indexing) are errors before any
+/// allocation or launch, never a wrapped size that a buffer check would accept.
+#[test]
+fn huge_sizes_are_errors_not_wrapped_launches() {
+    use sshsdp_kernels::{gemm, mx_matmul, KernelError, MatRef};
+    let c = client();
+    let small = c.empty(64);
+    let huge = 1usize << 40;
+    let too_large = |r: Result<(), KernelError>, what: &str| match r {
+        Err(KernelError::TooLarge { .. }) | Err(KernelError::Shape(_)) => {}
+        other => panic!("{what}: {other:?}"),
+    };
+    let a = MatRef::row_major(&small, huge);
+    let b = MatRef::row_major(&small, huge);
+    too_large(
+        gemm(&c, huge, huge, huge, 1.0, a, b, 0.0, None, &small),
+        "gemm 2^40",
+    );
+    let a = MatRef::row_major(&small, usize::MAX / 2);
+    let b = MatRef::row_major(&small, 2);
+    too_large(
+        gemm(&c, 4, 2, usize::MAX / 2, 1.0, a, b, 0.0, None, &small),
+        "gemm with an overflowing span",
+    );
+    too_large(
+        mx_matmul(&c, huge, huge, 32, &small, 0, &small, 0, &small),
+        "mx_matmul 2^40",
+    );
+    too_large(
+        newton_schulz(&c, &small, huge, huge, 5, NsPrecision::F32, &small),
+        "newton_schulz 2^40",
+    );
+    assert!(NsWorkspace::new(&c, 1 << 17, 1 << 17, NsPrecision::F32).is_err());
+    let params = AdamWParams::default();
+    assert!(adamw_step(&c, &small, &small, &small, &small, usize::MAX / 2, &params).is_err());
 }

@@ -27,6 +27,7 @@
 mod counters;
 mod grad_sync;
 mod residency;
+mod retention;
 mod schedule;
 mod update;
 
@@ -50,6 +51,7 @@ use crate::views::with_f32_values;
 use crate::worker::Worker;
 use grad_sync::GradSync;
 use residency::{BucketStorage, Materialiser};
+use retention::Retention;
 use schedule::Schedule;
 
 /// Re-registers a parameter's autodiff leaf in a fresh graph, given the parameter's primitive:
@@ -96,6 +98,8 @@ pub struct Runtime<B: Backend> {
     /// Per parameter, how to re-register its current autodiff leaf (`None` without autodiff or
     /// gradient). Kept apart from `state`: re-registering takes Burn's graph locks.
     leaves: Mutex<Vec<Option<LeafRearm<B>>>>,
+    /// Live parameter handles: the warning about forwards without backward.
+    retention: Retention,
 }
 
 impl<B: Backend> Runtime<B> {
@@ -142,6 +146,7 @@ impl<B: Backend> Runtime<B> {
             timeline.clone(),
         )?;
         let leaves = Mutex::new(vec![None; plan.params().len()]);
+        let retention = Retention::new(plan.params().len());
         let buckets = storage.len();
         Ok(Self {
             plan,
@@ -158,6 +163,7 @@ impl<B: Backend> Runtime<B> {
             worker,
             timeline,
             leaves,
+            retention,
             state: Mutex::new(State {
                 storage,
                 schedule: Schedule::new(config.reshard_after_forward),
@@ -215,12 +221,36 @@ impl<B: Backend> Runtime<B> {
         };
         for (index, rearm) in rearms {
             let p = &self.plan.params()[index];
-            rearm(HsdpFloat::Param(ParamHandle {
-                runtime: self.clone(),
+            rearm(HsdpFloat::Param(ParamHandle::new(
+                self.clone(),
                 index,
-                shape: Shape::from(p.spec.shape.clone()),
-            }));
+                Shape::from(p.spec.shape.clone()),
+            )));
         }
+    }
+
+    /// A [`ParamHandle`] to one of this runtime's parameters was made.
+    pub(crate) fn handle_made(&self) {
+        self.retention.acquire();
+    }
+
+    /// A [`ParamHandle`] was dropped.
+    pub(crate) fn handle_dropped(&self) {
+        self.retention.release();
+    }
+
+    /// Handles to this runtime's parameters alive now: the module's own, plus those autodiff
+    /// graphs saved for backward. Forward passes without backward grow it (see
+    /// [`Runtime::forwards_without_backward_warned`]).
+    pub fn live_param_handles(&self) -> u64 {
+        self.retention.live()
+    }
+
+    /// Whether the runtime warned that forward passes without backward are keeping autodiff
+    /// graphs alive (more live parameter handles than 16 steps' worth, or 64 per parameter
+    /// before the first backward).
+    pub fn forwards_without_backward_warned(&self) -> bool {
+        self.retention.warned()
     }
 
     /// The plan this runtime follows.
@@ -405,6 +435,7 @@ impl<B: Backend> Runtime<B> {
 
     /// A backward pass starts; `indices` are the parameters that will receive a gradient.
     pub(crate) fn begin_backward(&self, indices: &[usize]) {
+        self.retention.backward_started();
         let mut st = self.lock();
         st.grads
             .begin(indices.iter().map(|&i| self.plan.params()[i].bucket));

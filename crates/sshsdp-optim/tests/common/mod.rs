@@ -11,6 +11,16 @@ use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
+/// Runs `f` (seeding Burn's RNG and drawing initial weights) while no other test of this
+/// process does: Burn's RNG is process-global and the tests of a file run in parallel, so
+/// another test's seeding or drawing between this test's seed and its draws would change this
+/// test's initial weights.
+pub fn with_rng<T>(f: impl FnOnce() -> T) -> T {
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = RNG.lock().unwrap_or_else(|p| p.into_inner());
+    f()
+}
+
 pub const VOCAB: usize = 32;
 pub const D_MODEL: usize = 16;
 pub const SEQ: usize = 8;
