@@ -250,7 +250,8 @@ where
     };
     // What this rank can get wrong on its own is folded into the plan agreement, so that it is
     // an error on every rank in that same call (on MPI too, whose peers would otherwise wait).
-    let local = local_plan(&module, &config, &*factory);
+    let local =
+        check_backend::<B::Inner>(device).and_then(|()| local_plan(&module, &config, &*factory));
     let (replicas, shards) = (config.mesh.replicas(), config.mesh.shards());
     let comm = match factory.connect_mesh(LaneId::Bootstrap, replicas, shards) {
         Ok(comm) => comm,
@@ -303,7 +304,32 @@ where
     Ok((module, HsdpRuntime::new(runtime)))
 }
 
-/// Compares plan fingerprints over the world; every rank gets the same verdict.
+/// Refuses inner backends whose tensors cannot be views of a gathered bucket: burn-fusion's
+/// (`Fusion<CubeBackend<…>>`, what `Wgpu` and `Cuda` are when burn's `fusion` feature is on)
+/// keep every tensor in fusion's lazy stream, so each parameter would be a copy and the
+/// decorator's memory and copy accounting would be false.
+fn check_backend<B: burn_backend::Backend>(device: &B::Device) -> Result<(), HsdpError> {
+    let name = B::name(device);
+    if is_fusion(&name) {
+        return Err(HsdpError::Unsupported(format!(
+            "Hsdp<{name}>: burn-fusion backends are not supported (a parameter cannot be a view \
+             of its gathered bucket in fusion's lazy stream). Use the CubeCL backend without \
+             fusion: `CubeBackend<WgpuRuntime, f32, i32, u32>` (burn_wgpu) or \
+             `CubeBackend<CudaRuntime, f32, i32, u8>` (burn_cuda), which is what `Wgpu` and \
+             `Cuda` are with burn's `fusion` feature off, e.g. `burn = {{ version = \"=0.21.0\", \
+             default-features = false, features = [\"std\", \"autodiff\", \"wgpu\"] }}` \
+             (burn's default features turn `fusion` on)"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether a backend name is burn-fusion's (`fusion<inner>`, burn-fusion 0.21's
+/// `Backend::name`).
+fn is_fusion(name: &str) -> bool {
+    name.starts_with("fusion<")
+}
+
 /// This rank's parameters and plan, or why it cannot shard (a local error: bad config, world
 /// size, factory, parameters, or an injected fault).
 fn local_plan<B: ShardableBackend, M: Module<B>>(
@@ -357,5 +383,22 @@ fn agree_on_plan<T>(
         Err(HsdpError::PlanMismatch {
             ours: plan.fingerprint().to_string(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fusion_backends_are_refused_by_name() {
+        // burn-fusion 0.21 names itself `fusion<{inner}>`; CubeCL backends `cubecl<{runtime}>`.
+        assert!(is_fusion("fusion<cubecl<wgpu<vulkan>>>"));
+        assert!(!is_fusion("cubecl<wgpu<vulkan>>"));
+        #[cfg(feature = "ndarray")]
+        {
+            type Nd = burn_ndarray::NdArray<f32>;
+            assert!(check_backend::<Nd>(&Default::default()).is_ok());
+        }
     }
 }

@@ -133,8 +133,6 @@ pub(crate) struct Worker {
     threads: Vec<JoinHandle<()>>,
     /// The optimizer step the requests belong to, for their [`CallTag`]s.
     step: AtomicU64,
-    /// The lanes' first failure.
-    failure: Failure,
 }
 
 impl Worker {
@@ -194,7 +192,6 @@ impl Worker {
             tx: Some(tx),
             threads: vec![shard_lane],
             step: AtomicU64::new(0),
-            failure: failure.clone(),
         };
         worker.threads.push(spawn(
             format!("hsdp-replica-{rank}"),
@@ -231,14 +228,6 @@ impl Worker {
     /// The label of a request of `stage` about `bucket` in the current step.
     fn tag(&self, bucket: Option<usize>, stage: &'static str) -> CallTag {
         CallTag::new(self.step.load(Ordering::Relaxed), bucket, stage)
-    }
-
-    /// Whether a collective of either lane has failed (every later one fails too).
-    pub fn failed(&self) -> bool {
-        self.failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
     }
 
     /// Marks the end of an optimizer step: later requests carry the next step in their tags.

@@ -317,37 +317,87 @@ fn a_rank_failing_mid_step_makes_the_others_error_not_hang() {
     }
 }
 
-#[test]
-fn a_local_error_on_one_rank_is_an_error_on_every_rank_at_once() {
+/// How rank 1's optimizer step goes wrong in [`step_failure`].
+#[derive(Clone, Copy, Debug)]
+enum StepFault {
+    /// An error of its own before any collective.
+    Local,
+    /// An error of its own after the first of two update-group collectives (its group peer is
+    /// left waiting in the second).
+    LocalMidExchange,
+    /// A collective of another size than its group peer's (a mismatch in the engine).
+    Mismatch,
+}
+
+/// One step on `mesh` where rank 1's optimizer step fails as `fault` while the others step
+/// normally (two update-group all-reduces); returns each rank's outcome and time in the step.
+fn step_failure(mesh: Mesh, fault: StepFault) -> Vec<(Result<(), HsdpError>, Duration)> {
     let init = model();
-    let results = ThreadsWorld::run(3, threads(Duration::from_secs(120)), |comm| {
-        let device = Default::default();
-        let rank = comm.rank();
-        let config = HsdpConfig::new(Mesh::flat(3).unwrap()).with_bucket_elements(1500);
-        let (model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
-        let batch = &batches(1, 6)[0];
-        let _ = model
-            .loss(rows::<B>(batch, rank * 2, 2, &device))
-            .backward();
-        // Rank 1's optimizer fails on its own; the others step and then rebuild, which needs
-        // rank 1: they must get an error at once, not after the two-minute timeout.
-        let started = Instant::now();
-        let outcome = runtime.update_pieces(Views::Host, |_, _| match rank {
-            1 => Err(HsdpError::Failed("rank 1's optimizer failed".into())),
-            _ => Ok(()),
-        });
-        (outcome, started.elapsed())
-    })
+    let results = ThreadsWorld::run(
+        mesh.world_size(),
+        threads(Duration::from_secs(20)),
+        |comm| {
+            let device = Default::default();
+            let rank = comm.rank();
+            let config = HsdpConfig::new(mesh)
+                .with_sharding(Sharding::Hsdp)
+                .with_bucket_elements(1500);
+            let (model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+            let batch = &batches(1, 2 * mesh.world_size())[0];
+            let _ = model
+                .loss(rows::<B>(batch, rank * 2, 2, &device))
+                .backward();
+            let started = Instant::now();
+            let outcome = runtime.update_pieces(Views::Host, |_, group| {
+                let fail = || Err(HsdpError::Failed("rank 1's optimizer failed".into()));
+                match (rank, fault) {
+                    (1, StepFault::Local) => return fail(),
+                    (1, StepFault::Mismatch) => group.all_reduce_sum(vec![1.0; 3])?,
+                    _ => group.all_reduce_sum(vec![1.0; 2])?,
+                };
+                if let (1, StepFault::LocalMidExchange) = (rank, fault) {
+                    return fail();
+                }
+                group.all_reduce_sum(vec![2.0; 2])?;
+                Ok(())
+            });
+            (outcome, started.elapsed())
+        },
+    )
     .unwrap();
-    for (rank, r) in results.into_iter().enumerate() {
-        let (outcome, took) = r.expect("no panic");
-        let err = outcome.expect_err("every rank fails");
-        assert!(
-            took < Duration::from_secs(10),
-            "rank {rank} took {took:?}: {err}"
-        );
-        if rank != 1 {
-            assert!(err.to_string().contains("ranks [1]"), "rank {rank}: {err}");
+    results
+        .into_iter()
+        .map(|r| r.expect("no rank panicked"))
+        .collect()
+}
+
+/// Rank 1's optimizer step fails on its own or in a collective, on a flat mesh and under HSDP
+/// (where each replica's update group steps on its own and the others wait at the step's
+/// world-wide verdict): every rank gets an error at once, not after the timeout.
+#[test]
+fn a_step_failing_on_one_rank_is_an_error_on_every_rank_at_once() {
+    for mesh in [Mesh::flat(3).unwrap(), Mesh::new(2, 2).unwrap()] {
+        for fault in [
+            StepFault::Local,
+            StepFault::LocalMidExchange,
+            StepFault::Mismatch,
+        ] {
+            for (rank, (outcome, took)) in step_failure(mesh, fault).into_iter().enumerate() {
+                let err = outcome.expect_err("every rank fails");
+                assert!(
+                    took < Duration::from_secs(1),
+                    "{mesh} {fault:?}: rank {rank} took {took:?}: {err}"
+                );
+                // A local error names its rank everywhere; a mismatch names the two calls.
+                let named = match fault {
+                    StepFault::Mismatch => "called all_reduce(F32 × 3",
+                    _ => "rank 1",
+                };
+                assert!(
+                    err.to_string().contains(named) || rank == 1,
+                    "{mesh} {fault:?}: rank {rank}: {err}"
+                );
+            }
         }
     }
 }

@@ -251,15 +251,17 @@ pub(super) fn run<B: Backend>(
             .map_err(HsdpError::Failed)
             .and_then(|()| step(&mut pieces, &group))
     };
-    // A collective of the step failed (a peer failed or called something else): every rank of
-    // the update group met that failure in that same call and stops there, so no verdict.
-    if let (Err(e), true) = (&stepped, rt.worker.failed()) {
+    // A failed step (one of its collectives failed, or the optimizer's own error) is recorded
+    // first: that aborts the engine, so a peer of the update group still inside one of the
+    // step's collectives fails at once instead of waiting for this rank.
+    if let Err(e) = &stepped {
         rt.record_failure(st, e.to_string());
-        return stepped;
     }
     // Every rank learns whether every rank's step succeeded (one byte each, over the world), so
-    // an optimizer's local error is an error on every rank in this same call, and no rank goes
-    // on to re-derive and rebuild alone.
+    // a failure in one update group (under HSDP each replica steps on its own) is an error on
+    // every rank in this same call, and no rank goes on to re-derive and rebuild alone. Made
+    // after a failure too: the engine fails it at once, carrying the failure to the ranks that
+    // wait in it.
     let verdicts = rt.gather_world(st, "step verdict", vec![u8::from(stepped.is_err())]);
     let failed: Vec<usize> = match &verdicts {
         Ok(v) => v
@@ -270,10 +272,7 @@ pub(super) fn run<B: Backend>(
             .collect(),
         Err(_) => Vec::new(),
     };
-    if let Err(e) = stepped {
-        rt.record_failure(st, e.to_string());
-        return Err(e);
-    }
+    stepped?;
     verdicts?;
     if !failed.is_empty() {
         let failure = format!("the optimizer step failed on ranks {failed:?}");
