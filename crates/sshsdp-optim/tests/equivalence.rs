@@ -12,8 +12,7 @@ use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer, SgdConfig};
-use burn::tensor::backend::Backend;
-use common::{batches, rows, with_rng, TinyLm};
+use common::{batches, rows, seeded, TinyLm};
 use sshsdp_backend::{named_params, shard, shard_with, Hsdp, HsdpConfig, RUNTIME_LANES};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::{Collective, CommFactory, CommResult, Element, ReduceOp, Reducible, SplitLanes};
@@ -36,15 +35,7 @@ enum Opt {
 type Weights = Vec<(String, Vec<f32>)>;
 
 fn initial_model() -> TinyLm<B> {
-    with_rng(|| {
-        let device = Default::default();
-        B::seed(&device, 7);
-        let model = TinyLm::new(&device);
-        // Burn initialises parameters lazily, on first read: read them once so that clones
-        // share the values instead of drawing their own.
-        named_params(&model).unwrap();
-        model
-    })
+    seeded(7)
 }
 
 fn reference(opt: Opt, init: &TinyLm<B>) -> (Vec<f32>, Weights) {

@@ -15,9 +15,8 @@ use std::time::{Duration, Instant};
 use burn::backend::{Autodiff, NdArray};
 use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
-use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use common::{batches, rows, with_rng, TinyLm};
+use common::{batches, rows, seeded, TinyLm};
 use sshsdp_backend::{
     named_params, refresh_leaves, shard, Hsdp, HsdpConfig, HsdpError, NamedParam, NonFinitePolicy,
     Views,
@@ -30,15 +29,9 @@ use sshsdp_plan::{Mesh, Sharding};
 type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
 
-/// The initial model (the same on every call: seeded and drawn under [`with_rng`]).
+/// The initial model (the same on every call: see [`seeded`]).
 fn model() -> TinyLm<B> {
-    with_rng(|| {
-        let device = Default::default();
-        B::seed(&device, 11);
-        let model = TinyLm::new(&device);
-        named_params(&model).unwrap();
-        model
-    })
+    seeded(11)
 }
 
 fn threads(timeout: Duration) -> ThreadsConfig {

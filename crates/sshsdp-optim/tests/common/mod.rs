@@ -21,6 +21,19 @@ pub fn with_rng<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// The model drawn after seeding Burn's RNG with `seed` (under [`with_rng`]), its lazily
+/// initialised parameters read once so that clones share the values instead of drawing their
+/// own.
+pub fn seeded<B: Backend>(seed: u64) -> TinyLm<B> {
+    with_rng(|| {
+        let device = Default::default();
+        B::seed(&device, seed);
+        let model = TinyLm::new(&device);
+        sshsdp_backend::named_params(&model).expect("parameters are readable");
+        model
+    })
+}
+
 pub const VOCAB: usize = 32;
 pub const D_MODEL: usize = 16;
 pub const SEQ: usize = 8;
