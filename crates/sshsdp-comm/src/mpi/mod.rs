@@ -265,6 +265,23 @@ impl MpiComm {
         self.comm.as_raw()
     }
 
+    /// `MPI_Allgather` of `count` elements of datatype `dt` per rank from `send` into `recv`.
+    ///
+    /// # Safety
+    /// `send` is `MPI_IN_PLACE` (then chunk `rank` of `recv` is the input) or holds `count`
+    /// elements of `dt`; `recv` holds size · `count` elements of `dt` and does not overlap `send`.
+    unsafe fn raw_all_gather(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: c_int,
+        dt: ffi::MPI_Datatype,
+    ) -> CommResult<()> {
+        // SAFETY: the caller's contract above.
+        let code = unsafe { ffi::MPI_Allgather(send, count, dt, recv, count, dt, self.raw()) };
+        check("MPI_Allgather", code)
+    }
+
     /// `MPI_SUM` of `len` `f32`s at `buf`, in place (or through a scratch copy of the input if
     /// `MPI_IN_PLACE` is unknown).
     ///
@@ -369,30 +386,24 @@ impl Collective for MpiComm {
             if n == 0 || self.size == 1 {
                 return Ok(());
             }
-            let code = match self.in_place {
+            match self.in_place {
                 // SAFETY: `buf` holds size · n elements of T, whose MPI datatype is `dt`
                 // (checked by `datatype`); with MPI_IN_PLACE chunk `rank` is the input and the
                 // rest is written.
-                Some(ip) => unsafe {
-                    ffi::MPI_Allgather(ip, 0, dt, buf.as_mut_ptr().cast(), count, dt, self.raw())
-                },
+                Some(ip) => unsafe { self.raw_all_gather(ip, buf.as_mut_ptr().cast(), count, dt) },
                 None => {
                     let mine = buf[self.rank * n..(self.rank + 1) * n].to_vec();
                     // SAFETY: `mine` (n elements) and `buf` (size · n) are disjoint buffers of T.
                     unsafe {
-                        ffi::MPI_Allgather(
+                        self.raw_all_gather(
                             mine.as_ptr().cast(),
-                            count,
-                            dt,
                             buf.as_mut_ptr().cast(),
                             count,
                             dt,
-                            self.raw(),
                         )
                     }
                 }
-            };
-            check("MPI_Allgather", code)
+            }
         })
     }
 
@@ -407,17 +418,9 @@ impl Collective for MpiComm {
                     return Ok(());
                 }
                 // SAFETY: `send` (n) and `recv` (size · n) are distinct borrows of T, datatype `dt`.
-                check("MPI_Allgather", unsafe {
-                    ffi::MPI_Allgather(
-                        send.as_ptr().cast(),
-                        count,
-                        dt,
-                        recv.as_mut_ptr().cast(),
-                        count,
-                        dt,
-                        self.raw(),
-                    )
-                })
+                unsafe {
+                    self.raw_all_gather(send.as_ptr().cast(), recv.as_mut_ptr().cast(), count, dt)
+                }
             },
         )
     }
