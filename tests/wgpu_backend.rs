@@ -103,6 +103,8 @@ struct Run {
     master_bytes: (u64, u64),
     /// Rank 0's (uploaded, downloaded) bytes of the last step: host↔device traffic.
     traffic: (u64, u64),
+    /// Runtime bytes of rank 0's pieces (one per bucket).
+    piece_bytes: u64,
 }
 
 /// [`train`] with the fp32 masters in `masters` and gradients accumulated in `grads`.
@@ -150,7 +152,8 @@ where
             .map(|p| runtime.param_values(&p.spec.path).unwrap())
             .collect();
         let bytes = (runtime.master_bytes(), runtime.device_master_bytes());
-        (losses, weights, bytes, traffic)
+        let piece_bytes = runtime.plan().buckets().iter().map(|b| b.piece_bytes).sum();
+        (losses, weights, bytes, traffic, piece_bytes)
     })
     .unwrap();
     let mut ranks: Vec<_> = ranks
@@ -160,19 +163,24 @@ where
     let losses = (0..STEPS)
         .map(|s| ranks.iter().map(|r| r.0[s]).sum::<f32>() / world as f32)
         .collect();
-    let (_, weights, master_bytes, traffic) = ranks.swap_remove(0);
+    let (_, weights, master_bytes, traffic, piece_bytes) = ranks.swap_remove(0);
     Run {
         losses,
         weights,
         master_bytes,
         traffic,
+        piece_bytes,
     }
 }
 
 #[test]
 fn device_masters_and_gradients_on_wgpu_train_bitwise_like_host_ones() {
     use Placement::{Device, Host};
-    for format in [RuntimeFormat::F32, RuntimeFormat::Mxfp8] {
+    for format in [
+        RuntimeFormat::F32,
+        RuntimeFormat::Bf16,
+        RuntimeFormat::Mxfp8,
+    ] {
         let host = train_placed::<Wgpu>(format, (Host, Host), Default::default());
         let device = train_placed::<Wgpu>(format, (Device, Device), Default::default());
         assert_eq!(host.losses, device.losses, "{format:?}");
@@ -186,15 +194,28 @@ fn device_masters_and_gradients_on_wgpu_train_bitwise_like_host_ones() {
         assert_eq!(host.master_bytes.1, 0, "{format:?}");
         // Host↔device bytes of a step: both upload the gathered buckets and download every
         // gradient once; device storage also uploads each piece's reduced gradient and
-        // downloads each updated master once (to re-derive its runtime bytes on the host). (With
-        // host masters the optimizer's own copies to its device are not the runtime's to count.)
+        // downloads each updated piece once for the host collectives that rebuild the shards:
+        // the runtime bytes encoded on the device (bf16, MXFP8), or the master itself (f32,
+        // whose runtime elements are the masters). (With host masters the optimizer's own
+        // copies to its device are not the runtime's to count.)
         let m = device.master_bytes.1;
+        let encoded = match format {
+            RuntimeFormat::F32 => m,
+            _ => device.piece_bytes,
+        };
         eprintln!(
-            "{format:?}: (uploaded, downloaded) host {:?}, device {:?}, masters {m}",
+            "{format:?}: (uploaded, downloaded) host {:?}, device {:?}, masters {m}, encoded \
+             pieces {encoded}",
             host.traffic, device.traffic
         );
         assert_eq!(device.traffic.0, host.traffic.0 + m, "{format:?}");
-        assert_eq!(device.traffic.1, host.traffic.1 + m, "{format:?}");
+        assert_eq!(device.traffic.1, host.traffic.1 + encoded, "{format:?}");
+        if format != RuntimeFormat::F32 {
+            assert!(
+                2 * encoded < m + m / 10,
+                "{format:?}: about half the master or less"
+            );
+        }
     }
 }
 

@@ -10,6 +10,10 @@
 //!   dimensions is zero. Bit-identical to `sshsdp_mx::encode_tiled`.
 //! - [`dequantize_tiled`] — one plane ([`Plane::Row`] or [`Plane::Col`]) of the tiled layout
 //!   back to row-major `f32`, bit-identical to `sshsdp_mx::decode_tiled`.
+//! - [`quantize_plane`] / [`dequantize_plane`] — one MXFP8 plane (row- or column-wise) of a
+//!   run of 32-row bands, the plan's runtime layout, bit-identical to `sshsdp_mx::encode_rows`
+//!   / `encode_cols` and their decodes; [`narrow_bf16`] / [`widen_bf16`] — the layout's bf16
+//!   runs from and to `f32`, bit-identical to `half`'s conversions.
 //! - [`mx_matmul`] — `C = A · Bᵀ` with both operands MXFP8 in the tiled layout (the forward
 //!   GEMM `y = x Wᵀ`), dequantised in the load stage, `f32` accumulation.
 //! - [`gemm`] — strided `f32` GEMM `C = alpha · A · B + beta · D` (any transposition).
@@ -40,6 +44,7 @@
 #![deny(missing_docs)]
 
 mod adamw;
+mod bf16;
 pub mod check;
 mod dequantize;
 pub mod e4m3;
@@ -50,9 +55,9 @@ mod matmul;
 mod newton_schulz;
 mod planes;
 mod quantize;
-mod widen;
 
 pub use adamw::{adamw_reference, adamw_step, AdamWFactors, AdamWParams};
+pub use bf16::{narrow_bf16, widen_bf16};
 pub use dequantize::dequantize_tiled;
 pub use e4m3::round_bf16;
 pub use error::KernelError;
@@ -64,4 +69,3 @@ pub use newton_schulz::{
 pub use planes::{dequantize_plane, quantize_plane, PlaneAt};
 pub use quantize::{quantize_tiled, InputDType};
 pub use sshsdp_mx::{Plane, ScaleRule};
-pub use widen::widen_bf16;

@@ -26,7 +26,7 @@ use crate::HsdpError;
 
 /// The MXFP8 element format and scale rule of runtime parameters (E4M3, RCEIL as in cuBLAS and
 /// Transformer Engine).
-const MX_FORMAT: (ElemFormat, ScaleRule) = (ElemFormat::E4M3, ScaleRule::Rceil);
+pub(crate) const MX_FORMAT: (ElemFormat, ScaleRule) = (ElemFormat::E4M3, ScaleRule::Rceil);
 
 /// Which pass the parameters are materialised for; it picks the MXFP8 plane.
 ///
@@ -163,6 +163,41 @@ impl BucketCodec {
         self.piece_elems
     }
 
+    /// Runtime bytes of one piece.
+    pub fn piece_bytes(&self) -> usize {
+        self.piece_units * self.format.element_bytes().unwrap_or(1) as usize
+    }
+
+    /// Stores piece `piece_bytes` (runtime bytes, little-endian units, as the device encode
+    /// reads them back) as the `slot`-th piece of `shard`.
+    pub fn store_piece(
+        &self,
+        shard: &mut Elems,
+        slot: usize,
+        bytes: &[u8],
+    ) -> Result<(), HsdpError> {
+        if bytes.len() != self.piece_bytes() {
+            return Err(HsdpError::Failed(format!(
+                "an encoded piece of {} bytes, expected {}",
+                bytes.len(),
+                self.piece_bytes()
+            )));
+        }
+        let units = slot * self.piece_units..(slot + 1) * self.piece_units;
+        match shard {
+            Elems::F32(v) => v[units]
+                .iter_mut()
+                .zip(bytes.chunks_exact(4))
+                .for_each(|(d, b)| *d = f32::from_le_bytes(b.try_into().expect("4 bytes"))),
+            Elems::Bf16(v) => v[units]
+                .iter_mut()
+                .zip(bytes.chunks_exact(2))
+                .for_each(|(d, b)| *d = bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))),
+            Elems::U8(v) => v[units].copy_from_slice(bytes),
+        }
+        Ok(())
+    }
+
     /// fp32 elements of the whole bucket (every piece).
     pub fn bucket_elems(&self) -> usize {
         self.views.len() * self.piece_elems
@@ -262,32 +297,85 @@ impl BucketCodec {
     fn encode_piece(&self, p: usize, master: &[f32], out: &mut [u8]) -> Result<(), HsdpError> {
         out.fill(0);
         let err = |e: sshsdp_mx::MxError| HsdpError::Failed(format!("MXFP8 encode: {e}"));
-        for v in &self.views[p] {
-            let at = us(v.master_offset);
-            let src = &master[at..at + us(v.len())];
-            match v.encoding {
-                Encoding::Mxfp8 { cols } => {
-                    let cols = us(cols);
-                    let shape = MxShape::new(src.len() / cols, cols);
-                    let (fmt, rule) = MX_FORMAT;
-                    let row = &mut out[self.bytes_of(v, Section::Row, Part::All)];
-                    let (data, rest) = row.split_at_mut(shape.row_data_bytes());
-                    let scales = &mut rest[..shape.row_scale_bytes()];
-                    sshsdp_mx::encode_rows(src, shape, fmt, rule, data, scales).map_err(err)?;
-                    let col = &mut out[self.bytes_of(v, Section::Col, Part::All)];
-                    let (data, rest) = col.split_at_mut(shape.col_data_bytes());
-                    let scales = &mut rest[..shape.col_scale_bytes()];
-                    sshsdp_mx::encode_cols(src, shape, fmt, rule, data, scales).map_err(err)?;
+        let (fmt, rule) = MX_FORMAT;
+        for op in self.encode_ops(p).unwrap_or_default() {
+            match op {
+                CodecOp::Plane {
+                    row_plane,
+                    shape,
+                    values,
+                    data,
+                    scales,
+                } => {
+                    let src = &master[values..values + shape.len()];
+                    let (plane, rest) = out[data..].split_at_mut(scales - data);
+                    if row_plane {
+                        let s = &mut rest[..shape.row_scale_bytes()];
+                        sshsdp_mx::encode_rows(src, shape, fmt, rule, plane, s).map_err(err)?;
+                    } else {
+                        let s = &mut rest[..shape.col_scale_bytes()];
+                        sshsdp_mx::encode_cols(src, shape, fmt, rule, plane, s).map_err(err)?;
+                    }
                 }
-                Encoding::Bf16 | Encoding::F32 => {
-                    let dst = &mut out[self.bytes_of(v, Section::Linear, Part::All)];
-                    for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
+                CodecOp::Bf16 { bytes, n, values } => {
+                    let dst = &mut out[bytes..bytes + 2 * n];
+                    for (d, &x) in dst.chunks_exact_mut(2).zip(&master[values..values + n]) {
                         d.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// How to encode piece `p` from its fp32 elements into its runtime bytes (every section):
+    /// one operation per plane or bf16 run, in piece order — what the host ([`Self::encode`])
+    /// and the device (`cube_codec.rs`) both run. The bf16 runtime format is one run over the
+    /// whole piece; `None` for f32, whose runtime elements are the fp32 elements themselves.
+    /// Bytes not written by any operation are zero.
+    pub fn encode_ops(&self, p: usize) -> Option<Vec<CodecOp>> {
+        match self.format {
+            RuntimeFormat::F32 => None,
+            RuntimeFormat::Bf16 => Some(vec![CodecOp::Bf16 {
+                bytes: 0,
+                n: self.piece_elems,
+                values: 0,
+            }]),
+            RuntimeFormat::Mxfp8 => {
+                let mut ops = Vec::new();
+                for v in &self.views[p] {
+                    let values = us(v.master_offset);
+                    match v.encoding {
+                        Encoding::Mxfp8 { cols } => {
+                            let cols = us(cols);
+                            let shape = MxShape::new(us(v.len()) / cols, cols);
+                            let row = self.bytes_of(v, Section::Row, Part::All).start;
+                            let col = self.bytes_of(v, Section::Col, Part::All).start;
+                            ops.push(CodecOp::Plane {
+                                row_plane: true,
+                                shape,
+                                values,
+                                data: row,
+                                scales: row + shape.row_data_bytes(),
+                            });
+                            ops.push(CodecOp::Plane {
+                                row_plane: false,
+                                shape,
+                                values,
+                                data: col,
+                                scales: col + shape.col_data_bytes(),
+                            });
+                        }
+                        Encoding::Bf16 | Encoding::F32 => ops.push(CodecOp::Bf16 {
+                            bytes: self.bytes_of(v, Section::Linear, Part::All).start,
+                            n: us(v.len()),
+                            values,
+                        }),
+                    }
+                }
+                Some(ops)
+            }
+        }
     }
 
     /// The compute buffer of a gathered bucket `full` (the part `which` of every piece) for
@@ -310,29 +398,34 @@ impl BucketCodec {
         }
     }
 
-    /// How to decode a gathered banded bucket holding the part `which` of every piece, for
-    /// `phase`: one operation per view, in bucket order — what the host ([`Self::decode`]) and
-    /// the device (`cube_codec.rs`) both run.
-    /// `gathered` is the gathered buffer's length in bytes, checked against the layout.
+    /// How to decode a gathered bucket holding the part `which` of every piece, for `phase`,
+    /// into the compute buffer: one operation per view, in bucket order — what the host
+    /// ([`Self::decode`], MXFP8) and the device (`cube_codec.rs`, MXFP8 and bf16) both run.
+    /// `gathered` is the gathered buffer's length in bytes, checked against the layout. The f32
+    /// format has nothing to decode (an error).
     pub fn decode_ops(
         &self,
         gathered: usize,
         which: Part,
         phase: Phase,
-    ) -> Result<Vec<DecodeOp>, HsdpError> {
+    ) -> Result<Vec<CodecOp>, HsdpError> {
         let plane = phase.plane();
-        if gathered != self.gathered_units(which) || !which.holds(plane) {
+        let unit = us(self.format.element_bytes().unwrap_or(1));
+        let f32_format = self.format == RuntimeFormat::F32;
+        if gathered != unit * self.gathered_units(which) || !which.holds(plane) || f32_format {
             return Err(HsdpError::Failed(format!(
-                "a gathered MXFP8 bucket of {gathered} bytes ({which:?}) cannot be decoded for \
-                 {phase:?}"
+                "a gathered {:?} bucket of {gathered} bytes ({which:?}) cannot be decoded for \
+                 {phase:?}",
+                self.format
             )));
         }
-        let per_piece = self.part_range(which).len();
+        let per_piece = unit * self.part_range(which).len();
         let mut ops = Vec::new();
         for (p, views) in self.views.iter().enumerate() {
             let base = p * per_piece;
             for v in views {
-                let dst = self.members[v.param - self.first].compute_start + us(v.elements.start);
+                let values =
+                    self.members[v.param - self.first].compute_start + us(v.elements.start);
                 ops.push(match v.encoding {
                     Encoding::Mxfp8 { cols } => {
                         let cols = us(cols);
@@ -344,18 +437,18 @@ impl BucketCodec {
                         } else {
                             shape.col_data_bytes()
                         };
-                        DecodeOp::Plane {
+                        CodecOp::Plane {
                             row_plane,
                             shape,
-                            dst,
+                            values,
                             data,
                             scales: data + data_bytes,
                         }
                     }
-                    Encoding::Bf16 | Encoding::F32 => DecodeOp::Bf16 {
-                        src: base + self.bytes_of(v, Section::Linear, which).start,
+                    Encoding::Bf16 | Encoding::F32 => CodecOp::Bf16 {
+                        bytes: base + self.bytes_of(v, Section::Linear, which).start,
                         n: us(v.len()),
-                        dst,
+                        values,
                     },
                 });
             }
@@ -374,14 +467,14 @@ impl BucketCodec {
         let mut out = vec![0f32; self.compute_elems()];
         for op in ops {
             match op {
-                DecodeOp::Plane {
+                CodecOp::Plane {
                     row_plane,
                     shape,
-                    dst,
+                    values,
                     data,
                     scales,
                 } => {
-                    let dst = &mut out[dst..dst + shape.len()];
+                    let dst = &mut out[values..values + shape.len()];
                     let fmt = MX_FORMAT.0;
                     let decoded = if row_plane {
                         let (d, s) = (data..scales, scales..scales + shape.row_scale_bytes());
@@ -392,9 +485,13 @@ impl BucketCodec {
                     };
                     decoded.map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
                 }
-                DecodeOp::Bf16 { src, n, dst } => {
-                    let src = &bytes[src..src + 2 * n];
-                    for (d, s) in out[dst..dst + n].iter_mut().zip(src.chunks_exact(2)) {
+                CodecOp::Bf16 {
+                    bytes: at,
+                    n,
+                    values,
+                } => {
+                    let src = &bytes[at..at + 2 * n];
+                    for (d, s) in out[values..values + n].iter_mut().zip(src.chunks_exact(2)) {
                         *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
                     }
                 }
@@ -404,31 +501,32 @@ impl BucketCodec {
     }
 }
 
-/// One view's decoding: positions are bytes of the gathered buffer and elements of the compute
-/// buffer.
+/// One step of a piece's encode or of a gathered bucket's decode: an MXFP8 plane or a bf16 run
+/// between f32 values (a piece's fp32 elements, or the compute buffer) and runtime bytes (a
+/// piece, or the gathered buffer). Positions are bytes and f32 elements of those buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DecodeOp {
-    /// An MXFP8 plane of a `shape` run (row-wise or column-wise) into the values from `dst` on.
+pub(crate) enum CodecOp {
+    /// An MXFP8 plane (row-wise or column-wise) of the `shape` run of values from `values` on.
     Plane {
-        /// The row-wise plane (backward), else the column-wise one (forward).
+        /// The row-wise plane (decoded for backward), else the column-wise one (forward).
         row_plane: bool,
         /// Rows and columns of the run.
         shape: MxShape,
-        /// First compute element.
-        dst: usize,
+        /// First f32 element.
+        values: usize,
         /// First data byte.
         data: usize,
         /// First scale byte.
         scales: usize,
     },
-    /// `n` little-endian bf16 values from byte `src` into the values from `dst` on.
+    /// `n` f32 values from `values` on as little-endian bf16 from byte `bytes` on.
     Bf16 {
         /// First byte.
-        src: usize,
+        bytes: usize,
         /// Number of values.
         n: usize,
-        /// First compute element.
-        dst: usize,
+        /// First f32 element.
+        values: usize,
     },
 }
 

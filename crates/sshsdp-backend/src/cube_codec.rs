@@ -1,34 +1,54 @@
-//! The MXFP8 decode of a gathered bucket on CubeCL backends: the gathered runtime bytes are
-//! uploaded as they are (≈1.03 bytes per value for the pass's plane, 2 for bf16 runs) and the
-//! band-plane kernels (`sshsdp_kernels::dequantize_plane`, `widen_bf16`) write the f32 compute
-//! buffer on the device, following the same [`DecodeOp`]s as the host decode (bit-identical:
-//! `tests` below and `kernels-cubecl/tests/kernels/planes.rs`). Uploading the host-decoded
-//! buffer instead would move 4 bytes per value.
+//! The runtime codec on CubeCL backends, following the same [`CodecOp`]s as the host codec
+//! (bit-identical: `tests` below and `kernels-cubecl/tests/kernels/planes.rs`):
+//!
+//! * **Decode** of a gathered MXFP8 or bf16 bucket: the gathered runtime bytes are uploaded as
+//!   they are (≈1.03 bytes per value for the pass's plane, 2 for bf16) and the band-plane
+//!   kernels (`sshsdp_kernels::dequantize_plane`, `widen_bf16`) write the f32 compute buffer on
+//!   the device. Uploading the host-decoded buffer instead would move 4 bytes per value.
+//! * **Encode** of a piece whose fp32 master lives on the device (re-derive after an update):
+//!   `quantize_plane` writes both MXFP8 planes and `narrow_bf16` the bf16 runs (or the whole
+//!   piece in the bf16 runtime format) into a zeroed device buffer, and only those runtime
+//!   bytes are read back for the host collectives (≈2.06 bytes per value for MXFP8, 2 for bf16)
+//!   instead of the 4-byte master.
 
 use std::any::Any;
 
-use burn_backend::{Backend, DType, Shape};
+use burn_backend::{Backend, DType, FloatDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
-use sshsdp_kernels::{dequantize_plane, widen_bf16, Plane, PlaneAt};
+use sshsdp_kernels::{
+    dequantize_plane, narrow_bf16, quantize_plane, widen_bf16, InputDType, KernelError, Plane,
+    PlaneAt,
+};
+use sshsdp_mx::MxShape;
 use sshsdp_plan::Part;
 
-use crate::codec::{BucketCodec, DecodeOp, Phase};
+use crate::codec::{BucketCodec, CodecOp, Phase, MX_FORMAT};
 use crate::cube_views::{for_each_runtime, is_cube, member_views};
+use crate::storage::Elems;
 use crate::views::Member;
 use crate::HsdpError;
 
-/// The parameters `members` of the gathered bytes `bytes` (the part `which` of every piece)
-/// decoded for `phase` on `device`: views of one compute buffer — if `B` is a CubeCL backend
-/// this build supports (`None` otherwise).
+/// The parameters `members` of the gathered runtime units `gathered` (MXFP8 bytes or bf16; the
+/// part `which` of every piece) decoded for `phase` on `device`: views of one compute buffer —
+/// if `B` is a CubeCL backend this build supports and the units need decoding (`None`
+/// otherwise: f32 units are the compute buffer as they are).
 pub(crate) fn decode_views_if_cube<B: Backend>(
     codec: &BucketCodec,
-    bytes: &[u8],
+    gathered: &Elems,
     which: Part,
     phase: Phase,
     members: &[Member],
     device: &B::Device,
 ) -> Option<Result<Vec<B::FloatTensorPrimitive>, HsdpError>> {
+    let bytes = match gathered {
+        Elems::U8(bytes) => bytes.clone(),
+        Elems::Bf16(values) => values
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect(),
+        Elems::F32(_) => return None,
+    };
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
             let bucket = decode::<B, R>(codec, bytes, which, phase, device);
@@ -40,7 +60,7 @@ pub(crate) fn decode_views_if_cube<B: Backend>(
 
 fn decode<B: Backend, R: CubeRuntime>(
     codec: &BucketCodec,
-    bytes: &[u8],
+    bytes: Vec<u8>,
     which: Part,
     phase: Phase,
     device: &B::Device,
@@ -50,38 +70,26 @@ fn decode<B: Backend, R: CubeRuntime>(
     let device: &R::Device = any.downcast_ref().expect("the type was checked");
     let client = R::client(device);
     // Whole words: the kernels read the buffer as u32.
-    let mut padded = bytes.to_vec();
-    padded.resize(bytes.len().next_multiple_of(4), 0);
+    let mut padded = bytes;
+    padded.resize(padded.len().next_multiple_of(4), 0);
     let src = client.create_from_slice(&padded);
     let n = codec.compute_elems();
     let out = client.empty(4 * n.max(1));
-    let err = |e: sshsdp_kernels::KernelError| HsdpError::Failed(format!("MXFP8 decode: {e}"));
+    let err = kernel_error("MXFP8 decode");
     for op in ops {
         match op {
-            DecodeOp::Plane {
+            CodecOp::Plane {
                 row_plane,
                 shape,
-                dst,
+                values,
                 data,
                 scales,
             } => {
-                if data % 4 != 0 || scales % 4 != 0 {
-                    return Err(HsdpError::Failed(format!(
-                        "an MXFP8 plane at bytes {data}/{scales} is not word-aligned"
-                    )));
-                }
-                let at = PlaneAt {
-                    plane: if row_plane { Plane::Row } else { Plane::Col },
-                    rows: shape.rows,
-                    cols: shape.cols,
-                    values_offset: dst,
-                    data_word: data / 4,
-                    scales_word: scales / 4,
-                };
+                let at = plane_at(row_plane, shape, values, data, scales)?;
                 dequantize_plane(&client, &src, at, &out).map_err(err)?;
             }
-            DecodeOp::Bf16 { src: at, n, dst } => {
-                widen_bf16(&client, &src, at, n, &out, dst).map_err(err)?;
+            CodecOp::Bf16 { bytes, n, values } => {
+                widen_bf16(&client, &src, bytes, n, &out, values).map_err(err)?;
             }
         }
     }
@@ -93,82 +101,295 @@ fn decode<B: Backend, R: CubeRuntime>(
         .expect("the type was checked"))
 }
 
+/// Piece `piece`'s runtime bytes (every section) encoded on the device from its fp32 elements
+/// `master` (a 1-D tensor on `B`'s device) and read back — if `B` is a CubeCL backend this build
+/// supports and the format has an encoding (`None` otherwise, and for the f32 format).
+pub(crate) fn encode_piece_if_cube<B: Backend>(
+    codec: &BucketCodec,
+    piece: usize,
+    master: &B::FloatTensorPrimitive,
+) -> Option<Result<Vec<u8>, HsdpError>> {
+    let ops = codec.encode_ops(piece)?;
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            return Some(encode::<B, R>(codec, &ops, master));
+        }
+    });
+    None
+}
+
+fn encode<B: Backend, R: CubeRuntime>(
+    codec: &BucketCodec,
+    ops: &[CodecOp],
+    master: &B::FloatTensorPrimitive,
+) -> Result<Vec<u8>, HsdpError> {
+    let device = B::float_device(master);
+    let any: &dyn Any = master;
+    let master: &CubeTensor<R> = any.downcast_ref().expect("the type was checked");
+    let n = codec.piece_elems();
+    let shape = master.meta.shape();
+    if master.dtype != DType::F32 || !master.is_contiguous() || shape.num_elements() != n {
+        return Err(HsdpError::Failed(format!(
+            "a device master of {:?} {:?} is not the piece's {n} contiguous f32 elements",
+            master.dtype,
+            shape.to_vec()
+        )));
+    }
+    let bytes = codec.piece_bytes();
+    // A zeroed buffer (Burn's fill kernel): bytes no operation writes are zero, as on the host.
+    let zeros = B::float_zeros(
+        Shape::from([bytes.div_ceil(4).max(1)]),
+        &device,
+        FloatDType::F32,
+    );
+    let any: Box<dyn Any> = Box::new(zeros);
+    let out = any
+        .downcast::<CubeTensor<R>>()
+        .expect("the type was checked");
+    let client = &master.client;
+    let err = kernel_error("MXFP8 encode");
+    for &op in ops {
+        match op {
+            CodecOp::Plane {
+                row_plane,
+                shape,
+                values,
+                data,
+                scales,
+            } => {
+                let at = plane_at(row_plane, shape, values, data, scales)?;
+                let rule = MX_FORMAT.1;
+                quantize_plane(
+                    client,
+                    &master.handle,
+                    InputDType::F32,
+                    rule,
+                    at,
+                    &out.handle,
+                )
+                .map_err(err)?;
+            }
+            CodecOp::Bf16 { bytes, n, values } => {
+                narrow_bf16(client, &master.handle, values, n, &out.handle, bytes).map_err(err)?;
+            }
+        }
+    }
+    let mut read = client
+        .read_one(out.handle.clone())
+        .map_err(|e| HsdpError::Failed(format!("reading an encoded piece: {e:?}")))?
+        .to_vec();
+    read.truncate(bytes);
+    Ok(read)
+}
+
+/// A plane operation's place for the band-plane kernels, which address planes by words.
+fn plane_at(
+    row_plane: bool,
+    shape: MxShape,
+    values: usize,
+    data: usize,
+    scales: usize,
+) -> Result<PlaneAt, HsdpError> {
+    if data % 4 != 0 || scales % 4 != 0 {
+        return Err(HsdpError::Failed(format!(
+            "an MXFP8 plane at bytes {data}/{scales} is not word-aligned"
+        )));
+    }
+    Ok(PlaneAt {
+        plane: if row_plane { Plane::Row } else { Plane::Col },
+        rows: shape.rows,
+        cols: shape.cols,
+        values_offset: values,
+        data_word: data / 4,
+        scales_word: scales / 4,
+    })
+}
+
+/// A kernel's error as the runtime's, naming what was being done.
+fn kernel_error(what: &'static str) -> impl Fn(KernelError) -> HsdpError + Copy {
+    move |e| HsdpError::Failed(format!("{what}: {e}"))
+}
+
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use super::*;
-    use crate::storage::{download, Elems};
+    use crate::storage::download;
     use burn_cubecl::CubeBackend;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
     use sshsdp_plan::{DType, Mesh, ParamSpec, Plan, PlanConfig, Role, RuntimeFormat};
 
     type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
 
-    /// Matrices (one not a multiple of 32 rows or columns) and a vector (a bf16 run).
-    fn plan(world: usize) -> Plan {
+    /// Matrices (one not a multiple of 32 rows or columns) and a vector (a bf16 run in MXFP8).
+    fn plan_in(world: usize, format: RuntimeFormat) -> Plan {
         let specs = vec![
             ParamSpec::new("a.weight", vec![70, 96], DType::F32).with_role(Role::Matrix),
             ParamSpec::new("a.bias", vec![96], DType::F32),
             ParamSpec::new("b.weight", vec![256, 40], DType::F32).with_role(Role::Matrix),
         ];
-        let mut config = PlanConfig::default().with_format(RuntimeFormat::Mxfp8);
+        let mut config = PlanConfig::default().with_format(format);
         config.mx_max_padding = 1.0;
         Plan::build(specs, Mesh::flat(world).unwrap(), config).unwrap()
+    }
+
+    /// Runtime units as little-endian bytes.
+    fn le_bytes(units: &Elems) -> Vec<u8> {
+        match units {
+            Elems::U8(bytes) => bytes.clone(),
+            Elems::Bf16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+            Elems::F32(_) => unreachable!("not an f32 plan"),
+        }
     }
 
     #[test]
     fn device_decode_is_bit_identical_to_the_host_decode() {
         let device = WgpuDevice::default();
-        for world in [1, 3] {
-            let plan = plan(world);
-            for b in 0..plan.buckets().len() {
-                let codec = BucketCodec::new(&plan, b);
-                let mut space = vec![0f32; codec.bucket_elems()];
-                let members = &plan.params()[plan.buckets()[b].params.clone()];
-                for (k, p) in members.iter().enumerate() {
-                    let n = p.spec.numel() as usize;
-                    let values: Vec<f32> = (0..n)
-                        .map(|i| ((i * 7919 + k * 31) % 1013) as f32 / 97.0 - 5.0)
-                        .collect();
-                    codec.place(k, &values, &mut space);
-                }
-                // Every piece encoded by its owner, the pieces one after the other.
-                let pe = codec.piece_elems();
-                let mut bytes = Vec::new();
-                for p in 0..world {
-                    let Elems::U8(piece) = codec
-                        .encode(p, space[p * pe..(p + 1) * pe].to_vec())
-                        .unwrap()
-                    else {
-                        panic!("MXFP8 buckets hold bytes")
-                    };
-                    bytes.extend(piece);
-                }
-                for phase in [Phase::Forward, Phase::Backward] {
-                    for which in [Part::All, phase.part()] {
-                        let range = codec.part_range(which);
-                        let part: Vec<u8> = bytes
-                            .chunks(codec.part_range(Part::All).len())
-                            .flat_map(|piece| piece[range.clone()].to_vec())
+        for format in [RuntimeFormat::Mxfp8, RuntimeFormat::Bf16] {
+            for world in [1, 3] {
+                let plan = plan_in(world, format);
+                for b in 0..plan.buckets().len() {
+                    let codec = BucketCodec::new(&plan, b);
+                    let mut space = vec![0f32; codec.bucket_elems()];
+                    let members = &plan.params()[plan.buckets()[b].params.clone()];
+                    for (k, p) in members.iter().enumerate() {
+                        let n = p.spec.numel() as usize;
+                        let values: Vec<f32> = (0..n)
+                            .map(|i| ((i * 7919 + k * 31) % 1013) as f32 / 97.0 - 5.0)
                             .collect();
-                        let host = codec.decode(&part, which, phase).unwrap();
-                        let tensor =
-                            decode::<B, WgpuRuntime>(&codec, &part, which, phase, &device).unwrap();
-                        let dev = download::<B>(tensor).unwrap();
-                        for (k, p) in members.iter().enumerate() {
-                            let at = codec.compute_start(k);
-                            let n = p.spec.numel() as usize;
-                            let bits =
-                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                            assert_eq!(
-                                bits(&dev[at..at + n]),
-                                bits(&host[at..at + n]),
-                                "world {world}, bucket {b}, {}, {phase:?}, {which:?}",
-                                p.spec.path
-                            );
+                        codec.place(k, &values, &mut space);
+                    }
+                    // Every piece encoded by its owner, the pieces one after the other.
+                    let pe = codec.piece_elems();
+                    let pieces: Vec<Elems> = (0..world)
+                        .map(|p| {
+                            codec
+                                .encode(p, space[p * pe..(p + 1) * pe].to_vec())
+                                .unwrap()
+                        })
+                        .collect();
+                    for phase in [Phase::Forward, Phase::Backward] {
+                        let parts = if codec.has_planes() {
+                            vec![Part::All, phase.part()]
+                        } else {
+                            vec![Part::All]
+                        };
+                        for which in parts {
+                            // What a gather of `which` returns: that part of every piece.
+                            let range = codec.part_range(which);
+                            let gathered = match &pieces[0] {
+                                Elems::U8(_) => Elems::U8(
+                                    pieces
+                                        .iter()
+                                        .flat_map(|p| le_bytes(p)[range.clone()].to_vec())
+                                        .collect(),
+                                ),
+                                Elems::Bf16(_) => Elems::Bf16(
+                                    pieces
+                                        .iter()
+                                        .flat_map(|p| match p {
+                                            Elems::Bf16(v) => v[range.clone()].to_vec(),
+                                            _ => unreachable!(),
+                                        })
+                                        .collect(),
+                                ),
+                                Elems::F32(_) => unreachable!("not an f32 plan"),
+                            };
+                            // The host path: the decode for MXFP8, the widening for bf16.
+                            let (host, _) =
+                                codec.to_compute(gathered.clone(), which, phase).unwrap();
+                            let tensor = decode::<B, WgpuRuntime>(
+                                &codec,
+                                le_bytes(&gathered),
+                                which,
+                                phase,
+                                &device,
+                            )
+                            .unwrap();
+                            let dev = download::<B>(tensor).unwrap();
+                            for (k, p) in members.iter().enumerate() {
+                                let at = codec.compute_start(k);
+                                let n = p.spec.numel() as usize;
+                                let bits =
+                                    |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                                assert_eq!(
+                                    bits(&dev[at..at + n]),
+                                    bits(&host[at..at + n]),
+                                    "{format:?}, world {world}, bucket {b}, {}, {phase:?}, \
+                                     {which:?}",
+                                    p.spec.path
+                                );
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn device_encode_is_bit_identical_to_the_host_encode() {
+        use crate::storage::upload;
+        let device = WgpuDevice::default();
+        // Ordinary values with specials mixed in: NaN (signalling too), ±inf, ±0, subnormals,
+        // bf16 rounding ties and the largest finite f32.
+        let specials = [
+            f32::NAN,
+            f32::from_bits(0x7F80_0001),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+            f32::from_bits(1),
+            f32::from_bits(0x3F80_8000),
+            f32::MAX,
+        ];
+        let value = |i: usize, with_specials: bool| {
+            if with_specials && i % 97 == 5 {
+                specials[(i / 97) % specials.len()]
+            } else {
+                ((i * 7919) % 1013) as f32 / 97.0 - 5.0
+            }
+        };
+        for format in [RuntimeFormat::Mxfp8, RuntimeFormat::Bf16] {
+            for world in [1, 3] {
+                let plan = plan_in(world, format);
+                for b in 0..plan.buckets().len() {
+                    let codec = BucketCodec::new(&plan, b);
+                    let pe = codec.piece_elems();
+                    for piece in 0..world {
+                        for with_specials in [false, true] {
+                            let master: Vec<f32> = (0..pe)
+                                .map(|i| value(i + piece * 13, with_specials))
+                                .collect();
+                            let host = le_bytes(&codec.encode(piece, master.clone()).unwrap());
+                            let tensor = upload::<B>(master, &device);
+                            let dev = encode_piece_if_cube::<B>(&codec, piece, &tensor)
+                                .expect("a CubeCL backend and an encoded format")
+                                .unwrap();
+                            let what = format!(
+                                "{format:?}, world {world}, bucket {b}, piece {piece}, \
+                                 specials {with_specials}"
+                            );
+                            assert_eq!(dev.len(), host.len(), "{what}");
+                            if let Some(i) = (0..dev.len()).find(|&i| dev[i] != host[i]) {
+                                panic!("{what}: byte {i}: device {} host {}", dev[i], host[i]);
+                            }
+                            // Stored as the host would have stored it.
+                            let mut shard = codec.encode(0, vec![0.0; world * pe]).unwrap();
+                            let mut want = shard.clone();
+                            codec.store_piece(&mut shard, piece, &dev).unwrap();
+                            let values = (0..pe).map(|i| value(i + piece * 13, with_specials));
+                            codec
+                                .rederive(&mut want, piece, piece, &values.collect::<Vec<_>>())
+                                .unwrap();
+                            assert!(format!("{shard:?}") == format!("{want:?}"), "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        // The f32 format has no encoding: its runtime elements are the masters.
+        let codec = BucketCodec::new(&plan_in(1, RuntimeFormat::F32), 0);
+        let tensor = upload::<B>(vec![0.0; codec.piece_elems()], &device);
+        assert!(encode_piece_if_cube::<B>(&codec, 0, &tensor).is_none());
     }
 }

@@ -6,14 +6,17 @@
 //! | role | placement |
 //! |---|---|
 //! | runtime shard | host ([`Elems`]): what the host collectives read and write |
-//! | gathered bucket | `B`'s device: decoded into one `B` tensor that parameters are views of |
+//! | gathered bucket | `B`'s device: decoded into one `B` tensor that parameters are views of (on CubeCL backends the MXFP8/bf16 units are uploaded and decoded by kernels) |
 //! | gradient bucket | [`HsdpConfig::with_grad_placement`](crate::HsdpConfig::with_grad_placement): host (default; each gradient read back as it arrives) or `B`'s device (summed there, read back once per bucket for the host reduction) |
 //! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`MasterBuf`]) |
 //! | optimizer state | with the masters: the optimizer's tensors on its device |
 //!
 //! With device masters the update runs on `B`'s device with no host copy of a master (the
-//! optimizer gets [`crate::PieceValues::Device`]); each piece's new values are staged to the
-//! host once to re-derive its runtime units and rebuild the shards ([`crate::Counters::staged_bytes`]).
+//! optimizer gets [`crate::PieceValues::Device`]); each piece's runtime units are re-derived on
+//! the device where `B` is a CubeCL backend (MXFP8 planes and bf16 encoded by the band-plane
+//! kernels, `cube_codec.rs`) and only those bytes are read back for the host collectives that
+//! rebuild the shards — about half the master's bytes; elsewhere, and for the f32 format, the
+//! master's values are read back and encoded on the host ([`crate::Counters::staged_bytes`]).
 //!
 //! Runtime units: what a bucket's runtime shards hold and what its all-gathers move.
 //!

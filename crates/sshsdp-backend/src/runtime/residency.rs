@@ -165,11 +165,11 @@ impl<B: Backend> Materialiser<B> {
             })
             .collect();
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if let (Elems::U8(bytes), CopyMode::ZeroCopy) = (&full, self.copy_mode) {
-            // On a CubeCL backend the gathered bytes are decoded on the device.
+        if self.copy_mode == CopyMode::ZeroCopy {
+            // On a CubeCL backend gathered MXFP8 or bf16 units are decoded on the device.
             let decoded = crate::cube_codec::decode_views_if_cube::<B>(
                 codec,
-                bytes,
+                &full,
                 which,
                 phase,
                 &members,
@@ -179,7 +179,7 @@ impl<B: Backend> Materialiser<B> {
                 let params = params?;
                 let compute_bytes = 4 * codec.compute_elems() as u64;
                 counters.decoded_bytes += compute_bytes;
-                counters.uploaded_bytes += bytes.len() as u64;
+                counters.uploaded_bytes += full.bytes();
                 let keep = codec.has_planes() && which == Part::All;
                 let gathered = keep.then_some(full);
                 return Ok(Resident {

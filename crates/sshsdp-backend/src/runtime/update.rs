@@ -286,30 +286,43 @@ pub(super) fn run<B: Backend>(
             storage, counters, ..
         } = &mut *st;
         let bucket = &mut storage[b];
-        // The master's values on the host, for the host codec.
-        let host_master = match (&mut bucket.master, staged[b].take()) {
+        // Where the piece's new runtime units come from.
+        let source = match (&mut bucket.master, staged[b].take()) {
             (Some(MasterBuf::Device(t)), Some(values)) => {
                 // Staged for host views: the updated values go back to the device.
                 counters.staged_bytes += 4 * values.len() as u64;
                 counters.uploaded_bytes += 4 * values.len() as u64;
                 *t = upload::<B>(values.clone(), device);
-                Some(values)
+                Rederive::Host(values)
             }
             (Some(MasterBuf::Device(t)), None) => {
-                let values = download::<B>(t.clone())?;
-                counters.staged_bytes += 4 * values.len() as u64;
-                counters.downloaded_bytes += 4 * values.len() as u64;
-                Some(values)
+                match device_encode::<B>(&rt.codecs[b], piece, t) {
+                    Some(bytes) => {
+                        let bytes = bytes?;
+                        counters.staged_bytes += bytes.len() as u64;
+                        counters.downloaded_bytes += bytes.len() as u64;
+                        Rederive::Encoded(bytes)
+                    }
+                    None => {
+                        let values = download::<B>(t.clone())?;
+                        counters.staged_bytes += 4 * values.len() as u64;
+                        counters.downloaded_bytes += 4 * values.len() as u64;
+                        Rederive::Host(values)
+                    }
+                }
             }
-            _ => None,
+            _ => Rederive::Stored,
         };
         let shard = Arc::make_mut(&mut bucket.shard);
-        match (&bucket.master, &host_master) {
-            (_, Some(values)) => rt.codecs[b].rederive(shard, rt.piece_in_shard, piece, values)?,
-            (Some(MasterBuf::Host(master)), None) => {
-                rt.codecs[b].rederive(shard, rt.piece_in_shard, piece, master)?
+        let (codec, slot) = (&rt.codecs[b], rt.piece_in_shard);
+        match (&bucket.master, &source) {
+            (_, Rederive::Host(values)) => codec.rederive(shard, slot, piece, values)?,
+            (_, Rederive::Encoded(bytes)) => codec.store_piece(shard, slot, bytes)?,
+            (Some(MasterBuf::Host(master)), Rederive::Stored) => {
+                codec.rederive(shard, slot, piece, master)?
             }
-            _ => {}
+            // f32 with host masters: the runtime elements were updated in place.
+            (_, Rederive::Stored) => {}
         }
         let empty = Arc::new(shard.zeros_like(0));
         let shard = std::mem::replace(&mut bucket.shard, empty);
@@ -326,6 +339,34 @@ pub(super) fn run<B: Backend>(
         }
     }
     rt.end_step(st)
+}
+
+/// Where a piece's new runtime units come from after its update.
+enum Rederive {
+    /// The master's values on the host (host masters, or device ones staged to the host):
+    /// encoded by the host codec.
+    Host(Vec<f32>),
+    /// Encoded on the device from the device master and read back (runtime bytes).
+    Encoded(Vec<u8>),
+    /// The host master in storage, or (f32 format with host masters) nothing to do: the runtime
+    /// elements are the masters, updated in place.
+    Stored,
+}
+
+/// Piece `piece`'s runtime bytes encoded on the device from its device master `master`, where
+/// the decorated backend is a CubeCL backend this build supports and the format has an encoding
+/// (`None` otherwise: the master is read back and encoded on the host).
+fn device_encode<B: Backend>(
+    codec: &crate::codec::BucketCodec,
+    piece: usize,
+    master: &B::FloatTensorPrimitive,
+) -> Option<Result<Vec<u8>, HsdpError>> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if let Some(bytes) = crate::cube_codec::encode_piece_if_cube::<B>(codec, piece, master) {
+        return Some(bytes);
+    }
+    let _ = (codec, piece, master);
+    None
 }
 
 /// The L2 norm of the world-averaged gradient, from this rank's pieces `grads`: each rank's
