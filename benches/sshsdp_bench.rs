@@ -80,7 +80,7 @@ const CONFIG: GptConfig = GptConfig {
     seq: SEQ,
 };
 
-fn tokens(rows: usize, offset: usize, device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
+fn tokens<A: Backend>(rows: usize, offset: usize, device: &A::Device) -> Tensor<A, 2, Int> {
     let data: Vec<i64> = (0..rows * (SEQ + 1))
         .map(|i| ((i + offset * 7919) * 2_654_435_761 % VOCAB) as i64)
         .collect();
@@ -101,6 +101,10 @@ struct Row {
     /// `None` for plain Burn (no plan); otherwise whether the counters equal the projection,
     /// and the projected (gathered, reduced) bytes.
     projection: Option<(bool, u64, u64)>,
+    /// The most device memory in use and reserved (CubeCL backends): sampled after each timed
+    /// step's forward and after its update. Read by the device table (feature `wgpu`).
+    #[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
+    device_memory: Option<(u64, u64)>,
 }
 
 /// A table row: world, mode, measurement (or why there is none), baseline step seconds.
@@ -242,7 +246,7 @@ fn plain(init: &Gpt<B>, steps: usize) -> Row {
     let mut times = Vec::new();
     for step in 0..WARMUP + steps {
         let t = Instant::now();
-        let loss = model.loss(tokens(BATCH, step, &device));
+        let loss = model.loss(tokens::<B>(BATCH, step, &device));
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(1e-3, model, grads);
         if step >= WARMUP {
@@ -258,13 +262,21 @@ fn plain(init: &Gpt<B>, steps: usize) -> Row {
         traffic: (0, 0),
         exposed: 0.0,
         projection: None,
+        device_memory: None,
     }
 }
 
-fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row, String> {
+/// `mode` at `world` over `Hsdp<I>` on `device` (every rank drives it), from `init`.
+fn sharded<I: Backend>(
+    init: &Gpt<Autodiff<Hsdp<I>>>,
+    world: usize,
+    mode: &Mode,
+    steps: usize,
+    device: &I::Device,
+) -> Result<Row, String> {
+    type A<I> = Autodiff<Hsdp<I>>;
     let base = reset_peak();
     let results = ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
-        let device = Default::default();
         let rank = comm.rank();
         let mesh = Mesh::new(mode.replicas, world / mode.replicas).map_err(|e| e.to_string())?;
         let config = HsdpConfig::new(mesh)
@@ -276,26 +288,35 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
             .with_grad_placement(mode.storage)
             .with_bucket_elements(BUCKET_ELEMENTS);
         let (mut model, runtime) =
-            shard::<B, _, _>(init.clone(), config, comm, &device).map_err(|e| e.to_string())?;
+            shard::<A<I>, _, _>(init.clone(), config, comm, device).map_err(|e| e.to_string())?;
         let options = TrafficOptions {
             reshard_after_forward: mode.reshard,
             muon_exchange: false,
         };
         let projected = StepTraffic::of(runtime.plan(), options);
-        let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);
+        let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
         let local = BATCH / world;
         let mut times = Vec::new();
         let mut counters = Default::default();
         let (mut waited, mut stepped) = (0.0, 0.0);
+        let mut memory: Option<(u64, u64)> = None;
+        let mut sample = |timed: bool| {
+            if let (true, Some(m)) = (timed, runtime.device_memory()) {
+                let (u, r) = memory.unwrap_or_default();
+                memory = Some((u.max(m.in_use), r.max(m.reserved)));
+            }
+        };
         for step in 0..WARMUP + steps {
             runtime.take_counters();
             let t = Instant::now();
-            let loss = model.loss(tokens(local, step * world + rank, &device));
+            let loss = model.loss(tokens::<A<I>>(local, step * world + rank, device));
+            sample(step >= WARMUP);
             let _ = loss.backward();
             model = optim
                 .step(1e-3, model, &runtime)
                 .map_err(|e| e.to_string())?;
             let secs = t.elapsed().as_secs_f64();
+            sample(step >= WARMUP);
             counters = runtime.take_counters();
             if step >= WARMUP {
                 times.push(secs);
@@ -303,7 +324,7 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
                 stepped += secs;
             }
         }
-        Ok::<_, String>((median(times), counters, projected, waited / stepped))
+        Ok::<_, String>((median(times), counters, projected, waited / stepped, memory))
     })
     .map_err(|e| e.to_string())?;
     // A rank that panicked or failed fails the row (every rank fails alike on a refused
@@ -312,7 +333,7 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
     for r in results {
         ranks.push(r.map_err(|_| "a rank panicked".to_string())??);
     }
-    let (secs, c, projected, exposed) = ranks.swap_remove(0);
+    let (secs, c, projected, exposed, device_memory) = ranks.swap_remove(0);
     let (pg, pr) = (projected.gathered_bytes(), projected.reduced_bytes());
     Ok(Row {
         secs,
@@ -323,6 +344,7 @@ fn sharded(init: &Gpt<B>, world: usize, mode: &Mode, steps: usize) -> Result<Row
         traffic: (c.uploaded_bytes, c.downloaded_bytes),
         exposed,
         projection: Some((pg == c.gathered_bytes && pr == c.reduced_bytes, pg, pr)),
+        device_memory,
     })
 }
 
@@ -379,6 +401,93 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .filter(|&n: &usize| n > 0)
         .unwrap_or(DEFAULT_STEPS);
+    if std::env::var_os("SSHSDP_BENCH_DEVICE_ONLY").is_none() {
+        cpu_table(steps);
+    }
+    #[cfg(feature = "wgpu")]
+    device_table(steps);
+}
+
+/// The `Hsdp<Wgpu>` table (feature `wgpu`): host against device storage of masters, AdamW state
+/// and gradients, in f32 and MXFP8, at world 1 and 2 (ranks sharing the one device).
+#[cfg(feature = "wgpu")]
+fn device_table(steps: usize) {
+    use burn_wgpu::{Wgpu, WgpuDevice};
+    type W = Autodiff<Hsdp<Wgpu>>;
+    let device = WgpuDevice::default();
+    W::seed(&device, 1);
+    let init: Gpt<W> = CONFIG.init(&device);
+    let mut rows = Vec::new();
+    for world in [1, 2] {
+        for format in [RuntimeFormat::F32, RuntimeFormat::Mxfp8] {
+            let mut host_secs = None;
+            for storage in [Placement::Host, Placement::Device] {
+                let mode = Mode {
+                    name: "device table",
+                    sharding: Sharding::Hierarchical,
+                    copy: CopyMode::ZeroCopy,
+                    format,
+                    reshard: false,
+                    replicas: 1,
+                    storage,
+                    baseline: "host storage",
+                };
+                eprintln!("Hsdp<Wgpu> world {world}: {format:?}, {storage:?} storage");
+                let row = sharded::<Wgpu>(&init, world, &mode, steps, &device);
+                if storage == Placement::Host {
+                    host_secs = row.as_ref().ok().map(|r| r.secs);
+                }
+                rows.push((world, format, storage, row, host_secs));
+            }
+        }
+    }
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!("\n## Hsdp<Wgpu>: host and device storage\n");
+    println!(
+        "Command: `cargo bench --bench sshsdp-bench --features wgpu` (`SSHSDP_BENCH_DEVICE_ONLY=1` \
+         for this table alone). The same GPT and batch on `Autodiff<Hsdp<Wgpu>>` (CubeCL's wgpu \
+         runtime on the default adapter: Mesa's lavapipe on a machine without a GPU), AdamW, \
+         flat mesh, threads engine with every rank on the one device; median of {steps} steps \
+         after {WARMUP} warm-up. Host storage: fp32 masters, AdamW state and gradient buckets on \
+         the host; device storage: all three on the device, the runtime bytes re-derived there \
+         (MXFP8). Runtime shards and collectives are on the host in both (the staged path)."
+    );
+    println!(
+        "\n| world | format | storage | step ms | / host storage | to / from device MiB per step \
+         | device MiB in use / reserved (max) | host heap peak MiB/rank |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (world, format, storage, row, host_secs) in rows {
+        match row {
+            Ok(r) => {
+                let ratio = host_secs.map_or("–".into(), |h| format!("{:.2}", r.secs / h));
+                let memory = r.device_memory.map_or("n/a".into(), |(u, res)| {
+                    format!("{:.1} / {:.1}", mib(u), mib(res))
+                });
+                println!(
+                    "| {world} | {format:?} | {storage:?} | {:.0} | {ratio} | {:.2} / {:.2} | \
+                     {memory} | {:.0} |",
+                    r.secs * 1e3,
+                    mib(r.traffic.0),
+                    mib(r.traffic.1),
+                    r.peak_per_rank / (1024.0 * 1024.0),
+                );
+            }
+            Err(reason) => {
+                println!("| {world} | {format:?} | {storage:?} | n/a: {reason} | | | | |")
+            }
+        }
+    }
+    println!(
+        "\nto / from device: bytes uploaded to and read back from the device per step by rank 0 \
+         (`Counters::uploaded_bytes` / `downloaded_bytes`). Device memory: CubeCL's \
+         `memory_usage()` of the shared device (all ranks), sampled after each timed step's \
+         forward and after its update, the most seen; CubeCL reports no peak between samples."
+    );
+}
+
+/// The main table: `Hsdp<NdArray>` against plain Burn and the FSDP2-style baseline.
+fn cpu_table(steps: usize) {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let load_start = load_average();
     let ticks = cpu_ticks();
@@ -411,7 +520,7 @@ fn main() {
         let modes = MODES.iter().chain(MESH_MODES.iter().filter(|_| world == 4));
         for mode in modes.clone() {
             eprintln!("world {world}: {}", mode.name);
-            done.push((mode.name, sharded(&init, world, mode, steps)));
+            done.push((mode.name, sharded(&init, world, mode, steps, &device)));
         }
         let secs_of = |name: &str| {
             done.iter()

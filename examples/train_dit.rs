@@ -24,8 +24,8 @@ use std::process::ExitCode;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
-use common::{parse_args, parse_num, Args, Defaults, Device, Eval, Rng, Task, B};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+use common::{parse_args, parse_num, Args, Compute, Defaults, Eval, Job, Rng, Task, Train};
 use sshsdp::models::{Dit, DitConfig};
 
 const USAGE: &str = "\
@@ -157,9 +157,7 @@ impl DitTask {
     }
 }
 
-impl Task for DitTask {
-    type Model = Dit<B>;
-
+impl Job for DitTask {
     fn name(&self) -> &str {
         "train_dit"
     }
@@ -172,33 +170,44 @@ impl Task for DitTask {
         self.batch * self.config.tokens()
     }
 
-    fn init(&self, device: &Device) -> Dit<B> {
+    fn baseline(&self) -> Option<(f64, String)> {
+        Some((1.0, "predicting no noise".into()))
+    }
+}
+
+impl<I: Compute> Task<I> for DitTask {
+    type Model = Dit<Train<I>>;
+
+    fn init(&self, device: &I::Device) -> Dit<Train<I>> {
         self.config.init(device)
     }
 
-    fn train_loss(&self, model: &Dit<B>, step: usize, rank: usize, world: usize) -> Tensor<B, 1> {
+    fn train_loss(
+        &self,
+        model: &Dit<Train<I>>,
+        step: usize,
+        rank: usize,
+        world: usize,
+    ) -> Tensor<Train<I>, 1> {
         let mut rng = Rng::new(self.seed, step as u64);
-        let (x0, t, noise) = self.rows::<B>(&mut rng, self.batch, rank, world, |_, g| g.uniform());
+        let (x0, t, noise) =
+            self.rows::<Train<I>>(&mut rng, self.batch, rank, world, |_, g| g.uniform());
         model.loss(x0, t, noise)
     }
 
-    fn eval_loss(&self, model: &Dit<B>, rank: usize, world: usize) -> f32 {
+    fn eval_loss(&self, model: &Dit<Train<I>>, rank: usize, world: usize) -> f32 {
         // Fixed clips, noise and times spread evenly over (0, 1).
         let mut rng = Rng::new(self.seed ^ 0x5eed, u64::MAX);
         let held = HELD_OUT.max(world) / world * world;
-        let (x0, t, noise) = self.rows::<Eval>(&mut rng, held, rank, world, move |i, _| {
+        let (x0, t, noise) = self.rows::<Eval<I>>(&mut rng, held, rank, world, move |i, _| {
             (i as f64 + 0.5) / held as f64
         });
-        model.valid().loss(x0, t, noise).into_scalar()
-    }
-
-    fn baseline(&self) -> Option<(f64, String)> {
-        Some((1.0, "predicting no noise".into()))
+        model.valid().loss(x0, t, noise).into_scalar().elem()
     }
 
     fn finish(
         &self,
-        model: &Dit<B>,
+        model: &Dit<Train<I>>,
         rank: usize,
         out: &Path,
         _broadcast: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
@@ -212,8 +221,10 @@ impl Task for DitTask {
         let (n, pd) = (self.config.tokens(), self.config.patch_dim());
         let mut rng = Rng::new(self.seed, u64::MAX - 1);
         let noise: Vec<f32> = (0..2 * n * pd).map(|_| rng.normal() as f32).collect();
-        let noise =
-            Tensor::<Eval, 3>::from_data(TensorData::new(noise, [2, n, pd]), &Device::default());
+        let noise = Tensor::<Eval<I>, 3>::from_data(
+            TensorData::new(noise, [2, n, pd]),
+            &Default::default(),
+        );
         let tokens: Vec<f32> = model
             .sample(noise, self.sample_steps)
             .into_data()

@@ -1,5 +1,5 @@
 //! The main example: a GPT-style byte-level language model trained with SS-HSDP
-//! (`Autodiff<Hsdp<Flex>>`) on the public-domain corpus in `data/corpus.txt`.
+//! (`Autodiff<Hsdp<Flex>>`, or `Autodiff<Hsdp<Wgpu>>` with `--backend wgpu`) on the public-domain corpus in `data/corpus.txt`.
 //!
 //! ```text
 //! cargo run --release --example train_gpt -- [--ranks N | --mesh RxS] [--steps N]
@@ -16,8 +16,10 @@
 //! would reach) and `sample.txt` (text generated from `--prompt` after training). The run ends
 //! with a one-screen summary (version, mesh, format, optimizer, losses, tokens/s, memory,
 //! outputs) to paste into an issue. `--save` writes a sharded
-//! checkpoint that `--resume` continues from at any rank count. NCCL (GPUs) is not wired into
-//! this example yet: the engine exists in `sshsdp-comm`, the CubeCL backend path does not.
+//! checkpoint that `--resume` continues from at any rank count. `--backend wgpu` (build with
+//! `--features wgpu`) trains on CubeCL's wgpu runtime with masters, optimizer state and
+//! gradients on the device (`--storage host` keeps them on the host); collectives still go
+//! through the host, and NCCL (GPUs) is not wired into this example yet.
 //!
 //! Backend: burn-flex. On this model at 2 ranks (bf16, Muon; width 128, 4 layers, context
 //! 128, batch 16) `Hsdp<Flex>` (burn-flex 0.21 with SIMD) ran 1.59 s/step against 2.11 for
@@ -33,8 +35,8 @@ use std::process::ExitCode;
 use burn::module::AutodiffModule;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
-use common::{parse_args, parse_num, Args, Defaults, Device, Eval, Rng, Task, B};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use common::{parse_args, parse_num, Args, Compute, Defaults, Eval, Job, Rng, Task, Train};
 use sshsdp::models::{Gpt, GptConfig};
 
 const USAGE: &str = "\
@@ -91,9 +93,7 @@ impl GptTask {
     }
 }
 
-impl Task for GptTask {
-    type Model = Gpt<B>;
-
+impl Job for GptTask {
     fn name(&self) -> &str {
         "train_gpt"
     }
@@ -106,11 +106,25 @@ impl Task for GptTask {
         self.batch * self.config.seq
     }
 
-    fn init(&self, device: &Device) -> Gpt<B> {
+    fn baseline(&self) -> Option<(f64, String)> {
+        Some((self.entropy, "byte unigram entropy".into()))
+    }
+}
+
+impl<I: Compute> Task<I> for GptTask {
+    type Model = Gpt<Train<I>>;
+
+    fn init(&self, device: &I::Device) -> Gpt<Train<I>> {
         self.config.init(device)
     }
 
-    fn train_loss(&self, model: &Gpt<B>, step: usize, rank: usize, world: usize) -> Tensor<B, 1> {
+    fn train_loss(
+        &self,
+        model: &Gpt<Train<I>>,
+        step: usize,
+        rank: usize,
+        world: usize,
+    ) -> Tensor<Train<I>, 1> {
         // Every rank draws the same global batch (random windows of the training text) and
         // keeps its rows.
         let width = self.config.seq + 1;
@@ -127,7 +141,7 @@ impl Task for GptTask {
         model.loss(self.tokens(windows, n))
     }
 
-    fn eval_loss(&self, model: &Gpt<B>, rank: usize, world: usize) -> f32 {
+    fn eval_loss(&self, model: &Gpt<Train<I>>, rank: usize, world: usize) -> f32 {
         // Fixed windows spread evenly over the held-out text.
         let width = self.config.seq + 1;
         let span = self.held_out.len() - width;
@@ -141,17 +155,14 @@ impl Task for GptTask {
             .collect();
         model
             .valid()
-            .loss(self.tokens::<Eval>(windows, n))
+            .loss(self.tokens::<Eval<I>>(windows, n))
             .into_scalar()
-    }
-
-    fn baseline(&self) -> Option<(f64, String)> {
-        Some((self.entropy, "byte unigram entropy".into()))
+            .elem()
     }
 
     fn finish(
         &self,
-        model: &Gpt<B>,
+        model: &Gpt<Train<I>>,
         rank: usize,
         out: &Path,
         broadcast: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
@@ -169,9 +180,9 @@ impl Task for GptTask {
             let window = &text[text.len().saturating_sub(context)..];
             let input: Vec<i64> = window.iter().map(|&b| b as i64).collect();
             let len = input.len();
-            let input = Tensor::<Eval, 2, Int>::from_data(
+            let input = Tensor::<Eval<I>, 2, Int>::from_data(
                 TensorData::new(input, [1, len]),
-                &Device::default(),
+                &Default::default(),
             );
             let logits = model
                 .logits(input)
@@ -180,7 +191,7 @@ impl Task for GptTask {
             let mut next = [0f32];
             if rank == 0 {
                 next[0] = if self.temperature <= 0.0 {
-                    logits.argmax(0).into_scalar() as f32
+                    logits.argmax(0).into_scalar().elem::<f32>()
                 } else {
                     let probs: Vec<f32> = softmax(logits / self.temperature, 0)
                         .into_data()
@@ -311,14 +322,10 @@ fn main() -> ExitCode {
 mod tests {
     use super::*;
 
-    /// A tiny model through the whole pipeline: 3 steps on 2 ranks with a checkpoint, resumed
-    /// for 2 more on 1 rank; metrics, plot and sample land in the output directory.
-    #[test]
-    fn trains_saves_and_resumes_at_another_world_size() {
-        let dir = std::env::temp_dir().join(format!("train_gpt_smoke_{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+    /// A tiny model on a slice of the corpus.
+    fn tiny_task() -> GptTask {
         let text: Vec<u8> = include_bytes!("../data/corpus.txt")[..4000].to_vec();
-        let task = GptTask {
+        GptTask {
             config: GptConfig {
                 vocab: 256,
                 d_model: 32,
@@ -334,7 +341,15 @@ mod tests {
             prompt: "The ".into(),
             sample_len: 8,
             temperature: 0.8,
-        };
+        }
+    }
+
+    /// 3 steps with `first` flags and a checkpoint, resumed for 3 more with `second` flags;
+    /// metrics, plot and sample land in the output directory.
+    fn save_and_resume(tag: &str, first: &[&str], second: &[&str]) {
+        let dir = std::env::temp_dir().join(format!("train_gpt_{tag}_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let task = tiny_task();
         let flags = |extra: &[&str]| {
             let mut v: Vec<String> = ["--steps", "3", "--eval-every", "2", "--out"]
                 .iter()
@@ -352,16 +367,15 @@ mod tests {
             parse_args(v, &defaults, |_, _| Ok(false)).unwrap().unwrap()
         };
         let ckpt = dir.join("ckpt").display().to_string();
-        let first = common::run(&task, &flags(&["--ranks", "2", "--save", &ckpt]))
-            .unwrap()
-            .unwrap();
+        let first = [first, &["--save", &ckpt]].concat();
+        let first = common::run(&task, &flags(&first)).unwrap().unwrap();
         assert_eq!(first.steps, 3);
         assert!(first.final_loss.is_finite());
         assert!(first.finish.starts_with("The "), "{}", first.finish);
-        let second = common::run(&task, &flags(&["--ranks", "1", "--resume", &ckpt]))
-            .unwrap()
-            .unwrap();
+        let second = [second, &["--resume", &ckpt]].concat();
+        let second = common::run(&task, &flags(&second)).unwrap().unwrap();
         assert_eq!(second.first_step, 3);
+        assert!(second.final_loss.is_finite());
         let csv = std::fs::read_to_string(dir.join("out/metrics.csv")).unwrap();
         assert_eq!(
             csv.lines().count(),
@@ -374,6 +388,24 @@ mod tests {
         assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000);
         assert!(dir.join("out/sample.txt").exists());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The whole pipeline: 3 steps on 2 ranks with a checkpoint, resumed on 1 rank.
+    #[test]
+    fn trains_saves_and_resumes_at_another_world_size() {
+        save_and_resume("smoke", &["--ranks", "2"], &["--ranks", "1"]);
+    }
+
+    /// `--backend wgpu` with device storage (MXFP8), saved at 2 ranks and resumed on burn-flex
+    /// at 1 rank: a checkpoint does not depend on the backend it was written from.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn trains_on_wgpu_and_resumes_on_flex() {
+        save_and_resume(
+            "wgpu",
+            &["--ranks", "2", "--backend", "wgpu", "--format", "mxfp8"],
+            &["--ranks", "1", "--backend", "flex", "--format", "mxfp8"],
+        );
     }
 
     #[test]
@@ -393,6 +425,17 @@ mod tests {
         assert!(parse(&["--format", "fp4"]).is_err());
         assert!(parse(&["--steps"]).is_err());
         assert!(parse(&["--bogus"]).is_err());
+        assert!(parse(&["--backend", "tpu"]).is_err());
+        assert!(parse(&["--storage", "disk"]).is_err());
+        // Without the feature, wgpu is an error naming it; with it, device storage by default.
+        let wgpu = parse(&["--backend", "wgpu"]);
+        if cfg!(feature = "wgpu") {
+            let args = wgpu.unwrap().unwrap();
+            assert_eq!(args.storage, sshsdp::backend::Placement::Device);
+        } else {
+            let e = wgpu.unwrap_err();
+            assert!(e.contains("--features wgpu"), "{e}");
+        }
         assert!(parse(&["--help"]).unwrap().is_none());
         let args = parse(&["--mesh", "2x2", "--format", "f32", "--clip", "0"])
             .unwrap()

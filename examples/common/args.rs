@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use sshsdp::backend::Placement;
 use sshsdp::plan::{Mesh, RuntimeFormat};
 
 /// Which optimizer steps the parameters.
@@ -44,6 +45,30 @@ pub struct Args {
     pub seed: u64,
     /// `--trace FILE`: write a Chrome trace of every rank's communication timeline.
     pub trace: Option<PathBuf>,
+    /// `--backend flex|wgpu`: what the ranks compute on.
+    pub backend: BackendKind,
+    /// `--storage host|device`: where fp32 masters, optimizer state and gradient buckets live
+    /// (default: the device on GPU backends, the host on burn-flex).
+    pub storage: Placement,
+}
+
+/// The backend of a run (`--backend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// burn-flex on the CPU ([`super::Flex`]).
+    Flex,
+    /// CubeCL's wgpu runtime (feature `wgpu`).
+    Wgpu,
+}
+
+impl BackendKind {
+    /// One line for the summary.
+    pub fn describe(self) -> &'static str {
+        match self {
+            BackendKind::Flex => "burn-flex (CPU, SIMD)",
+            BackendKind::Wgpu => "wgpu (CubeCL, no fusion; lavapipe when there is no GPU)",
+        }
+    }
 }
 
 /// Per-example defaults of [`Args`].
@@ -76,6 +101,12 @@ Optimization:
   --clip MAX_NORM      global gradient-norm clipping (default 1; 0 turns it off)
   --format FORMAT      runtime parameters: bf16 (default), f32 or mxfp8
   --seed N             initial weights and data order (default 0)
+Backend:
+  --backend flex|wgpu  flex: burn-flex on the CPU (default); wgpu: CubeCL's wgpu runtime on the
+                       default adapter, each rank on it (build with --features wgpu; on a
+                       machine without a GPU it runs on Mesa's lavapipe, slowly)
+  --storage host|device  where fp32 masters, optimizer state and gradient buckets live
+                       (default: device on wgpu, host on flex)
 Output:
   --out DIR            metrics.csv, loss.svg, loss.png and samples (default runs/<example>/)
   --eval-every N       steps between held-out evaluations (0: at the end only)
@@ -118,7 +149,10 @@ pub fn parse_args(
         resume: None,
         seed: 0,
         trace: None,
+        backend: BackendKind::Flex,
+        storage: Placement::Host,
     };
+    let mut storage = None;
     let mut args = args.into_iter();
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -181,6 +215,25 @@ pub fn parse_args(
             "--save" => out.save = Some(PathBuf::from(value()?)),
             "--resume" => out.resume = Some(PathBuf::from(value()?)),
             "--trace" => out.trace = Some(PathBuf::from(value()?)),
+            "--backend" => {
+                out.backend = match value()?.as_str() {
+                    "flex" => BackendKind::Flex,
+                    "wgpu" if cfg!(feature = "wgpu") => BackendKind::Wgpu,
+                    "wgpu" => {
+                        return Err("--backend wgpu needs the `wgpu` feature: cargo run \
+                                    --release --features wgpu --example <name> -- --backend wgpu"
+                            .into())
+                    }
+                    b => return Err(format!("--backend is flex or wgpu, not `{b}`")),
+                }
+            }
+            "--storage" => {
+                storage = Some(match value()?.as_str() {
+                    "host" => Placement::Host,
+                    "device" => Placement::Device,
+                    s => return Err(format!("--storage is host or device, not `{s}`")),
+                })
+            }
             other => {
                 if !extra(other, &mut value)? {
                     return Err(format!("unknown option `{other}` (see --help)"));
@@ -188,6 +241,10 @@ pub fn parse_args(
             }
         }
     }
+    out.storage = storage.unwrap_or(match out.backend {
+        BackendKind::Flex => Placement::Host,
+        BackendKind::Wgpu => Placement::Device,
+    });
     if let (Some(n), Some(mesh)) = (out.ranks, out.mesh) {
         if n != mesh.world_size() {
             return Err(format!(

@@ -71,15 +71,26 @@ pub fn engine_and_mesh(args: &Args, example: &str) -> Result<(Engine, Mesh), Str
 }
 
 /// Number of parameters of `model`.
-pub fn parameter_count<M: Module<B>>(model: &M) -> usize {
+pub fn parameter_count<A: Backend, M: Module<A>>(model: &M) -> usize {
     named_params(model)
         .map(|ps| ps.iter().map(|p| p.values.len()).sum())
         .unwrap_or(0)
 }
 
-/// Runs `task` with `args` on the engine the launch calls for; returns rank 0's report (`None`
-/// on the other MPI processes).
-pub fn run<T: Task>(task: &T, args: &Args) -> Result<Option<Report>, String> {
+/// Runs `task` with `args` on the backend `args.backend` names.
+pub fn run<T: Tasks>(task: &T, args: &Args) -> Result<Option<Report>, String> {
+    match args.backend {
+        BackendKind::Flex => run_on::<Flex, T>(task, args),
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => run_on::<Wgpu, T>(task, args),
+        #[cfg(not(feature = "wgpu"))]
+        BackendKind::Wgpu => Err("--backend wgpu needs the `wgpu` feature".into()),
+    }
+}
+
+/// Runs `task` on backend `I` with `args` on the engine the launch calls for; returns rank 0's
+/// report (`None` on the other MPI processes).
+pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Report>, String> {
     let (engine, mesh) = engine_and_mesh(args, task.name())?;
     let world = mesh.world_size();
     if task.global_batch() % world != 0 {
@@ -90,9 +101,9 @@ pub fn run<T: Task>(task: &T, args: &Args) -> Result<Option<Report>, String> {
     }
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
-    let device = Device::default();
+    let device = I::Device::default();
     let init = || {
-        B::seed(&device, args.seed);
+        Train::<I>::seed(&device, args.seed);
         task.init(&device)
     };
     match engine {
@@ -158,7 +169,7 @@ pub fn run<T: Task>(task: &T, args: &Args) -> Result<Option<Report>, String> {
 /// An example's whole `main`: `setup` parses the command line (`Ok(None)` after `--help`,
 /// which prints `usage`), `banner` describes the data, [`run`] trains, and `finish` prints what
 /// is particular to the example after the common report. Errors print one line and exit 1.
-pub fn main<T: Task>(
+pub fn main<T: Tasks>(
     usage: &str,
     setup: impl FnOnce() -> Result<Option<(T, Args)>, String>,
     banner: impl FnOnce(&T),

@@ -24,17 +24,28 @@ use optim::*;
 pub use task::*;
 use train::*;
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
 use sshsdp::backend::Hsdp;
 
-/// The backend the examples compute on: burn-flex (with SIMD) ran the GPT example's training
-/// step 1.3× faster than NdArray at 2 ranks and 2.1× at 1 rank (see `examples/train_gpt.rs`),
-/// although the decorator's zero-copy parameter views are specific to NdArray.
-pub type Inner = Flex;
-/// The training backend: autodiff over the sharding decorator.
-pub type B = Autodiff<Hsdp<Inner>>;
-/// The backend of evaluation and sampling: the decorator without autodiff (`model.valid()`), so
-/// forward passes that are never followed by a backward pass build no graph.
-pub type Eval = Hsdp<Inner>;
-/// The device of [`B`].
-pub type Device = burn::backend::flex::FlexDevice;
+/// A backend the examples compute on (`--backend`): any Burn backend whose default device is
+/// where a rank trains.
+pub trait Compute: Backend<Device: Default> {}
+
+impl<I: Backend<Device: Default>> Compute for I {}
+
+/// The CPU backend of `--backend flex` (the default): burn-flex with SIMD ran the GPT
+/// example's training step 1.3× faster than NdArray at 2 ranks and 2.1× at 1 rank (see
+/// `examples/train_gpt.rs`), although the decorator's zero-copy parameter views are specific to
+/// NdArray.
+pub type Flex = burn::backend::Flex;
+/// The GPU backend of `--backend wgpu` (feature `wgpu`): CubeCL's wgpu runtime without fusion
+/// (Vulkan, Metal, DirectX; Mesa's lavapipe on a machine without a GPU).
+#[cfg(feature = "wgpu")]
+pub type Wgpu = burn_wgpu::Wgpu;
+/// The training backend over `I`: autodiff over the sharding decorator.
+pub type Train<I> = Autodiff<Hsdp<I>>;
+/// The backend of evaluation and sampling over `I`: the decorator without autodiff
+/// (`model.valid()`), so forward passes that are never followed by a backward pass build no
+/// graph.
+pub type Eval<I> = Hsdp<I>;

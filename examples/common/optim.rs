@@ -11,14 +11,14 @@ use sshsdp::optim::{MuonConfig, ShardedMuon, UpdateScale};
 
 use super::*;
 
-/// The optimizer of a run.
-pub(crate) enum Optim {
-    Muon(ShardedMuon<Inner, AdamW>),
-    AdamW(ShardedOptimizer<Inner, AdamW>),
+/// The optimizer of a run on backend `I`.
+pub(crate) enum Optim<I: Compute> {
+    Muon(ShardedMuon<I, AdamW>),
+    AdamW(ShardedOptimizer<I, AdamW>),
 }
 
-impl Optim {
-    pub(crate) fn new(kind: OptimKind, clip: Option<f64>, device: &Device) -> Self {
+impl<I: Compute> Optim<I> {
+    pub(crate) fn new(kind: OptimKind, clip: Option<f64>, device: &I::Device) -> Self {
         let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
         match kind {
             OptimKind::Muon => {
@@ -28,14 +28,14 @@ impl Optim {
                     .with_scale(UpdateScale::MatchAdamW)
                     .with_weight_decay(0.01)
                     .init();
-                let mut o = ShardedMuon::new(muon, adamw, *device);
+                let mut o = ShardedMuon::new(muon, adamw, device.clone());
                 if let Some(c) = clip {
                     o = o.with_grad_clipping(c);
                 }
                 Optim::Muon(o)
             }
             OptimKind::AdamW => {
-                let mut o = ShardedOptimizer::new(adamw, *device);
+                let mut o = ShardedOptimizer::new(adamw, device.clone());
                 if let Some(c) = clip {
                     o = o.with_grad_clipping(c);
                 }
@@ -44,11 +44,11 @@ impl Optim {
         }
     }
 
-    pub(crate) fn step<M: Module<B>>(
+    pub(crate) fn step<M: Module<Train<I>>>(
         &mut self,
         lr: f64,
         model: M,
-        runtime: &HsdpRuntime<Inner>,
+        runtime: &HsdpRuntime<I>,
     ) -> Result<M, HsdpError> {
         match self {
             Optim::Muon(o) => o.step(lr, model, runtime),
@@ -66,7 +66,7 @@ impl Optim {
     pub(crate) fn save(
         &mut self,
         dir: &Path,
-        runtime: &HsdpRuntime<Inner>,
+        runtime: &HsdpRuntime<I>,
         step: u64,
     ) -> Result<(), String> {
         let r = match self {
@@ -77,7 +77,7 @@ impl Optim {
             .map_err(|e| format!("saving to {}: {e}", dir.display()))
     }
 
-    pub(crate) fn load(&mut self, dir: &Path, runtime: &HsdpRuntime<Inner>) -> Result<u64, String> {
+    pub(crate) fn load(&mut self, dir: &Path, runtime: &HsdpRuntime<I>) -> Result<u64, String> {
         let r = match self {
             Optim::Muon(o) => checkpoint::load(dir, runtime, o),
             Optim::AdamW(o) => checkpoint::load(dir, runtime, &mut PieceStates::new(o)),

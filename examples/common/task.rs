@@ -4,23 +4,30 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::tensor::Tensor;
+use sshsdp::backend::Placement;
 use sshsdp::plan::Mesh;
 
 use super::*;
 
-/// A training job: the model, its batches and what to do once trained.
-pub trait Task: Sync {
-    /// The module trained.
-    type Model: Module<B> + Sync;
-
+/// What a training job is, whatever backend it runs on.
+pub trait Job: Sync {
     /// Name of the example (for messages and the default output directory).
     fn name(&self) -> &str;
     /// Rows (sequences, clips) in one global batch; split evenly over the ranks.
     fn global_batch(&self) -> usize;
     /// Items (tokens) one global batch trains on, for throughput.
     fn items_per_step(&self) -> usize;
+    /// A reference level for the loss (drawn in the plot, printed at the end).
+    fn baseline(&self) -> Option<(f64, String)>;
+}
+
+/// A training job on backend `I`: the model, its batches and what to do once trained.
+pub trait Task<I: Compute>: Job {
+    /// The module trained.
+    type Model: Module<Train<I>> + Sync;
+
     /// A freshly initialised model (call after seeding the backend).
-    fn init(&self, device: &Device) -> Self::Model;
+    fn init(&self, device: &I::Device) -> Self::Model;
     /// The loss of this rank's rows of step `step`'s global batch.
     fn train_loss(
         &self,
@@ -28,12 +35,10 @@ pub trait Task: Sync {
         step: usize,
         rank: usize,
         world: usize,
-    ) -> Tensor<B, 1>;
+    ) -> Tensor<Train<I>, 1>;
     /// The loss of this rank's rows of the fixed held-out batch (computed on `model.valid()`,
     /// the [`Eval`] backend).
     fn eval_loss(&self, model: &Self::Model, rank: usize, world: usize) -> f32;
-    /// A reference level for the loss (drawn in the plot, printed at the end).
-    fn baseline(&self) -> Option<(f64, String)>;
     /// Runs on every rank after training, in lockstep (forward passes gather parameters, so
     /// every rank runs the same ones; use `model.valid()`, the [`Eval`] backend). `broadcast` copies rank 0's values to every rank. Returns
     /// what rank 0 prints (e.g. generated text); may write files into `out`.
@@ -45,6 +50,19 @@ pub trait Task: Sync {
         broadcast: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
     ) -> Result<String, String>;
 }
+
+/// A job on every backend this build supports (`--backend`): burn-flex always, Wgpu with the
+/// `wgpu` feature.
+#[cfg(not(feature = "wgpu"))]
+pub trait Tasks: Task<Flex> {}
+#[cfg(not(feature = "wgpu"))]
+impl<T: Task<Flex>> Tasks for T {}
+/// A job on every backend this build supports (`--backend`): burn-flex always, Wgpu with the
+/// `wgpu` feature.
+#[cfg(feature = "wgpu")]
+pub trait Tasks: Task<Flex> + Task<Wgpu> {}
+#[cfg(feature = "wgpu")]
+impl<T: Task<Flex> + Task<Wgpu>> Tasks for T {}
 
 /// What a run measured (on rank 0), and how it was set up.
 #[derive(Clone, Debug)]
@@ -81,7 +99,7 @@ pub struct Report {
     pub args: Args,
     /// Runtime shard bytes per rank.
     pub shard_bytes: u64,
-    /// fp32 master bytes per rank.
+    /// fp32 master bytes per rank kept apart from the runtime shard (host or device).
     pub master_bytes: u64,
     /// Largest gathered (resident) bucket bytes of rank 0 in any step.
     pub peak_gathered: u64,
@@ -136,6 +154,14 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
         report.engine,
         report.mesh,
         format_name(args.format)
+    );
+    println!(
+        "backend     {}; fp32 masters, optimizer state and gradients on the {}",
+        args.backend.describe(),
+        match args.storage {
+            Placement::Host => "host",
+            Placement::Device => "device",
+        }
     );
     println!(
         "optimizer   {}; lr {:.1e} (warm-up {}, cosine); clip {}; seed {}",

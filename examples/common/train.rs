@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::io::IsTerminal;
 use std::time::Instant;
 
+use burn::tensor::ElementConversion;
 use indicatif::{ProgressBar, ProgressStyle};
 use sshsdp::backend::{shard, HsdpConfig};
 use sshsdp::comm::{Collective, ReduceOp};
@@ -12,7 +13,7 @@ use sshsdp::plan::Mesh;
 use super::*;
 
 /// Per-rank training: shard, (resume,) train, (save,) finish.
-pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
+pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>(
     task: &T,
     args: &Args,
     mesh: Mesh,
@@ -24,26 +25,30 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
     let lead = rank == 0;
     // A second communicator for the metrics (the first moves into the runtime).
     let stats = comm.split(0, rank).map_err(|e| e.to_string())?;
-    let device = Device::default();
+    let device = I::Device::default();
     let config = HsdpConfig::new(mesh)
         .with_format(args.format)
+        .with_master_placement(args.storage)
+        .with_grad_placement(args.storage)
         .with_trace(args.trace.is_some());
-    let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device)
+    let (mut model, runtime) = shard::<Train<I>, _, _>(init.clone(), config, comm, &device)
         .map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;
-    let mut optim = Optim::new(args.optim, args.clip, &device);
+    let mut optim = Optim::<I>::new(args.optim, args.clip, &device);
     let first = match &args.resume {
         Some(dir) => optim.load(dir, &runtime)? as usize,
         None => 0,
     };
     let last = first + args.steps;
-    let per_rank_bytes = runtime.shard_bytes() + runtime.master_bytes();
+    // fp32 masters apart from the runtime shard, on the host or the device (`--storage`).
+    let master_bytes = runtime.master_bytes() + runtime.device_master_bytes();
+    let per_rank_bytes = runtime.shard_bytes() + master_bytes;
     if lead {
         let plan = runtime.plan().to_string();
         println!("{}", plan.lines().next().unwrap_or_default());
         println!(
             "per rank: {:.2} MiB runtime shard + {:.2} MiB fp32 master; {}",
             mib(runtime.shard_bytes()),
-            mib(runtime.master_bytes()),
+            mib(master_bytes),
             match args.optim {
                 OptimKind::Muon => "Muon (hidden matrices) + AdamW (the rest)",
                 OptimKind::AdamW => "AdamW",
@@ -106,7 +111,7 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
         let t0 = Instant::now();
         let lr = learning_rate(args.lr, args.warmup, step, last);
         let loss = task.train_loss(&model, step, rank, world);
-        let local = loss.clone().into_scalar();
+        let local = loss.clone().into_scalar().elem::<f32>();
         let _ = loss.backward();
         model = optim.step(lr, model, &runtime).map_err(|e| e.to_string())?;
         let dt = t0.elapsed().as_secs_f64();
@@ -235,7 +240,7 @@ pub(crate) fn train_rank<T: Task, C: Collective + Send + 'static>(
         },
         args: args.clone(),
         shard_bytes: runtime.shard_bytes(),
-        master_bytes: runtime.master_bytes(),
+        master_bytes,
         peak_gathered,
         csv,
         svg,

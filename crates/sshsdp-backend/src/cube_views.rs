@@ -15,6 +15,7 @@ use std::any::{Any, TypeId};
 use burn_backend::{Backend, DType, Shape, Slice, TensorData};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use cubecl::Runtime;
 
 use crate::views::Member;
 
@@ -50,6 +51,23 @@ pub(crate) fn alignment<B: Backend>(device: &B::Device) -> Option<u64> {
             let any: Box<dyn Any> = Box::new(probe);
             let tensor = any.downcast::<CubeTensor<R>>().expect("the type was checked");
             return Some(tensor.client.properties().memory.alignment);
+        }
+    });
+    None
+}
+
+/// The allocator's view of `device`'s memory, if `B` is a CubeCL backend this build supports.
+pub(crate) fn memory_usage<B: Backend>(device: &B::Device) -> Option<crate::storage::DeviceMemory> {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            let any: &dyn Any = device;
+            let device: &<R as Runtime>::Device = any.downcast_ref()?;
+            let usage = R::client(device).memory_usage().ok()?;
+            return Some(crate::storage::DeviceMemory {
+                in_use: usage.bytes_in_use,
+                reserved: usage.bytes_reserved,
+                allocations: usage.number_allocs,
+            });
         }
     });
     None

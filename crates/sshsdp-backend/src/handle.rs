@@ -140,4 +140,12 @@ impl<B: Backend> HsdpRuntime<B> {
     pub fn device_master_bytes(&self) -> u64 {
         self.runtime.device_master_bytes()
     }
+
+    /// The memory of the device parameters are gathered on, as its allocator reports it
+    /// (in use against reserved by the pools), on CubeCL backends (`Hsdp<CubeBackend<…>>` with
+    /// the `wgpu` or `cuda` feature); `None` elsewhere. The device is shared: ranks driving the
+    /// same device see the same figures.
+    pub fn device_memory(&self) -> Option<crate::DeviceMemory> {
+        self.runtime.device_memory()
+    }
 }

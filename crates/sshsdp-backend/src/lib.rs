@@ -52,6 +52,6 @@ pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};
 pub use shard::{named_params, refresh_leaves, shard, shard_with, NamedParam};
-pub use storage::Placement;
+pub use storage::{DeviceMemory, Placement};
 pub use tensor::{HsdpFloat, ParamHandle};
 pub use timeline::{chrome_trace, Span, Track};

@@ -45,6 +45,33 @@ pub enum Placement {
     Device,
 }
 
+/// Memory of the decorated backend's device as its allocator reports it (CubeCL's
+/// `memory_usage`): what tensors use against what the memory pools hold. Shared by every user
+/// of the device in the process (all ranks driving it, and anything else on it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes in live allocations.
+    pub in_use: u64,
+    /// Bytes the pools hold (in use, plus free pages kept for reuse).
+    pub reserved: u64,
+    /// Live allocations.
+    pub allocations: u64,
+}
+
+/// The memory of `device` if `B` is a CubeCL backend this build supports (`None` otherwise,
+/// and when the device cannot say).
+pub(crate) fn device_memory<B: Backend>(device: &B::Device) -> Option<DeviceMemory> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    {
+        crate::cube_views::memory_usage::<B>(device)
+    }
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = device;
+        None
+    }
+}
+
 /// One piece's fp32 master weights, where [`Placement`] put them.
 pub(crate) enum MasterBuf<B: Backend> {
     /// On the host.

@@ -645,4 +645,9 @@ impl<B: Backend> Runtime<B> {
     pub fn device(&self) -> &B::Device {
         &self.materialiser.device
     }
+
+    /// The memory of [`Self::device`] as its allocator reports it (CubeCL backends only).
+    pub fn device_memory(&self) -> Option<crate::DeviceMemory> {
+        crate::storage::device_memory::<B>(&self.materialiser.device)
+    }
 }
