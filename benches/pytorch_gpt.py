@@ -194,12 +194,17 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--attn", choices=["sdpa", "manual"], default="sdpa")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda (single mode only: the same model on one GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--log-every", type=int, default=None, help="default: steps / 20")
     a = p.parse_args(argv)
     if a.steps <= a.warmup:
         p.error("--steps must exceed --warmup (the timed steps follow the warm-up)")
     if a.width % a.heads:
         p.error(f"--width {a.width} does not split into {a.heads} heads")
+    if a.device != "cpu" and a.mode != "single":
+        p.error("--device other than cpu runs in --mode single only")
     if a.mode == "single":
         a.world = 1
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
@@ -219,8 +224,10 @@ def train(args, rank, world, dist=None):
         raise SystemExit(f"the global batch of {args.batch} does not split over {world} ranks")
 
     torch.manual_seed(args.seed)  # same init on every rank; FSDP2 keeps each rank's shard
-    model = Gpt(256, args.width, args.layers, args.heads, args.seq, args.attn)
+    device = torch.device(args.device)
+    model = Gpt(256, args.width, args.layers, args.heads, args.seq, args.attn).to(device)
     n_params = sum(p.numel() for p in model.parameters())
+    forward = torch.compile(model) if args.compile else model
     if dist is not None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -237,8 +244,8 @@ def train(args, rank, world, dist=None):
               f"{args.width}, {args.layers} layers, {args.heads} heads, context {args.seq}, "
               f"global batch {args.batch}; mode {args.mode}, world {world}, threads "
               f"{torch.get_num_threads()}/process; AdamW lr {args.lr:g} (warm-up "
-              f"{args.lr_warmup}, cosine), clip {args.clip or 'off'}, f32, attn {args.attn}",
-              flush=True)
+              f"{args.lr_warmup}, cosine), clip {args.clip or 'off'}, f32, attn {args.attn}, "
+              f"device {args.device}{', compiled' if args.compile else ''}", flush=True)
 
     def global_mean(values):
         t = torch.tensor(values, dtype=torch.float64)
@@ -251,16 +258,17 @@ def train(args, rank, world, dist=None):
     losses, timed = [], 0.0
     for step in range(args.steps):
         tokens = batch_tokens(train_bytes, args.seq, args.batch, args.seed, step, rank, world)
+        tokens = tokens.to(device)
         t0 = time.perf_counter()
         for group in optim.param_groups:
             group["lr"] = learning_rate(args.lr, args.lr_warmup, step, args.steps)
-        loss = model(tokens)
+        loss = forward(tokens)
         loss.backward()
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optim.step()
         optim.zero_grad(set_to_none=True)
-        local = loss.item()
+        local = loss.item()  # waits for the device
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             timed += dt
@@ -279,7 +287,8 @@ def train(args, rank, world, dist=None):
     tail = losses[-20:]
     rate = args.batch * args.seq * (args.steps - args.warmup) / timed
     if lead:
-        print(f"pytorch {args.mode} world={world} threads={torch.get_num_threads()}: "
+        print(f"pytorch {args.mode} world={world} threads={torch.get_num_threads()} "
+              f"device={args.device}{' compiled' if args.compile else ''}: "
               f"{rate:.1f} tokens/s (steps {args.steps}, final loss {sum(tail) / len(tail):.4f})",
               flush=True)
 

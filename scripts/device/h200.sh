@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# The H200 check of the device issue, in one call (about 6 minutes; no Rust toolchain there):
+#
+#   1. every CubeCL kernel against its CPU reference on fresh data, with quantise GB/s against a
+#      device copy and MX matmul against the f32 GEMM (scripts/gpu_check.sh: gpu_check);
+#   2. the NCCL engine's conformance at world 1 (scripts/device/nccl_check.sh);
+#   3. a GPT training step on `Autodiff<Hsdp<Cuda>>` (train_gpt --backend cuda: one rank, device
+#      storage, AdamW, f32 compute) with bf16 and with MXFP8 runtime parameters;
+#   4. the same GPT, data and AdamW in PyTorch on the same GPU, eager and torch.compile, in the
+#      same compute dtype (f32);
+#
+# and writes one Markdown table of the results to $OUT/h200.md (stdout too); each step's log goes
+# to $OUT/ (gpu_check.log, nccl_check.log, train_bf16.log, train_mxfp8.log, torch.log).
+#
+# Build the binaries on the x86-64 build machine, then carry the folder:
+#   cargo build --release -p sshsdp-kernels --features cuda --bin gpu_check
+#   cargo build --release -p sshsdp-comm --features nccl --example nccl_conformance
+#   cargo build --release --features cuda --example train_gpt
+#   scripts/device/h200.sh --stage device-bin      # copies the three binaries there
+# On the GPU machine (device tool: carry ["device-bin"]):
+#   scripts/device/h200.sh --bin device-bin
+# Dry run on this machine, without a GPU: `scripts/device/h200.sh --cpu` builds nothing; it needs
+#   cargo build --release -p sshsdp-kernels --bin gpu_check_wgpu
+#   cargo build --release --features wgpu --example train_gpt
+# and runs the same steps on wgpu (lavapipe) with a tiny GPT and PyTorch on the CPU (NCCL is
+# skipped: it needs a GPU).
+#
+# Sizes (environment): H200_WIDTH (768), H200_LAYERS (12), H200_HEADS (12), H200_SEQ (1024),
+# H200_BATCH (8), H200_STEPS (30; ours is timed over its last 10 steps, PyTorch after 5 warm-up
+# steps). NCCL cannot put two ranks on
+# one GPU, so this is world 1: the MXFP8-vs-bf16 communication gain is a multi-GPU figure (see
+# docs/PROJECTION.md), not this table's.
+#
+# Exit status: 0 when every step ran and every check passed, 1 otherwise.
+
+set -u
+set -o pipefail
+cd "$(dirname "$0")/../.."
+
+MODE=cuda
+BIN_DIR=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu) MODE=cpu ;;
+        --bin) BIN_DIR="$2"; shift ;;
+        --stage)
+            mkdir -p "$2"
+            for f in target/release/gpu_check target/release/examples/nccl_conformance \
+                target/release/examples/train_gpt; do
+                [ -f "$f" ] || { echo "missing $f: build it first (see this script's header)" >&2; exit 1; }
+                cp "$f" "$2/"
+                strip "$2/$(basename "$f")" 2>/dev/null || true
+            done
+            du -sh "$2"
+            exit 0
+            ;;
+        *) echo "unknown argument $1 (see the header of $0)" >&2; exit 1 ;;
+    esac
+    shift
+done
+
+OUT_DIR="${OUT:-$(mktemp -d -t h200.XXXXXX)}"
+mkdir -p "$OUT_DIR"
+if [ "$MODE" = cpu ]; then
+    WIDTH="${H200_WIDTH:-64}" LAYERS="${H200_LAYERS:-2}" HEADS="${H200_HEADS:-4}"
+    SEQ="${H200_SEQ:-64}" BATCH="${H200_BATCH:-4}" STEPS="${H200_STEPS:-6}"
+    WARM=2
+    BACKEND=wgpu
+    KERNELS="${BIN_DIR:-target/release}/gpu_check_wgpu"
+    TRAIN="${BIN_DIR:-target/release/examples}/train_gpt"
+    TORCH_DEVICE=cpu
+    # Mesa and the Vulkan loader want a private runtime directory.
+    if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
+        XDG_RUNTIME_DIR="$(mktemp -d)"
+        chmod 700 "$XDG_RUNTIME_DIR"
+        export XDG_RUNTIME_DIR
+    fi
+else
+    WIDTH="${H200_WIDTH:-768}" LAYERS="${H200_LAYERS:-12}" HEADS="${H200_HEADS:-12}"
+    SEQ="${H200_SEQ:-1024}" BATCH="${H200_BATCH:-8}" STEPS="${H200_STEPS:-30}"
+    WARM=5
+    BACKEND=cuda
+    KERNELS="${BIN_DIR:-target/release}/gpu_check"
+    TRAIN="${BIN_DIR:-target/release/examples}/train_gpt"
+    NCCL="${BIN_DIR:-target/release/examples}/nccl_conformance"
+    TORCH_DEVICE=cuda
+fi
+PYTHON="${PYTHON:-python3}"
+[ "$MODE" = cpu ] && [ -x /tmp/torchenv/bin/python ] && PYTHON="${PYTHON_CPU:-/tmp/torchenv/bin/python}"
+
+STATUS=0
+ROWS=()
+row() { ROWS+=("| $1 | $2 | $3 |"); }
+
+# --- 1. kernels ---------------------------------------------------------------------------------
+echo "== kernels: $KERNELS"
+if [ "$MODE" = cpu ]; then
+    timeout 600 "$KERNELS" --small >"$OUT_DIR/gpu_check.log" 2>&1
+    rc=$?
+else
+    OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$KERNELS" >"$OUT_DIR/gpu_check.log" 2>&1
+    rc=$?
+fi
+tail -n 40 "$OUT_DIR/gpu_check.log"
+if [ "$rc" = 0 ]; then
+    row "kernels against the CPU reference" "pass" "rates: gpu_check.log"
+else
+    row "kernels against the CPU reference" "FAIL (exit $rc)" "gpu_check.log"
+    STATUS=1
+fi
+
+# --- 2. NCCL ------------------------------------------------------------------------------------
+if [ "$MODE" = cuda ]; then
+    echo "== NCCL conformance, world 1: $NCCL"
+    OUT="" NCCL_CHECK_TIMEOUT=120 scripts/device/nccl_check.sh "$NCCL" >"$OUT_DIR/nccl_check.log" 2>&1
+    rc=$?
+    tail -n 15 "$OUT_DIR/nccl_check.log"
+    if [ "$rc" = 0 ]; then
+        row "NCCL conformance, world 1" "pass" "nccl_check.log"
+    else
+        row "NCCL conformance, world 1" "FAIL (exit $rc)" "nccl_check.log"
+        STATUS=1
+    fi
+else
+    row "NCCL conformance, world 1" "skipped (--cpu)" "needs a GPU"
+fi
+
+# --- 3. GPT steps on Autodiff<Hsdp<B>> -----------------------------------------------------------
+MODEL=(--width "$WIDTH" --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH")
+# tokens/s of the last 10 steps of a train_gpt log (its last "step N ... 12.3k tok/s" line: the
+# summary's throughput would count the first steps' kernel compilation), as a plain number.
+rate_of() {
+    sed -n 's/^step .* \([0-9.]*\)\([kM]\?\) tok\/s.*/\1 \2/p' "$1" | tail -n 1 |
+        awk '{ m = ($2 == "k") ? 1e3 : (($2 == "M") ? 1e6 : 1); printf "%.0f", $1 * m }'
+}
+declare -A RATE
+for format in bf16 mxfp8; do
+    log="$OUT_DIR/train_$format.log"
+    echo "== train_gpt --backend $BACKEND --format $format"
+    args=(--backend "$BACKEND" --ranks 1 --optim adamw --format "$format" --steps "$STEPS"
+        --eval-every 0 --sample-len 0 --out "$OUT_DIR/run_$format" "${MODEL[@]}")
+    if [ "$MODE" = cuda ]; then
+        OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" "${args[@]}" >"$log" 2>&1
+    else
+        timeout 600 "$TRAIN" "${args[@]}" >"$log" 2>&1
+    fi
+    rc=$?
+    grep -E "^(train loss|throughput|memory|backend|sharding) " "$log"
+    RATE[$format]="$(rate_of "$log")"
+    if [ "$rc" = 0 ] && [ -n "${RATE[$format]}" ]; then
+        loss="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
+        row "GPT ${LAYERS}×${WIDTH}, seq $SEQ, batch $BATCH on Autodiff<Hsdp<$BACKEND>>, $format runtime" \
+            "${RATE[$format]} tokens/s (last 10 steps)" "loss $loss; train_$format.log"
+    else
+        row "GPT on Autodiff<Hsdp<$BACKEND>>, $format runtime" "FAIL (exit $rc)" "train_$format.log"
+        STATUS=1
+    fi
+done
+if [ -n "${RATE[bf16]:-}" ] && [ -n "${RATE[mxfp8]:-}" ]; then
+    row "MXFP8 against bf16 runtime parameters (tokens/s)" \
+        "$(awk -v a="${RATE[mxfp8]}" -v b="${RATE[bf16]}" 'BEGIN { printf "%.2f", a / b }')" \
+        "world 1: decode cost only, no communication saved"
+fi
+
+# --- 4. PyTorch ---------------------------------------------------------------------------------
+TORCH_ARGS=(--mode single --device "$TORCH_DEVICE" --steps "$STEPS" --warmup "$WARM" --width "$WIDTH"
+    --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH")
+: >"$OUT_DIR/torch.log"
+for compiled in "" --compile; do
+    name="PyTorch $($PYTHON -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?') ${compiled:+compiled }eager-f32"
+    [ -n "$compiled" ] && name="${name/eager-f32/f32}"
+    echo "== $name"
+    timeout 300 "$PYTHON" benches/pytorch_gpt.py "${TORCH_ARGS[@]}" $compiled >>"$OUT_DIR/torch.log" 2>&1
+    rc=$?
+    rate="$(sed -n 's/^pytorch .*: \([0-9.]*\) tokens\/s.*/\1/p' "$OUT_DIR/torch.log" | tail -n 1)"
+    if [ "$rc" = 0 ] && [ -n "$rate" ]; then
+        ours="${RATE[bf16]:-}"
+        ratio="–"
+        [ -n "$ours" ] && ratio="$(awk -v a="$ours" -v b="$rate" 'BEGIN { printf "%.2f", a / b }')"
+        row "$name, same GPT and AdamW on $TORCH_DEVICE" "${rate%.*} tokens/s" "ours (bf16 runtime) / this: $ratio"
+    else
+        row "$name" "FAIL (exit $rc)" "torch.log"
+        STATUS=1
+    fi
+done
+
+# --- the table ----------------------------------------------------------------------------------
+{
+    echo "## H200 check ($MODE) on $(hostname), $(date -u +%FT%TZ)"
+    echo
+    command -v nvidia-smi >/dev/null 2>&1 &&
+        echo "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)" && echo
+    echo "| check | result | notes |"
+    echo "|---|---|---|"
+    printf '%s\n' "${ROWS[@]}"
+    echo
+    echo "Not in this table yet: the same GPT unsharded on plain Burn (the decorator's overhead),"
+    echo "bf16 compute (the precision policy), host↔device bytes per step, NCCL carrying a step."
+} | tee "$OUT_DIR/h200.md"
+exit "$STATUS"
