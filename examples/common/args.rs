@@ -59,14 +59,26 @@ pub enum BackendKind {
     Flex,
     /// CubeCL's wgpu runtime (feature `wgpu`).
     Wgpu,
+    /// CubeCL's CUDA runtime (feature `cuda`).
+    Cuda,
 }
 
 impl BackendKind {
+    /// The `--backend` value naming it.
+    pub fn flag(self) -> &'static str {
+        match self {
+            BackendKind::Flex => "flex",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+
     /// One line for the summary.
     pub fn describe(self) -> &'static str {
         match self {
             BackendKind::Flex => "burn-flex (CPU, SIMD)",
             BackendKind::Wgpu => "wgpu (CubeCL, no fusion; lavapipe when there is no GPU)",
+            BackendKind::Cuda => "cuda (CubeCL, no fusion, no autotune)",
         }
     }
 }
@@ -102,11 +114,13 @@ Optimization:
   --format FORMAT      runtime parameters: bf16 (default), f32 or mxfp8
   --seed N             initial weights and data order (default 0)
 Backend:
-  --backend flex|wgpu  flex: burn-flex on the CPU (default); wgpu: CubeCL's wgpu runtime on the
-                       default adapter, each rank on it (build with --features wgpu; on a
-                       machine without a GPU it runs on Mesa's lavapipe, slowly)
+  --backend flex|wgpu|cuda  flex: burn-flex on the CPU (default); wgpu: CubeCL's wgpu runtime
+                       on the default adapter, each rank on it (build with --features wgpu; on
+                       a machine without a GPU it runs on Mesa's lavapipe, slowly); cuda:
+                       CubeCL's CUDA runtime, every in-process rank on GPU 0 (--features cuda;
+                       collectives through the host: NCCL is not wired into the examples yet)
   --storage host|device  where fp32 masters, optimizer state and gradient buckets live
-                       (default: device on wgpu, host on flex)
+                       (default: device on wgpu and cuda, host on flex)
 Output:
   --out DIR            metrics.csv, loss.svg, loss.png and samples (default runs/<example>/)
   --eval-every N       steps between held-out evaluations (0: at the end only)
@@ -224,7 +238,13 @@ pub fn parse_args(
                                     --release --features wgpu --example <name> -- --backend wgpu"
                             .into())
                     }
-                    b => return Err(format!("--backend is flex or wgpu, not `{b}`")),
+                    "cuda" if cfg!(feature = "cuda") => BackendKind::Cuda,
+                    "cuda" => {
+                        return Err("--backend cuda needs the `cuda` feature: cargo build \
+                                    --release --features cuda --example <name>"
+                            .into())
+                    }
+                    b => return Err(format!("--backend is flex, wgpu or cuda, not `{b}`")),
                 }
             }
             "--storage" => {
@@ -243,7 +263,7 @@ pub fn parse_args(
     }
     out.storage = storage.unwrap_or(match out.backend {
         BackendKind::Flex => Placement::Host,
-        BackendKind::Wgpu => Placement::Device,
+        BackendKind::Wgpu | BackendKind::Cuda => Placement::Device,
     });
     if let (Some(n), Some(mesh)) = (out.ranks, out.mesh) {
         if n != mesh.world_size() {

@@ -85,12 +85,42 @@ pub fn run<T: Tasks>(task: &T, args: &Args) -> Result<Option<Report>, String> {
         BackendKind::Wgpu => run_on::<Wgpu, T>(task, args),
         #[cfg(not(feature = "wgpu"))]
         BackendKind::Wgpu => Err("--backend wgpu needs the `wgpu` feature".into()),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => run_on::<Cuda, T>(task, args),
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda => Err("--backend cuda needs the `cuda` feature".into()),
     }
+}
+
+/// Whether `I`'s default device can hold and read back a tensor: GPU runtimes load their driver
+/// at run time and panic when it or the device is missing (cudarc without libcuda, wgpu without
+/// an adapter), which would surface as "rank 0 panicked"; this turns it into an error naming
+/// the backend.
+fn device_works<I: Compute>(backend: BackendKind) -> Result<(), String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let probe = std::panic::catch_unwind(|| {
+        let device = I::Device::default();
+        burn::tensor::Tensor::<I, 1>::zeros([1], &device).into_data()
+    });
+    std::panic::set_hook(hook);
+    probe.map(|_| ()).map_err(|panic| {
+        let why = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("no reason given");
+        format!(
+            "--backend {} has no usable device here ({why}); --backend flex runs on the CPU",
+            backend.flag()
+        )
+    })
 }
 
 /// Runs `task` on backend `I` with `args` on the engine the launch calls for; returns rank 0's
 /// report (`None` on the other MPI processes).
 pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Report>, String> {
+    device_works::<I>(args.backend)?;
     let (engine, mesh) = engine_and_mesh(args, task.name())?;
     let world = mesh.world_size();
     if task.global_batch() % world != 0 {

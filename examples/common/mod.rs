@@ -43,6 +43,10 @@ pub type Flex = burn::backend::Flex;
 /// (Vulkan, Metal, DirectX; Mesa's lavapipe on a machine without a GPU).
 #[cfg(feature = "wgpu")]
 pub type Wgpu = burn_wgpu::Wgpu;
+/// The NVIDIA backend of `--backend cuda` (feature `cuda`): CubeCL's CUDA runtime without fusion
+/// or autotune.
+#[cfg(feature = "cuda")]
+pub type Cuda = burn_cuda::Cuda;
 /// The training backend over `I`: autodiff over the sharding decorator.
 pub type Train<I> = Autodiff<Hsdp<I>>;
 /// The backend of evaluation and sampling over `I`: the decorator without autodiff

@@ -51,18 +51,32 @@ pub trait Task<I: Compute>: Job {
     ) -> Result<String, String>;
 }
 
-/// A job on every backend this build supports (`--backend`): burn-flex always, Wgpu with the
-/// `wgpu` feature.
-#[cfg(not(feature = "wgpu"))]
-pub trait Tasks: Task<Flex> {}
-#[cfg(not(feature = "wgpu"))]
-impl<T: Task<Flex>> Tasks for T {}
-/// A job on every backend this build supports (`--backend`): burn-flex always, Wgpu with the
-/// `wgpu` feature.
+/// A job on Wgpu where this build has it (feature `wgpu`; any type otherwise).
 #[cfg(feature = "wgpu")]
-pub trait Tasks: Task<Flex> + Task<Wgpu> {}
+pub trait OnWgpu: Task<Wgpu> {}
 #[cfg(feature = "wgpu")]
-impl<T: Task<Flex> + Task<Wgpu>> Tasks for T {}
+impl<T: Task<Wgpu>> OnWgpu for T {}
+/// A job on Wgpu where this build has it (feature `wgpu`; any type otherwise).
+#[cfg(not(feature = "wgpu"))]
+pub trait OnWgpu {}
+#[cfg(not(feature = "wgpu"))]
+impl<T> OnWgpu for T {}
+
+/// A job on CUDA where this build has it (feature `cuda`; any type otherwise).
+#[cfg(feature = "cuda")]
+pub trait OnCuda: Task<Cuda> {}
+#[cfg(feature = "cuda")]
+impl<T: Task<Cuda>> OnCuda for T {}
+/// A job on CUDA where this build has it (feature `cuda`; any type otherwise).
+#[cfg(not(feature = "cuda"))]
+pub trait OnCuda {}
+#[cfg(not(feature = "cuda"))]
+impl<T> OnCuda for T {}
+
+/// A job on every backend this build supports (`--backend`): burn-flex always, Wgpu and CUDA
+/// with their features.
+pub trait Tasks: Task<Flex> + OnWgpu + OnCuda {}
+impl<T: Task<Flex> + OnWgpu + OnCuda> Tasks for T {}
 
 /// What a run measured (on rank 0), and how it was set up.
 #[derive(Clone, Debug)]
