@@ -16,7 +16,7 @@
 #   cargo build --release -p sshsdp-kernels --features cuda --bin gpu_check
 #   cargo build --release -p sshsdp-comm --features nccl --example nccl_conformance
 #   cargo build --release --features cuda --example train_gpt
-#   scripts/device/h200.sh --stage device-bin      # copies the three binaries there
+#   scripts/device/h200.sh --stage device-bin      # the three binaries there, stripped, gzipped
 # On the GPU machine (device tool: carry ["device-bin"]):
 #   scripts/device/h200.sh --bin device-bin
 # Dry run on this machine, without a GPU: `scripts/device/h200.sh --cpu` builds nothing; it needs
@@ -50,6 +50,8 @@ while [ $# -gt 0 ]; do
                 [ -f "$f" ] || { echo "missing $f: build it first (see this script's header)" >&2; exit 1; }
                 cp "$f" "$2/"
                 strip "$2/$(basename "$f")" 2>/dev/null || true
+                # Compressed: the device tool carries at most 64 MiB.
+                gzip -9f "$2/$(basename "$f")"
             done
             du -sh "$2"
             exit 0
@@ -59,6 +61,14 @@ while [ $# -gt 0 ]; do
     shift
 done
 
+# Binaries staged compressed (--stage) are unpacked into a temporary folder first.
+if [ -n "$BIN_DIR" ] && compgen -G "$BIN_DIR/*.gz" >/dev/null; then
+    UNPACKED="$(mktemp -d -t h200-bin.XXXXXX)"
+    for f in "$BIN_DIR"/*.gz; do
+        gunzip -c "$f" >"$UNPACKED/$(basename "$f" .gz)" && chmod +x "$UNPACKED/$(basename "$f" .gz)"
+    done
+    BIN_DIR="$UNPACKED"
+fi
 OUT_DIR="${OUT:-$(mktemp -d -t h200.XXXXXX)}"
 mkdir -p "$OUT_DIR"
 if [ "$MODE" = cpu ]; then
@@ -150,7 +160,7 @@ for format in bf16 mxfp8; do
     if [ "$rc" = 0 ] && [ -n "${RATE[$format]}" ]; then
         loss="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
         row "GPT ${LAYERS}×${WIDTH}, seq $SEQ, batch $BATCH on Autodiff<Hsdp<$BACKEND>>, $format runtime" \
-            "${RATE[$format]} tokens/s (last 10 steps)" "loss $loss; train_$format.log"
+            "${RATE[$format]} tokens/s (last ≤ 10 steps)" "loss $loss; train_$format.log"
     else
         row "GPT on Autodiff<Hsdp<$BACKEND>>, $format runtime" "FAIL (exit $rc)" "train_$format.log"
         STATUS=1
@@ -167,8 +177,9 @@ TORCH_ARGS=(--mode single --device "$TORCH_DEVICE" --steps "$STEPS" --warmup "$W
     --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH")
 : >"$OUT_DIR/torch.log"
 for compiled in "" --compile; do
-    name="PyTorch $($PYTHON -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?') ${compiled:+compiled }eager-f32"
-    [ -n "$compiled" ] && name="${name/eager-f32/f32}"
+    kind="eager"
+    [ -n "$compiled" ] && kind="torch.compile"
+    name="PyTorch $($PYTHON -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?') $kind, f32"
     echo "== $name"
     timeout 300 "$PYTHON" benches/pytorch_gpt.py "${TORCH_ARGS[@]}" $compiled >>"$OUT_DIR/torch.log" 2>&1
     rc=$?
