@@ -102,35 +102,35 @@ STATUS=0
 ROWS=()
 row() { ROWS+=("| $1 | $2 | $3 |"); }
 
-# --- 1. kernels ---------------------------------------------------------------------------------
-echo "== kernels: $KERNELS"
+# A pass/fail check: LABEL LOG LINES, then the command (its output goes to $OUT_DIR/LOG, the
+# last LINES lines of which are echoed); one table row.
+check() {
+    local label="$1" log="$2" lines="$3" rc
+    shift 3
+    echo "== $label: $*"
+    "$@" >"$OUT_DIR/$log" 2>&1
+    rc=$?
+    tail -n "$lines" "$OUT_DIR/$log"
+    if [ "$rc" = 0 ]; then
+        row "$label" "pass" "$log"
+    else
+        row "$label" "FAIL (exit $rc)" "$log"
+        STATUS=1
+    fi
+}
+
+# --- 1. kernels (with quantise GB/s against a device copy and MX matmul rates) -----------------
 if [ "$MODE" = cpu ]; then
-    timeout 600 "$KERNELS" --small >"$OUT_DIR/gpu_check.log" 2>&1
-    rc=$?
+    check "kernels against the CPU reference" gpu_check.log 40 timeout 600 "$KERNELS" --small
 else
-    OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$KERNELS" >"$OUT_DIR/gpu_check.log" 2>&1
-    rc=$?
-fi
-tail -n 40 "$OUT_DIR/gpu_check.log"
-if [ "$rc" = 0 ]; then
-    row "kernels against the CPU reference" "pass" "rates: gpu_check.log"
-else
-    row "kernels against the CPU reference" "FAIL (exit $rc)" "gpu_check.log"
-    STATUS=1
+    check "kernels against the CPU reference" gpu_check.log 40 \
+        env OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$KERNELS"
 fi
 
 # --- 2. NCCL ------------------------------------------------------------------------------------
 if [ "$MODE" = cuda ]; then
-    echo "== NCCL conformance, world 1: $NCCL"
-    OUT="" NCCL_CHECK_TIMEOUT=120 scripts/device/nccl_check.sh "$NCCL" >"$OUT_DIR/nccl_check.log" 2>&1
-    rc=$?
-    tail -n 15 "$OUT_DIR/nccl_check.log"
-    if [ "$rc" = 0 ]; then
-        row "NCCL conformance, world 1" "pass" "nccl_check.log"
-    else
-        row "NCCL conformance, world 1" "FAIL (exit $rc)" "nccl_check.log"
-        STATUS=1
-    fi
+    check "NCCL conformance, world 1" nccl_check.log 15 \
+        env OUT="" NCCL_CHECK_TIMEOUT=120 scripts/device/nccl_check.sh "$NCCL"
 else
     row "NCCL conformance, world 1" "skipped (--cpu)" "needs a GPU"
 fi

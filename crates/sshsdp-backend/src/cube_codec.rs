@@ -16,11 +16,12 @@ use std::any::Any;
 use burn_backend::{Backend, DType, FloatDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use cubecl::prelude::ComputeClient;
+use cubecl::server::Handle;
 use sshsdp_kernels::{
     dequantize_plane, narrow_bf16, quantize_plane, widen_bf16, InputDType, KernelError, Plane,
     PlaneAt,
 };
-use sshsdp_mx::MxShape;
 use sshsdp_plan::Part;
 
 use crate::codec::{BucketCodec, CodecOp, Phase, MX_FORMAT};
@@ -75,24 +76,7 @@ fn decode<B: Backend, R: CubeRuntime>(
     let src = client.create_from_slice(&padded);
     let n = codec.compute_elems();
     let out = client.empty(4 * n.max(1));
-    let err = kernel_error("MXFP8 decode");
-    for op in ops {
-        match op {
-            CodecOp::Plane {
-                row_plane,
-                shape,
-                values,
-                data,
-                scales,
-            } => {
-                let at = plane_at(row_plane, shape, values, data, scales)?;
-                dequantize_plane(&client, &src, at, &out).map_err(err)?;
-            }
-            CodecOp::Bf16 { bytes, n, values } => {
-                widen_bf16(&client, &src, bytes, n, &out, values).map_err(err)?;
-            }
-        }
-    }
+    run(&client, &ops, Direction::Decode, &out, &src)?;
     let tensor =
         CubeTensor::<R>::new_contiguous(client, device.clone(), Shape::from([n]), out, DType::F32);
     let any: Box<dyn Any> = Box::new(tensor);
@@ -147,33 +131,7 @@ fn encode<B: Backend, R: CubeRuntime>(
         .downcast::<CubeTensor<R>>()
         .expect("the type was checked");
     let client = &master.client;
-    let err = kernel_error("MXFP8 encode");
-    for &op in ops {
-        match op {
-            CodecOp::Plane {
-                row_plane,
-                shape,
-                values,
-                data,
-                scales,
-            } => {
-                let at = plane_at(row_plane, shape, values, data, scales)?;
-                let rule = MX_FORMAT.1;
-                quantize_plane(
-                    client,
-                    &master.handle,
-                    InputDType::F32,
-                    rule,
-                    at,
-                    &out.handle,
-                )
-                .map_err(err)?;
-            }
-            CodecOp::Bf16 { bytes, n, values } => {
-                narrow_bf16(client, &master.handle, values, n, &out.handle, bytes).map_err(err)?;
-            }
-        }
-    }
+    run(client, ops, Direction::Encode, &master.handle, &out.handle)?;
     let mut read = client
         .read_one(out.handle.clone())
         .map_err(|e| HsdpError::Failed(format!("reading an encoded piece: {e:?}")))?
@@ -182,32 +140,81 @@ fn encode<B: Backend, R: CubeRuntime>(
     Ok(read)
 }
 
-/// A plane operation's place for the band-plane kernels, which address planes by words.
-fn plane_at(
-    row_plane: bool,
-    shape: MxShape,
-    values: usize,
-    data: usize,
-    scales: usize,
-) -> Result<PlaneAt, HsdpError> {
-    if data % 4 != 0 || scales % 4 != 0 {
-        return Err(HsdpError::Failed(format!(
-            "an MXFP8 plane at bytes {data}/{scales} is not word-aligned"
-        )));
-    }
-    Ok(PlaneAt {
-        plane: if row_plane { Plane::Row } else { Plane::Col },
-        rows: shape.rows,
-        cols: shape.cols,
-        values_offset: values,
-        data_word: data / 4,
-        scales_word: scales / 4,
-    })
+/// Which way [`run`] converts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// f32 values → runtime bytes (`quantize_plane`, `narrow_bf16`).
+    Encode,
+    /// Runtime bytes → f32 values (`dequantize_plane`, `widen_bf16`).
+    Decode,
 }
 
-/// A kernel's error as the runtime's, naming what was being done.
-fn kernel_error(what: &'static str) -> impl Fn(KernelError) -> HsdpError + Copy {
-    move |e| HsdpError::Failed(format!("{what}: {e}"))
+/// Runs `ops` between the f32 buffer `values` and the runtime-byte buffer `bytes` on the device.
+fn run<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    ops: &[CodecOp],
+    direction: Direction,
+    values: &Handle,
+    bytes: &Handle,
+) -> Result<(), HsdpError> {
+    let what = match direction {
+        Direction::Encode => "MXFP8 encode",
+        Direction::Decode => "MXFP8 decode",
+    };
+    let err = |e: KernelError| HsdpError::Failed(format!("{what}: {e}"));
+    for &op in ops {
+        match (op, direction) {
+            (
+                CodecOp::Plane {
+                    row_plane,
+                    shape,
+                    values: at,
+                    data,
+                    scales,
+                },
+                _,
+            ) => {
+                if data % 4 != 0 || scales % 4 != 0 {
+                    return Err(HsdpError::Failed(format!(
+                        "an MXFP8 plane at bytes {data}/{scales} is not word-aligned"
+                    )));
+                }
+                let plane = PlaneAt {
+                    plane: if row_plane { Plane::Row } else { Plane::Col },
+                    rows: shape.rows,
+                    cols: shape.cols,
+                    values_offset: at,
+                    data_word: data / 4,
+                    scales_word: scales / 4,
+                };
+                match direction {
+                    Direction::Encode => {
+                        let (dtype, rule) = (InputDType::F32, MX_FORMAT.1);
+                        quantize_plane(client, values, dtype, rule, plane, bytes)
+                    }
+                    Direction::Decode => dequantize_plane(client, bytes, plane, values),
+                }
+                .map_err(err)?;
+            }
+            (
+                CodecOp::Bf16 {
+                    bytes: b,
+                    n,
+                    values: v,
+                },
+                Direction::Encode,
+            ) => narrow_bf16(client, values, v, n, bytes, b).map_err(err)?,
+            (
+                CodecOp::Bf16 {
+                    bytes: b,
+                    n,
+                    values: v,
+                },
+                Direction::Decode,
+            ) => widen_bf16(client, bytes, b, n, values, v).map_err(err)?,
+        }
+    }
+    Ok(())
 }
 
 #[cfg(all(test, feature = "wgpu"))]
