@@ -117,6 +117,9 @@ pub struct Report {
     pub master_bytes: u64,
     /// Largest gathered (resident) bucket bytes of rank 0 in any step.
     pub peak_gathered: u64,
+    /// On CubeCL backends: the device's bytes in use and reserved (the most seen after a step,
+    /// all ranks on the device), and rank 0's host↔device bytes (up, down) of the last step.
+    pub device: Option<(u64, u64, (u64, u64))>,
     /// Where the metrics, the plot and the samples went.
     pub csv: PathBuf,
     /// The loss curve as SVG.
@@ -229,6 +232,16 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
         mib(report.master_bytes),
         mib(report.peak_gathered)
     );
+    if let Some((in_use, reserved, (up, down))) = report.device {
+        println!(
+            "device      {:.0} MiB in use / {:.0} MiB reserved (most seen after a step); \
+             host<->device per step {:.2} MiB up, {:.2} MiB down (rank 0)",
+            mib(in_use),
+            mib(reserved),
+            mib(up),
+            mib(down)
+        );
+    }
     let dir = report.csv.parent().unwrap_or(Path::new("."));
     let mut files: Vec<String> = std::fs::read_dir(dir)
         .map(|entries| {

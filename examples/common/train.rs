@@ -106,6 +106,9 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     let mut train_s = 0.0;
     let mut peak_rss = 0;
     let mut peak_gathered = 0;
+    // CubeCL backends: the device's memory after each step (most seen) and the last step's
+    // host↔device bytes.
+    let mut device = None;
     let mut recent: Vec<f64> = Vec::new();
     for step in first..last {
         let t0 = Instant::now();
@@ -133,6 +136,14 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         };
         let counters = runtime.take_counters();
         peak_gathered = peak_gathered.max(counters.peak_resident_bytes);
+        if let Some(m) = runtime.device_memory() {
+            let (in_use, reserved, _) = device.unwrap_or((0, 0, (0, 0)));
+            device = Some((
+                m.in_use.max(in_use),
+                m.reserved.max(reserved),
+                (counters.uploaded_bytes, counters.downloaded_bytes),
+            ));
+        }
         if let (Some(metrics), Some(bar)) = (metrics.as_mut(), progress.as_ref()) {
             let rss = rss_bytes().unwrap_or(0);
             peak_rss = peak_rss.max(rss);
@@ -242,6 +253,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         shard_bytes: runtime.shard_bytes(),
         master_bytes,
         peak_gathered,
+        device,
         csv,
         svg,
         png,

@@ -155,12 +155,13 @@ for format in bf16 mxfp8; do
         timeout 600 "$TRAIN" "${args[@]}" >"$log" 2>&1
     fi
     rc=$?
-    grep -E "^(train loss|throughput|memory|backend|sharding) " "$log"
+    grep -E "^(train loss|throughput|memory|device|backend|sharding) " "$log"
     RATE[$format]="$(rate_of "$log")"
     if [ "$rc" = 0 ] && [ -n "${RATE[$format]}" ]; then
         loss="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
+        device="$(sed -n 's/^device *//p' "$log")"
         row "GPT ${LAYERS}×${WIDTH}, seq $SEQ, batch $BATCH on Autodiff<Hsdp<$BACKEND>>, $format runtime" \
-            "${RATE[$format]} tokens/s (last ≤ 10 steps)" "loss $loss; train_$format.log"
+            "${RATE[$format]} tokens/s (last ≤ 10 steps)" "loss $loss; ${device:+$device; }train_$format.log"
     else
         row "GPT on Autodiff<Hsdp<$BACKEND>>, $format runtime" "FAIL (exit $rc)" "train_$format.log"
         STATUS=1
@@ -206,6 +207,6 @@ done
     printf '%s\n' "${ROWS[@]}"
     echo
     echo "Not in this table yet: the same GPT unsharded on plain Burn (the decorator's overhead),"
-    echo "bf16 compute (the precision policy), host↔device bytes per step, NCCL carrying a step."
+    echo "bf16 compute (the precision policy), NCCL carrying a step."
 } | tee "$OUT_DIR/h200.md"
 exit "$STATUS"
