@@ -97,19 +97,33 @@ pub fn run<T: Tasks>(task: &T, args: &Args) -> Result<Option<Report>, String> {
 /// an adapter), which would surface as "rank 0 panicked"; this turns it into an error naming
 /// the backend.
 fn device_works<I: Compute>(backend: BackendKind) -> Result<(), String> {
+    // The first panic message of any thread during the probe (the runtime's own device thread
+    // panics with the reason; the caller only sees the channel it left closed).
+    let first = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
     let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
+    let record = first.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "no reason given".into());
+        if let Ok(mut first) = record.lock() {
+            first.get_or_insert(message);
+        }
+    }));
     let probe = std::panic::catch_unwind(|| {
         let device = I::Device::default();
         burn::tensor::Tensor::<I, 1>::zeros([1], &device).into_data()
     });
     std::panic::set_hook(hook);
-    probe.map(|_| ()).map_err(|panic| {
-        let why = panic
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| panic.downcast_ref::<&str>().copied())
-            .unwrap_or("no reason given");
+    probe.map(|_| ()).map_err(|_| {
+        let why = first
+            .lock()
+            .ok()
+            .and_then(|m| m.clone())
+            .unwrap_or_else(|| "no reason given".into());
         format!(
             "--backend {} has no usable device here ({why}); --backend flex runs on the CPU",
             backend.flag()
