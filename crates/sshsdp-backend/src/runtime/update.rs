@@ -282,49 +282,14 @@ pub(super) fn run<B: Backend>(
     // Re-derive each updated piece's runtime units and rebuild the shards across replicas.
     let mut rebuilds = Vec::new();
     for &(b, _) in &grads {
-        let State {
-            storage, counters, ..
-        } = &mut *st;
-        let bucket = &mut storage[b];
-        // Where the piece's new runtime units come from.
-        let source = match (&mut bucket.master, staged[b].take()) {
-            (Some(MasterBuf::Device(t)), Some(values)) => {
-                // Staged for host views: the updated values go back to the device.
-                counters.staged_bytes += 4 * values.len() as u64;
-                counters.uploaded_bytes += 4 * values.len() as u64;
-                *t = upload::<B>(values.clone(), device);
-                Rederive::Host(values)
-            }
-            (Some(MasterBuf::Device(t)), None) => {
-                match device_encode::<B>(&rt.codecs[b], piece, t) {
-                    Some(bytes) => {
-                        let bytes = bytes?;
-                        counters.staged_bytes += bytes.len() as u64;
-                        counters.downloaded_bytes += bytes.len() as u64;
-                        Rederive::Encoded(bytes)
-                    }
-                    None => {
-                        let values = download::<B>(t.clone())?;
-                        counters.staged_bytes += 4 * values.len() as u64;
-                        counters.downloaded_bytes += 4 * values.len() as u64;
-                        Rederive::Host(values)
-                    }
-                }
-            }
-            _ => Rederive::Stored,
-        };
-        let shard = Arc::make_mut(&mut bucket.shard);
-        let (codec, slot) = (&rt.codecs[b], rt.piece_in_shard);
-        match (&bucket.master, &source) {
-            (_, Rederive::Host(values)) => codec.rederive(shard, slot, piece, values)?,
-            (_, Rederive::Encoded(bytes)) => codec.store_piece(shard, slot, bytes)?,
-            (Some(MasterBuf::Host(master)), Rederive::Stored) => {
-                codec.rederive(shard, slot, piece, master)?
-            }
-            // f32 with host masters: the runtime elements were updated in place.
-            (_, Rederive::Stored) => {}
+        if let Err(e) = rederive_piece(rt, st, b, piece, staged[b].take()) {
+            // Recorded first: that aborts the engine, so peers already waiting in this step's
+            // rebuilds fail at once instead of waiting for this rank.
+            rt.record_failure(st, e.to_string());
+            return Err(e);
         }
-        let empty = Arc::new(shard.zeros_like(0));
+        let bucket = &mut st.storage[b];
+        let empty = Arc::new(bucket.shard.zeros_like(0));
         let shard = std::mem::replace(&mut bucket.shard, empty);
         let shard = Arc::try_unwrap(shard).unwrap_or_else(|shared| (*shared).clone());
         rebuilds.push((b, rt.worker.rebuild(b, shard)));
@@ -339,6 +304,60 @@ pub(super) fn run<B: Backend>(
         }
     }
     rt.end_step(st)
+}
+
+/// Re-derives the runtime units of piece `piece` of bucket `b` (this rank's slot of its shard)
+/// from the updated master: `staged` holds its values when they were staged to the host for the
+/// step.
+fn rederive_piece<B: Backend>(
+    rt: &Runtime<B>,
+    st: &mut State<B>,
+    b: usize,
+    piece: usize,
+    staged: Option<Vec<f32>>,
+) -> Result<(), HsdpError> {
+    let device = &rt.materialiser.device;
+    let State {
+        storage, counters, ..
+    } = &mut *st;
+    let bucket = &mut storage[b];
+    // Where the piece's new runtime units come from.
+    let source = match (&mut bucket.master, staged) {
+        (Some(MasterBuf::Device(t)), Some(values)) => {
+            // Staged for host views: the updated values go back to the device.
+            counters.staged_bytes += 4 * values.len() as u64;
+            counters.uploaded_bytes += 4 * values.len() as u64;
+            *t = upload::<B>(values.clone(), device);
+            Rederive::Host(values)
+        }
+        (Some(MasterBuf::Device(t)), None) => match device_encode::<B>(&rt.codecs[b], piece, t) {
+            Some(bytes) => {
+                let bytes = bytes?;
+                counters.staged_bytes += bytes.len() as u64;
+                counters.downloaded_bytes += bytes.len() as u64;
+                Rederive::Encoded(bytes)
+            }
+            None => {
+                let values = download::<B>(t.clone())?;
+                counters.staged_bytes += 4 * values.len() as u64;
+                counters.downloaded_bytes += 4 * values.len() as u64;
+                Rederive::Host(values)
+            }
+        },
+        _ => Rederive::Stored,
+    };
+    let shard = Arc::make_mut(&mut bucket.shard);
+    let (codec, slot) = (&rt.codecs[b], rt.piece_in_shard);
+    match (&bucket.master, &source) {
+        (_, Rederive::Host(values)) => codec.rederive(shard, slot, piece, values)?,
+        (_, Rederive::Encoded(bytes)) => codec.store_piece(shard, slot, bytes)?,
+        (Some(MasterBuf::Host(master)), Rederive::Stored) => {
+            codec.rederive(shard, slot, piece, master)?
+        }
+        // f32 with host masters: the runtime elements were updated in place.
+        (_, Rederive::Stored) => {}
+    }
+    Ok(())
 }
 
 /// Where a piece's new runtime units come from after its update.
