@@ -9,7 +9,9 @@
 //! (NCCL's) work as well as those that can.
 
 use sshsdp_comm::hierarchy::{self, MeshComms};
-use sshsdp_comm::{CallTag, Collective, CommError, CommFactory, CommResult, Element, ReduceOp};
+use sshsdp_comm::{
+    CallTag, Collective, CommError, CommFactory, CommResult, Element, ReduceOp, Reducible,
+};
 use sshsdp_plan::Sharding;
 use std::ops::Range;
 
@@ -97,19 +99,19 @@ pub(crate) trait MeshComm {
         part: Range<usize>,
         full: &mut Elems,
     ) -> CommResult<()>;
-    /// Shard lane. First stage of a gradient reduction: a full-bucket gradient becomes the
-    /// shard group's average of this rank's 1/S shard (under DDP the whole bucket, unchanged).
-    fn reduce_within_shard_group(&self, sharding: Sharding, full: Vec<f32>)
-        -> CommResult<Vec<f32>>;
+    /// Shard lane. First stage of a gradient reduction: a full-bucket gradient (f32 or bf16,
+    /// the reduction dtype) becomes the shard group's average of this rank's 1/S shard (under
+    /// DDP the whole bucket, unchanged).
+    fn reduce_within_shard_group(&self, sharding: Sharding, full: Elems) -> CommResult<Elems>;
     /// Replica lane. Second stage: the first stage's result becomes the world-averaged gradient
     /// of this rank's piece (`piece_len` elements), across the replica group (the world under
-    /// DDP).
+    /// DDP), in the same dtype.
     fn reduce_across_replicas(
         &self,
         sharding: Sharding,
-        shard: Vec<f32>,
+        shard: Elems,
         piece_len: usize,
-    ) -> CommResult<Vec<f32>>;
+    ) -> CommResult<Elems>;
     /// Replica lane. After the update: rebuild the runtime shard from the replica group's
     /// pieces.
     fn rebuild_shard(&self, sharding: Sharding, shard: &mut Elems) -> CommResult<()>;
@@ -161,41 +163,24 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         }
     }
 
-    fn reduce_within_shard_group(
-        &self,
-        sharding: Sharding,
-        full: Vec<f32>,
-    ) -> CommResult<Vec<f32>> {
-        match sharding {
-            Sharding::Hierarchical | Sharding::Hsdp => {
-                let mut shard = vec![0f32; full.len() / self.shards()];
-                hierarchy::reduce_within_shard_group(self, &full, &mut shard)?;
-                Ok(shard)
-            }
-            Sharding::Ddp => Ok(full),
+    fn reduce_within_shard_group(&self, sharding: Sharding, full: Elems) -> CommResult<Elems> {
+        match full {
+            Elems::F32(full) => reduce_within_typed(self, sharding, full).map(Elems::F32),
+            Elems::Bf16(full) => reduce_within_typed(self, sharding, full).map(Elems::Bf16),
+            Elems::U8(_) => Err(not_a_gradient()),
         }
     }
 
     fn reduce_across_replicas(
         &self,
         sharding: Sharding,
-        mut shard: Vec<f32>,
+        shard: Elems,
         piece_len: usize,
-    ) -> CommResult<Vec<f32>> {
-        match sharding {
-            Sharding::Hierarchical => {
-                let mut piece = vec![0f32; piece_len];
-                hierarchy::reduce_across_replicas_hierarchical(self, &shard, &mut piece)?;
-                Ok(piece)
-            }
-            Sharding::Hsdp => {
-                hierarchy::reduce_across_replicas_hsdp(self, &mut shard)?;
-                Ok(shard)
-            }
-            Sharding::Ddp => {
-                self.world.all_reduce(&mut shard, ReduceOp::Avg)?;
-                Ok(shard)
-            }
+    ) -> CommResult<Elems> {
+        match shard {
+            Elems::F32(s) => reduce_across_typed(self, sharding, s, piece_len).map(Elems::F32),
+            Elems::Bf16(s) => reduce_across_typed(self, sharding, s, piece_len).map(Elems::Bf16),
+            Elems::U8(_) => Err(not_a_gradient()),
         }
     }
 
@@ -266,6 +251,50 @@ fn gather_typed<C: Collective, T: Element>(
         }
         Sharding::Hierarchical | Sharding::Hsdp => comms.shard_group.all_gather(shard, full),
     }
+}
+
+/// The shard-group stage of a gradient reduction for one element type.
+fn reduce_within_typed<C: Collective, T: Reducible>(
+    comms: &MeshComms<C>,
+    sharding: Sharding,
+    full: Vec<T>,
+) -> CommResult<Vec<T>> {
+    match sharding {
+        Sharding::Hierarchical | Sharding::Hsdp => {
+            let mut shard = vec![T::default(); full.len() / comms.shards()];
+            hierarchy::reduce_within_shard_group(comms, &full, &mut shard)?;
+            Ok(shard)
+        }
+        Sharding::Ddp => Ok(full),
+    }
+}
+
+/// The replica stage of a gradient reduction for one element type.
+fn reduce_across_typed<C: Collective, T: Reducible>(
+    comms: &MeshComms<C>,
+    sharding: Sharding,
+    mut shard: Vec<T>,
+    piece_len: usize,
+) -> CommResult<Vec<T>> {
+    match sharding {
+        Sharding::Hierarchical => {
+            let mut piece = vec![T::default(); piece_len];
+            hierarchy::reduce_across_replicas_hierarchical(comms, &shard, &mut piece)?;
+            Ok(piece)
+        }
+        Sharding::Hsdp => {
+            hierarchy::reduce_across_replicas_hsdp(comms, &mut shard)?;
+            Ok(shard)
+        }
+        Sharding::Ddp => {
+            comms.world.all_reduce(&mut shard, ReduceOp::Avg)?;
+            Ok(shard)
+        }
+    }
+}
+
+fn not_a_gradient() -> CommError {
+    CommError::Mismatch("gradients are reduced in f32 or bf16, not bytes".into())
 }
 
 fn mixed_formats() -> CommError {

@@ -32,6 +32,71 @@ pub enum NonFinitePolicy {
     SkipStep,
 }
 
+/// A floating-point type of the mixed-precision policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// IEEE single precision.
+    #[default]
+    F32,
+    /// bfloat16: f32's exponent range, 8 significant bits; half the bytes.
+    Bf16,
+    /// IEEE half precision (11 significant bits, largest value 65504), for devices without bf16
+    /// (most wgpu adapters). Compute only: gradients are reduced in f32 or bf16. Without a loss
+    /// scale small gradients underflow in f16; prefer bf16 where the device has it.
+    F16,
+}
+
+impl Precision {
+    /// Bytes of one value.
+    pub fn bytes(self) -> u64 {
+        match self {
+            Precision::F32 => 4,
+            Precision::Bf16 | Precision::F16 => 2,
+        }
+    }
+
+    /// The Burn dtype of this precision.
+    pub fn dtype(self) -> burn_backend::FloatDType {
+        match self {
+            Precision::F32 => burn_backend::FloatDType::F32,
+            Precision::Bf16 => burn_backend::FloatDType::BF16,
+            Precision::F16 => burn_backend::FloatDType::F16,
+        }
+    }
+}
+
+/// Which floating-point types parameters compute in and gradients are reduced in — PyTorch
+/// FSDP2's `MixedPrecisionPolicy` (`param_dtype`, `reduce_dtype`). The fp32 master weights and
+/// the optimizer's state stay f32 whatever the policy; the runtime format (f32, bf16, MXFP8) is
+/// what parameters are *stored and gathered* in, decoded into the compute type.
+///
+/// * `compute`: the dtype of every parameter tensor forward and backward see (views of the
+///   gathered bucket, which is decoded into this type: an MXFP8 or bf16 runtime parameter is
+///   exact in bf16). With a 16-bit compute dtype the model's activations follow its parameters'
+///   dtype, so float inputs must be cast to it by the model (`Tensor::cast`); integer inputs
+///   (token ids) need nothing. Needs a backend that computes in that dtype (bf16: burn-flex,
+///   CUDA; f16: burn-flex, CUDA, wgpu where the adapter has `shader-f16`); `shard` rejects one
+///   that does not, naming it.
+/// * `reduce`: the dtype gradients cross the network in. Gradients are accumulated in f32 (over
+///   the parameters of a bucket and over micro-batches), rounded to `reduce` for the
+///   reduce-scatter and the replica all-reduce (each engine sums in f32 and rounds once), and
+///   widened back to f32 for the update. [`Precision::Bf16`] halves the reduction bytes;
+///   [`Precision::F16`] is refused here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MixedPrecision {
+    /// dtype parameters compute in (default f32).
+    pub compute: Precision,
+    /// dtype gradients are reduced in (default f32).
+    pub reduce: Precision,
+}
+
+impl MixedPrecision {
+    /// Compute in `compute`, reduce in `reduce`.
+    pub fn new(compute: Precision, reduce: Precision) -> Self {
+        Self { compute, reduce }
+    }
+}
+
 /// How to shard a model.
 ///
 /// By default a bucket gathered in forward stays resident through backward and is released by
@@ -64,6 +129,8 @@ pub struct HsdpConfig {
     pub masters: Placement,
     /// Where gradients are accumulated before their reduction.
     pub grads: Placement,
+    /// The dtypes parameters compute in and gradients are reduced in (default f32 for both).
+    pub precision: MixedPrecision,
     /// Record every collective's span for a Chrome trace (`HsdpRuntime::take_trace`).
     pub trace: bool,
 }
@@ -80,6 +147,7 @@ impl HsdpConfig {
             non_finite: NonFinitePolicy::Error,
             masters: Placement::Host,
             grads: Placement::Host,
+            precision: MixedPrecision::default(),
             trace: false,
         }
     }
@@ -111,6 +179,12 @@ impl HsdpConfig {
     /// backend one transfer per bucket instead of one per parameter and micro-batch.
     pub fn with_grad_placement(mut self, placement: Placement) -> Self {
         self.grads = placement;
+        self
+    }
+
+    /// The same config with the mixed-precision policy `precision` (see [`MixedPrecision`]).
+    pub fn with_mixed_precision(mut self, precision: MixedPrecision) -> Self {
+        self.precision = precision;
         self
     }
 
@@ -156,6 +230,13 @@ impl HsdpConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<(), HsdpError> {
+        if self.precision.reduce == Precision::F16 {
+            return Err(HsdpError::Unsupported(
+                "the mixed-precision policy reduces gradients in F16: gradients are reduced in \
+                 F32 or Bf16 (F16 is a compute dtype only)"
+                    .into(),
+            ));
+        }
         self.plan.validate().map_err(HsdpError::from)
     }
 }

@@ -25,15 +25,17 @@ use sshsdp_kernels::{
 use sshsdp_plan::Part;
 
 use crate::codec::{BucketCodec, CodecOp, Phase, MX_FORMAT};
+use crate::config::Precision;
 use crate::cube_views::{for_each_runtime, is_cube, member_views};
 use crate::storage::Elems;
 use crate::views::Member;
 use crate::HsdpError;
 
 /// The parameters `members` of the gathered runtime units `gathered` (MXFP8 bytes or bf16; the
-/// part `which` of every piece) decoded for `phase` on `device`: views of one compute buffer —
-/// if `B` is a CubeCL backend this build supports and the units need decoding (`None`
-/// otherwise: f32 units are the compute buffer as they are).
+/// part `which` of every piece) decoded for `phase` on `device` into `compute` (a 16-bit compute
+/// buffer is cast from the f32 one by Burn's cast kernel; exact in bf16, since MXFP8 and bf16
+/// values are bf16 values): views of one compute buffer — if `B` is a CubeCL backend this build supports
+/// and the units need decoding (`None` otherwise: f32 units are the compute buffer as they are).
 pub(crate) fn decode_views_if_cube<B: Backend>(
     codec: &BucketCodec,
     gathered: &Elems,
@@ -41,6 +43,7 @@ pub(crate) fn decode_views_if_cube<B: Backend>(
     phase: Phase,
     members: &[Member],
     device: &B::Device,
+    compute: Precision,
 ) -> Option<Result<Vec<B::FloatTensorPrimitive>, HsdpError>> {
     let bytes = match gathered {
         Elems::U8(bytes) => bytes.clone(),
@@ -52,7 +55,12 @@ pub(crate) fn decode_views_if_cube<B: Backend>(
     };
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            let bucket = decode::<B, R>(codec, bytes, which, phase, device);
+            let bucket = decode::<B, R>(codec, bytes, which, phase, device).map(|bucket| {
+                match compute {
+                    Precision::F32 => bucket,
+                    Precision::Bf16 | Precision::F16 => B::float_cast(bucket, compute.dtype()),
+                }
+            });
             return Some(bucket.map(|bucket| member_views::<B, R>(bucket, members)));
         }
     });

@@ -12,12 +12,12 @@
 
 use std::any::{Any, TypeId};
 
-use burn_backend::{Backend, DType, Shape, Slice, TensorData};
+use burn_backend::{Backend, Shape, Slice};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::Runtime;
 
-use crate::views::Member;
+use crate::views::{ComputeBuf, Member};
 
 /// Calls `$body` with `$R` bound to each CubeCL runtime this build supports.
 macro_rules! for_each_runtime {
@@ -73,13 +73,13 @@ pub(crate) fn memory_usage<B: Backend>(device: &B::Device) -> Option<crate::stor
     None
 }
 
-/// Views sharing one device buffer holding `full` if `B` is a CubeCL backend this build
-/// supports; otherwise `full` back.
+/// Views sharing one device buffer holding `full` (uploaded in its compute dtype) if `B` is a
+/// CubeCL backend this build supports; otherwise `full` back.
 pub(crate) fn views_if_cube<B: Backend>(
-    full: Vec<f32>,
+    full: ComputeBuf,
     members: &[Member],
     device: &B::Device,
-) -> Result<Vec<B::FloatTensorPrimitive>, Vec<f32>> {
+) -> Result<Vec<B::FloatTensorPrimitive>, ComputeBuf> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
             return Ok(views::<B, R>(full, members, device));
@@ -89,16 +89,16 @@ pub(crate) fn views_if_cube<B: Backend>(
 }
 
 fn views<B: Backend, R: CubeRuntime>(
-    full: Vec<f32>,
+    full: ComputeBuf,
     members: &[Member],
     device: &B::Device,
 ) -> Vec<B::FloatTensorPrimitive> {
-    let n = full.len();
-    let bucket = B::float_from_data(TensorData::new(full, [n]), device);
+    let bucket = B::float_from_data(full.into_data(), device);
     member_views::<B, R>(bucket, members)
 }
 
-/// `bucket` (a 1-D f32 `CubeTensor<R>` as `B`'s primitive) as one view per member.
+/// `bucket` (a contiguous 1-D float `CubeTensor<R>` as `B`'s primitive, f32 or bf16) as one view
+/// per member, in the bucket's dtype.
 pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
     bucket: B::FloatTensorPrimitive,
     members: &[Member],
@@ -109,10 +109,11 @@ pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
         .expect("the type was checked");
     let align = cube.client.properties().memory.alignment;
     let total = cube.handle.size_in_used();
+    let (dtype, elem) = (cube.dtype, cube.dtype.size() as u64);
     members
         .iter()
         .map(|m| {
-            let (start, end) = (4 * m.start as u64, 4 * m.end() as u64);
+            let (start, end) = (elem * m.start as u64, elem * m.end() as u64);
             if start % align != 0 {
                 // Not a view the device can bind: Burn's slice (a copy) and reshape.
                 let slice = Slice::new(m.start as isize, Some(m.end() as isize), 1);
@@ -129,7 +130,7 @@ pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
                 cube.device.clone(),
                 Shape::from(m.shape.clone()),
                 handle,
-                DType::F32,
+                dtype,
             );
             let any: Box<dyn Any> = Box::new(view);
             *any.downcast::<B::FloatTensorPrimitive>()
@@ -174,7 +175,8 @@ mod tests {
             probe.client.clone()
         };
         let before = client.memory_usage().unwrap();
-        let views = views_if_cube::<B>(full.clone(), &members, &device).expect("cube views");
+        let views = views_if_cube::<B>(ComputeBuf::F32(full.clone()), &members, &device)
+            .unwrap_or_else(|_| panic!("cube views"));
         let after = client.memory_usage().unwrap();
         // One allocation: the bucket; every view shares it (a copy would allocate one more).
         assert_eq!(

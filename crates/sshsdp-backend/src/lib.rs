@@ -47,7 +47,7 @@ mod worker;
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
 pub use comm::RUNTIME_LANES;
-pub use config::{CopyMode, HsdpConfig, NonFinitePolicy};
+pub use config::{CopyMode, HsdpConfig, MixedPrecision, NonFinitePolicy, Precision};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};

@@ -243,15 +243,17 @@ where
     let config = {
         let mut config = config;
         if let Some(align) = crate::cube_views::alignment::<B::Inner>(device) {
-            let align = align.next_multiple_of(32);
+            // The plan aligns starts in f32 bytes; a bf16 compute buffer has half the bytes
+            // before each parameter, so it needs twice the alignment in f32 terms.
+            let align = align.next_multiple_of(32) * (4 / config.precision.compute.bytes());
             config.plan.align_bytes = config.plan.align_bytes.max(align);
         }
         config
     };
     // What this rank can get wrong on its own is folded into the plan agreement, so that it is
     // an error on every rank in that same call (on MPI too, whose peers would otherwise wait).
-    let local =
-        check_backend::<B::Inner>(device).and_then(|()| local_plan(&module, &config, &*factory));
+    let local = check_backend::<B::Inner>(device, &config)
+        .and_then(|()| local_plan(&module, &config, &*factory));
     let (replicas, shards) = (config.mesh.replicas(), config.mesh.shards());
     let comm = match factory.connect_mesh(LaneId::Bootstrap, replicas, shards) {
         Ok(comm) => comm,
@@ -307,9 +309,21 @@ where
 /// Refuses inner backends whose tensors cannot be views of a gathered bucket: burn-fusion's
 /// (`Fusion<CubeBackend<…>>`, what `Wgpu` and `Cuda` are when burn's `fusion` feature is on)
 /// keep every tensor in fusion's lazy stream, so each parameter would be a copy and the
-/// decorator's memory and copy accounting would be false.
-fn check_backend<B: burn_backend::Backend>(device: &B::Device) -> Result<(), HsdpError> {
+/// decorator's memory and copy accounting would be false. Refuses a bf16 compute policy on a
+/// backend that cannot compute in bf16.
+fn check_backend<B: burn_backend::Backend>(
+    device: &B::Device,
+    config: &HsdpConfig,
+) -> Result<(), HsdpError> {
     let name = B::name(device);
+    let compute = config.precision.compute;
+    if !B::supports_dtype(device, compute.dtype().into()) {
+        return Err(HsdpError::Unsupported(format!(
+            "Hsdp<{name}>: the mixed-precision policy computes in {compute:?}, which this \
+             backend does not support on {device:?}; use a backend that computes in bf16 \
+             (burn-flex on the CPU, CUDA) or `Precision::F32`"
+        )));
+    }
     if is_fusion(&name) {
         return Err(HsdpError::Unsupported(format!(
             "Hsdp<{name}>: burn-fusion backends are not supported (a parameter cannot be a view \

@@ -107,9 +107,8 @@ impl<B: Backend> TensorMetadata for HsdpFloat<B> {
     fn dtype(&self) -> DType {
         match self {
             HsdpFloat::Local(t) => t.dtype(),
-            // Parameters are stored and viewed as f32 (the only runtime format of the decorator
-            // so far; see `HsdpConfig`).
-            HsdpFloat::Param(_) => DType::F32,
+            // Parameters are viewed in the mixed-precision policy's compute dtype.
+            HsdpFloat::Param(h) => h.runtime.compute_precision().dtype().into(),
         }
     }
 

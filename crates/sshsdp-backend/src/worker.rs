@@ -56,7 +56,10 @@ use std::thread::JoinHandle;
 use sshsdp_comm::{CallTag, CommError, CommResult};
 use sshsdp_plan::Sharding;
 
+use half::bf16;
+
 use crate::comm::{LaneFactory, LaneId, MeshComm};
+use crate::config::Precision;
 use crate::storage::Elems;
 use crate::timeline::{Timeline, Track};
 
@@ -72,6 +75,7 @@ enum Request {
     Reduce {
         tag: CallTag,
         full: Vec<f32>,
+        dtype: Precision,
         piece_len: usize,
         reply: Sender<CommResult<Vec<f32>>>,
     },
@@ -84,7 +88,7 @@ enum ReplicaRequest {
     /// The second stage of a reduction whose first stage ran on the shard lane.
     FinishReduce {
         tag: CallTag,
-        shard: CommResult<Vec<f32>>,
+        shard: CommResult<Elems>,
         piece_len: usize,
         reply: Sender<CommResult<Vec<f32>>>,
     },
@@ -254,12 +258,20 @@ impl Worker {
         })
     }
 
-    /// World-averaged gradient piece of `bucket`'s full-bucket gradient.
-    pub fn reduce(&self, bucket: usize, full: Vec<f32>, piece_len: usize) -> Reply {
+    /// World-averaged gradient piece of `bucket`'s full-bucket gradient, reduced in `dtype`
+    /// (rounded to it on the shard lane, widened back to f32 for the reply).
+    pub fn reduce(
+        &self,
+        bucket: usize,
+        full: Vec<f32>,
+        dtype: Precision,
+        piece_len: usize,
+    ) -> Reply {
         let tag = self.tag(Some(bucket), "reduce");
         self.send(|reply| Request::Reduce {
             tag,
             full,
+            dtype,
             piece_len,
             reply,
         })
@@ -350,10 +362,23 @@ fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sender<ReplicaRe
             Request::Reduce {
                 tag,
                 full,
+                dtype,
                 piece_len,
                 reply,
             } => {
                 let shard = lane.run("reduce (shard group)", tag, || {
+                    let full = match dtype {
+                        Precision::F32 => Elems::F32(full),
+                        Precision::Bf16 => {
+                            Elems::Bf16(full.iter().map(|&g| bf16::from_f32(g)).collect())
+                        }
+                        // Refused by `HsdpConfig::validate`.
+                        Precision::F16 => {
+                            return Err(CommError::Mismatch(
+                                "gradients reduce in f32 or bf16".into(),
+                            ))
+                        }
+                    };
                     comm.reduce_within_shard_group(sharding, full)
                 });
                 let _ = replica.send(ReplicaRequest::FinishReduce {
@@ -382,7 +407,13 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
             } => {
                 let r = shard.and_then(|shard| {
                     lane.run("reduce (replicas)", tag, || {
-                        comm.reduce_across_replicas(sharding, shard, piece_len)
+                        match comm.reduce_across_replicas(sharding, shard, piece_len)? {
+                            Elems::F32(piece) => Ok(piece),
+                            Elems::Bf16(piece) => Ok(piece.iter().map(|g| g.to_f32()).collect()),
+                            Elems::U8(_) => Err(CommError::Mismatch(
+                                "a gradient reduction returned bytes".into(),
+                            )),
+                        }
                     })
                 });
                 let _ = reply.send(r);

@@ -10,9 +10,10 @@
 //! kept as a `B` tensor, summed there over a backward's contributions, and read back once per
 //! bucket — one concatenation, one transfer — when the bucket is reduced).
 
-use burn_backend::Backend;
+use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
 use crate::codec::BucketCodec;
+use crate::config::Precision;
 use crate::storage::download;
 use crate::timeline::{Timeline, Track};
 use crate::worker::{Reply, Worker};
@@ -48,21 +49,24 @@ impl<B: Backend> Default for BucketGrads<B> {
 /// Every bucket's gradients in flight.
 pub(super) struct GradSync<B: Backend> {
     buckets: Vec<BucketGrads<B>>,
+    /// The dtype reductions move.
+    reduce: Precision,
 }
 
 /// What reducing a bucket moved.
 pub(super) struct Reduced {
-    /// Bytes of the full-bucket gradient entering the reduction.
+    /// Bytes of the full-bucket gradient entering the reduction (in the reduction dtype).
     pub bytes: u64,
     /// Bytes read back from the device first (device gradients).
     pub staged: u64,
 }
 
 impl<B: Backend> GradSync<B> {
-    /// Nothing in flight for `buckets` buckets.
-    pub fn new(buckets: usize) -> Self {
+    /// Nothing in flight for `buckets` buckets, reduced in `reduce`.
+    pub fn new(buckets: usize, reduce: Precision) -> Self {
         Self {
             buckets: (0..buckets).map(|_| BucketGrads::default()).collect(),
+            reduce,
         }
     }
 
@@ -100,7 +104,12 @@ impl<B: Backend> GradSync<B> {
         if bucket.on_device.is_empty() {
             bucket.on_device = vec![None; members];
         }
-        let numel = burn_backend::TensorMetadata::shape(&grad).num_elements();
+        let numel = grad.shape().num_elements();
+        // Accumulated in f32 whatever the compute dtype (a bf16 gradient is widened).
+        let grad = match grad.dtype() {
+            DType::F32 => grad,
+            _ => B::float_cast(grad, FloatDType::F32),
+        };
         let flat = B::float_reshape(grad, [numel].into());
         bucket.on_device[k] = Some(match bucket.on_device[k].take() {
             Some(sum) => B::float_add(sum, flat),
@@ -154,8 +163,8 @@ impl<B: Backend> GradSync<B> {
             }
         }
         let full = std::mem::take(&mut bucket.full);
-        let bytes = 4 * full.len() as u64;
-        let reply = worker.reduce(b, full, codec.piece_elems());
+        let bytes = self.reduce.bytes() * full.len() as u64;
+        let reply = worker.reduce(b, full, self.reduce, codec.piece_elems());
         bucket.reductions.push(reply);
         Ok(Reduced { bytes, staged })
     }

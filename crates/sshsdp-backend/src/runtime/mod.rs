@@ -156,6 +156,7 @@ impl<B: Backend> Runtime<B> {
             materialiser: Materialiser {
                 device,
                 copy_mode: config.copy_mode,
+                compute: config.precision.compute,
             },
             non_finite: config.non_finite,
             grad_placement: config.grads,
@@ -167,7 +168,7 @@ impl<B: Backend> Runtime<B> {
             state: Mutex::new(State {
                 storage,
                 schedule: Schedule::new(config.reshard_after_forward),
-                grads: GradSync::new(buckets),
+                grads: GradSync::new(buckets, config.precision.reduce),
                 resident_bytes: 0,
                 failure: None,
                 counters: Counters::default(),
@@ -189,6 +190,11 @@ impl<B: Backend> Runtime<B> {
 
     fn lock(&self) -> MutexGuard<'_, State<B>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The dtype parameters compute in.
+    pub(crate) fn compute_precision(&self) -> crate::config::Precision {
+        self.materialiser.compute
     }
 
     /// Records the gradient-routing ids of the parameters (by plan index), once.

@@ -8,14 +8,14 @@
 
 use std::sync::Arc;
 
-use burn_backend::{Backend, TensorData};
+use burn_backend::Backend;
 use sshsdp_plan::Part;
 
 use super::Counters;
 use crate::codec::{BucketCodec, Phase};
-use crate::config::CopyMode;
+use crate::config::{CopyMode, Precision};
 use crate::storage::{Elems, MasterBuf};
-use crate::views::{bucket_views, Member};
+use crate::views::{bucket_views, ComputeBuf, Member};
 use crate::worker::{Reply, Worker};
 use crate::HsdpError;
 
@@ -145,6 +145,8 @@ pub(super) struct Materialiser<B: Backend> {
     pub device: B::Device,
     /// Views into the bucket, or copies (the FSDP2-style baseline).
     pub copy_mode: CopyMode,
+    /// The dtype parameters compute in.
+    pub compute: Precision,
 }
 
 impl<B: Backend> Materialiser<B> {
@@ -174,10 +176,11 @@ impl<B: Backend> Materialiser<B> {
                 phase,
                 &members,
                 &self.device,
+                self.compute,
             );
             if let Some(params) = decoded {
                 let params = params?;
-                let compute_bytes = 4 * codec.compute_elems() as u64;
+                let compute_bytes = self.compute.bytes() * codec.compute_elems() as u64;
                 counters.decoded_bytes += compute_bytes;
                 counters.uploaded_bytes += full.bytes();
                 let keep = codec.has_planes() && which == Part::All;
@@ -190,12 +193,13 @@ impl<B: Backend> Materialiser<B> {
                 });
             }
         }
-        let decodes = !matches!(full, Elems::F32(_));
+        let decodes = !matches!(full, Elems::F32(_)) || self.compute != Precision::F32;
         let (compute, gathered) = codec.to_compute(full, which, phase)?;
+        let compute = ComputeBuf::new(compute, self.compute);
         if decodes {
-            counters.decoded_bytes += 4 * compute.len() as u64;
+            counters.decoded_bytes += compute.bytes();
         }
-        let bytes = 4 * compute.len() as u64 + gathered.as_ref().map_or(0, Elems::bytes);
+        let bytes = compute.bytes() + gathered.as_ref().map_or(0, Elems::bytes);
         let params = match self.copy_mode {
             CopyMode::ZeroCopy => {
                 // The compute buffer becomes the bucket's storage (a move, not a copy); each
@@ -204,15 +208,13 @@ impl<B: Backend> Materialiser<B> {
                 counters.uploaded_bytes += uploaded;
                 views
             }
-            CopyMode::Fsdp2Style => (0..codec.len())
+            CopyMode::Fsdp2Style => members
+                .iter()
                 // Copy-out: each parameter gets a tensor of its own.
-                .map(|k| {
-                    let start = codec.compute_start(k);
-                    let numel = codec.shape(k).iter().product::<usize>();
-                    let values = compute[start..start + numel].to_vec();
-                    counters.param_bytes_copied += 4 * values.len() as u64;
-                    counters.uploaded_bytes += 4 * values.len() as u64;
-                    let data = TensorData::new(values, codec.shape(k).to_vec());
+                .map(|m| {
+                    let data = compute.member_data(m);
+                    counters.param_bytes_copied += data.bytes.len() as u64;
+                    counters.uploaded_bytes += data.bytes.len() as u64;
                     B::float_from_data(data, &self.device)
                 })
                 .collect(),

@@ -1,0 +1,302 @@
+//! The mixed-precision policy (`HsdpConfig::with_mixed_precision`, FSDP2's
+//! `MixedPrecisionPolicy`) on burn-flex, which computes in bf16 on the CPU:
+//!
+//! * parameters are bf16 tensors, equal to the f32 views rounded (bit for bit for bf16 and
+//!   MXFP8 runtime parameters, whose values are bf16 values);
+//! * a small GPT trains in bf16 like it does in f32 (losses within bf16's rounding), flat and
+//!   HSDP, with and without resharding, in every runtime format;
+//! * bf16 gradient reduction moves half the bytes and trains like f32 reduction;
+//! * f16 compute (for devices without bf16) trains too;
+//! * a backend that cannot compute in bf16 (burn-ndarray) is refused by `shard`, naming it, and
+//!   so is an f16 gradient reduction.
+
+use std::time::Duration;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::AdamWConfig;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
+use burn_flex::Flex;
+use half::bf16;
+use sshsdp::backend::{shard, Hsdp, HsdpConfig, MixedPrecision, Precision};
+use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
+use sshsdp::comm::Collective;
+use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::ShardedOptimizer;
+use sshsdp::plan::{Mesh, RuntimeFormat};
+
+type A = Autodiff<Hsdp<Flex>>;
+
+const STEPS: usize = 5;
+/// Sequences per step over all ranks.
+const GLOBAL: usize = 8;
+const CONFIG: GptConfig = GptConfig {
+    vocab: 64,
+    d_model: 64,
+    layers: 2,
+    heads: 2,
+    seq: 32,
+};
+
+fn tokens<B: Backend>(
+    step: usize,
+    first: usize,
+    rows: usize,
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    let w = CONFIG.seq + 1;
+    let data: Vec<i64> = (first * w..(first + rows) * w)
+        .map(|i| ((i * 7 + step * 13 + (i / w) * 3) % CONFIG.vocab) as i64)
+        .collect();
+    Tensor::from_data(TensorData::new(data, [rows, w]), device)
+}
+
+/// The initial weights, drawn once (Burn's RNG is global and the tests run in parallel).
+fn initial_record() -> &'static [(Vec<usize>, Vec<f32>)] {
+    static RECORD: std::sync::OnceLock<Vec<(Vec<usize>, Vec<f32>)>> = std::sync::OnceLock::new();
+    RECORD.get_or_init(|| {
+        let device = Default::default();
+        NdArray::<f32>::seed(&device, 5);
+        let model: Gpt<NdArray<f32>> = CONFIG.init(&device);
+        sshsdp::backend::named_params(&model)
+            .unwrap()
+            .into_iter()
+            .map(|p| (p.shape, p.values))
+            .collect()
+    })
+}
+
+/// Replaces every float parameter, in module order, with the next recorded values.
+struct Load<'a>(std::slice::Iter<'a, (Vec<usize>, Vec<f32>)>);
+
+impl<B: Backend> ModuleMapper<B> for Load<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let (shape, values) = self.0.next().expect("the same model structure");
+        let loaded = Tensor::from_data(
+            TensorData::new(values.clone(), shape.clone()),
+            &tensor.device(),
+        );
+        let loaded = if tensor.is_require_grad() {
+            loaded.require_grad()
+        } else {
+            loaded
+        };
+        Param::from_mapped_value(id, loaded, mapper)
+    }
+}
+
+/// Every parameter tensor's dtype and values (as f32), in module order.
+struct Views(Vec<(DType, Vec<f32>)>);
+
+impl<B: Backend> ModuleVisitor<B> for Views {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let tensor = param.val();
+        let dtype = tensor.dtype();
+        let values = tensor.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+        self.0.push((dtype, values));
+    }
+}
+
+/// One run: its format, mesh, resharding and policy.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    format: RuntimeFormat,
+    /// `(replicas, shards)`.
+    mesh: (usize, usize),
+    reshard: bool,
+    precision: MixedPrecision,
+}
+
+impl Case {
+    fn new(format: RuntimeFormat, compute: Precision, reduce: Precision) -> Self {
+        Case {
+            format,
+            mesh: (1, 2),
+            reshard: false,
+            precision: MixedPrecision::new(compute, reduce),
+        }
+    }
+}
+
+/// What a run leaves.
+struct Run {
+    /// Losses of every rank's batch, averaged, per step.
+    losses: Vec<f32>,
+    /// Rank 0's parameter tensors before the first step.
+    views: Vec<(DType, Vec<f32>)>,
+    /// Rank 0's gradient bytes entering reductions in the last step.
+    reduced_bytes: u64,
+}
+
+fn run(case: Case, steps: usize) -> Run {
+    let record = initial_record();
+    let world = case.mesh.0 * case.mesh.1;
+    let rows = GLOBAL / world;
+    let config = ThreadsConfig {
+        timeout: Duration::from_secs(300),
+    };
+    let ranks = ThreadsWorld::run(world, config, |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let model: Gpt<A> = CONFIG.init(&device);
+        let model = model.map(&mut Load(record.iter()));
+        let config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
+            .with_format(case.format)
+            .with_reshard_after_forward(case.reshard)
+            .with_mixed_precision(case.precision);
+        let (mut model, runtime) = shard::<A, _, _>(model, config, comm, &device).unwrap();
+        let mut views = Views(Vec::new());
+        model.visit(&mut views);
+        let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);
+        let mut losses = Vec::new();
+        for step in 0..steps {
+            runtime.take_counters();
+            let loss = model.loss(tokens::<A>(step, rank * rows, rows, &device));
+            losses.push(loss.clone().into_scalar().elem::<f32>());
+            let _ = loss.backward();
+            model = optim.step(1e-2, model, &runtime).unwrap();
+        }
+        (losses, views.0, runtime.take_counters().reduced_bytes)
+    })
+    .unwrap();
+    let mut ranks: Vec<_> = ranks
+        .into_iter()
+        .map(|r| r.expect("rank panicked"))
+        .collect();
+    let losses = (0..steps)
+        .map(|s| ranks.iter().map(|r| r.0[s]).sum::<f32>() / world as f32)
+        .collect();
+    let (_, views, reduced_bytes) = ranks.swap_remove(0);
+    Run {
+        losses,
+        views,
+        reduced_bytes,
+    }
+}
+
+/// Whether bf16 training followed f32 training: every loss within 2 % (bf16 keeps 8
+/// significant bits; the masters stay f32, so the runs do not drift apart over 5 steps), and
+/// the loss fell.
+fn assert_tracks(what: &str, bf16: &[f32], f32: &[f32]) {
+    for (s, (a, b)) in bf16.iter().zip(f32).enumerate() {
+        assert!(
+            a.is_finite() && (a - b).abs() <= 0.02 * b.abs(),
+            "{what}: step {s}: {a} in bf16 against {b} in f32 ({bf16:?} vs {f32:?})"
+        );
+    }
+    assert!(bf16[bf16.len() - 1] < bf16[0] - 0.1, "{what}: {bf16:?}");
+}
+
+#[test]
+fn bf16_compute_parameters_are_the_f32_views_rounded() {
+    use Precision::{Bf16, F32};
+    for format in [
+        RuntimeFormat::F32,
+        RuntimeFormat::Bf16,
+        RuntimeFormat::Mxfp8,
+    ] {
+        let wide = run(Case::new(format, F32, F32), 0).views;
+        let narrow = run(Case::new(format, Bf16, F32), 0).views;
+        assert_eq!(wide.len(), narrow.len());
+        for (p, ((wd, w), (nd, n))) in wide.iter().zip(&narrow).enumerate() {
+            assert_eq!(
+                (*wd, *nd),
+                (DType::F32, DType::BF16),
+                "{format:?} param {p}"
+            );
+            let rounded: Vec<u32> = w
+                .iter()
+                .map(|&v| bf16::from_f32(v).to_f32().to_bits())
+                .collect();
+            let bits: Vec<u32> = n.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(bits, rounded, "{format:?} param {p}");
+            if format != RuntimeFormat::F32 {
+                // bf16 and MXFP8 values are bf16 values: the bf16 view loses nothing.
+                let exact: Vec<u32> = w.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(bits, exact, "{format:?} param {p}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_compute_trains_like_f32_compute() {
+    use Precision::{Bf16, F32};
+    let cases = [
+        (RuntimeFormat::F32, (1, 2), false),
+        (RuntimeFormat::Bf16, (2, 2), true),
+        (RuntimeFormat::Mxfp8, (1, 2), true),
+        (RuntimeFormat::Mxfp8, (2, 2), false),
+    ];
+    for (format, mesh, reshard) in cases {
+        let case = |compute| Case {
+            mesh,
+            reshard,
+            ..Case::new(format, compute, F32)
+        };
+        let wide = run(case(F32), STEPS).losses;
+        let narrow = run(case(Bf16), STEPS).losses;
+        let what = format!("{format:?} mesh {mesh:?} reshard {reshard}");
+        assert_tracks(&what, &narrow, &wide);
+    }
+}
+
+#[test]
+fn f16_compute_trains_like_f32_compute() {
+    use Precision::{F16, F32};
+    let wide = run(Case::new(RuntimeFormat::Mxfp8, F32, F32), STEPS);
+    let narrow = run(Case::new(RuntimeFormat::Mxfp8, F16, F32), STEPS);
+    assert!(narrow.views.iter().all(|(d, _)| *d == DType::F16));
+    assert_tracks("MXFP8 in f16", &narrow.losses, &wide.losses);
+}
+
+#[test]
+fn bf16_reduction_moves_half_the_bytes_and_trains_alike() {
+    use Precision::{Bf16, F32};
+    for mesh in [(1, 2), (2, 2)] {
+        let case = |reduce| Case {
+            mesh,
+            ..Case::new(RuntimeFormat::Mxfp8, Bf16, reduce)
+        };
+        let wide = run(case(F32), STEPS);
+        let narrow = run(case(Bf16), STEPS);
+        assert_eq!(
+            2 * narrow.reduced_bytes,
+            wide.reduced_bytes,
+            "mesh {mesh:?}"
+        );
+        assert_tracks(&format!("mesh {mesh:?}"), &narrow.losses, &wide.losses);
+    }
+}
+
+/// `shard`'s error for `precision` on one rank of `B`.
+fn shard_error<B: Backend>(precision: MixedPrecision) -> String
+where
+    B::Device: Default,
+{
+    let errors = ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
+        type H<B> = Autodiff<Hsdp<B>>;
+        let device = Default::default();
+        let model: Gpt<H<B>> = CONFIG.init(&device);
+        let config = HsdpConfig::new(Mesh::new(1, 1).unwrap()).with_mixed_precision(precision);
+        shard::<H<B>, _, _>(model, config, comm, &device)
+            .err()
+            .map(|e| e.to_string())
+    })
+    .unwrap();
+    errors[0].as_ref().unwrap().clone().expect("an error")
+}
+
+#[test]
+fn policies_a_backend_or_the_network_cannot_run_are_refused_by_shard() {
+    use Precision::{Bf16, F16, F32};
+    let error = shard_error::<NdArray<f32>>(MixedPrecision::new(Bf16, F32));
+    assert!(
+        error.contains("ndarray") && error.contains("Bf16"),
+        "{error}"
+    );
+    let error = shard_error::<Flex>(MixedPrecision::new(Bf16, F16));
+    assert!(error.contains("reduces gradients in F16"), "{error}");
+}
