@@ -412,7 +412,8 @@ mod tests {
         #[cfg(feature = "ndarray")]
         {
             type Nd = burn_ndarray::NdArray<f32>;
-            assert!(check_backend::<Nd>(&Default::default()).is_ok());
+            let config = HsdpConfig::new(sshsdp_plan::Mesh::new(1, 1).unwrap());
+            assert!(check_backend::<Nd>(&Default::default(), &config).is_ok());
         }
     }
 }
