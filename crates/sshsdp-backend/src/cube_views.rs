@@ -147,6 +147,8 @@ mod tests {
     use burn_cubecl::CubeBackend;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
+    use crate::config::Precision;
+
     type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
 
     #[test]
@@ -169,28 +171,43 @@ mod tests {
             },
         ];
         let n = members[2].end() + 5;
-        let full: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
         let client = {
             let probe = B::float_zeros([1].into(), &device, FloatDType::F32);
             probe.client.clone()
         };
-        let before = client.memory_usage().unwrap();
-        let views = views_if_cube::<B>(ComputeBuf::F32(full.clone()), &members, &device)
-            .unwrap_or_else(|_| panic!("cube views"));
-        let after = client.memory_usage().unwrap();
-        // One allocation: the bucket; every view shares it (a copy would allocate one more).
-        assert_eq!(
-            after.number_allocs,
-            before.number_allocs + 1,
-            "{before:?} → {after:?}"
-        );
-        for (m, view) in members.iter().zip(views) {
-            assert_eq!(view.meta.shape().to_vec(), m.shape);
-            let values = read_sync(B::float_into_data(view))
-                .unwrap()
-                .into_vec::<f32>()
-                .unwrap();
-            assert_eq!(values, full[m.start..m.end()]);
+        // An f32 bucket and an f16 one (2-byte elements: the members' byte offsets halve, and
+        // stay aligned since the plan doubles the alignment for 16-bit compute).
+        for precision in [Precision::F32, Precision::F16] {
+            let members = members.iter().map(|m| Member {
+                start: m.start * (4 / precision.bytes() as usize),
+                shape: m.shape.clone(),
+            });
+            let members: Vec<Member> = members.collect();
+            let full: Vec<f32> = (0..members[2].end() + 5)
+                .map(|i| (i % n) as f32 * 0.5 - 3.0)
+                .collect();
+            let before = client.memory_usage().unwrap();
+            let buf = ComputeBuf::new(full.clone(), precision);
+            let views =
+                views_if_cube::<B>(buf, &members, &device).unwrap_or_else(|_| panic!("cube views"));
+            let after = client.memory_usage().unwrap();
+            // One allocation: the bucket; every view shares it (a copy would allocate one more).
+            assert_eq!(
+                after.number_allocs,
+                before.number_allocs + 1,
+                "{precision:?}: {before:?} → {after:?}"
+            );
+            for (m, view) in members.iter().zip(views) {
+                assert_eq!(view.meta.shape().to_vec(), m.shape);
+                assert_eq!(view.dtype, precision.dtype().into());
+                let values = read_sync(B::float_into_data(view))
+                    .unwrap()
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .unwrap();
+                // Every value here is exact in f16.
+                assert_eq!(values, full[m.start..m.end()], "{precision:?}");
+            }
         }
     }
 }
