@@ -195,6 +195,8 @@ impl<I: Compute> Task<I> for GptTask {
                 } else {
                     let probs: Vec<f32> = softmax(logits / self.temperature, 0)
                         .into_data()
+                        // In the compute dtype (`--compute`).
+                        .convert::<f32>()
                         .to_vec()
                         .map_err(|e| format!("{e:?}"))?;
                     let mut u = rng.uniform() as f32;
@@ -396,6 +398,17 @@ mod tests {
         save_and_resume("smoke", &["--ranks", "2"], &["--ranks", "1"]);
     }
 
+    /// bf16 compute and bf16 gradient reduction, saved at 2 ranks and resumed in f32 at 1: a
+    /// checkpoint holds fp32 masters whatever the compute dtype.
+    #[test]
+    fn trains_in_bf16_and_resumes_in_f32() {
+        save_and_resume(
+            "bf16",
+            &["--ranks", "2", "--compute", "bf16", "--reduce", "bf16"],
+            &["--ranks", "1"],
+        );
+    }
+
     /// `--backend wgpu` with device storage (MXFP8), saved at 2 ranks and resumed on burn-flex
     /// at 1 rank: a checkpoint does not depend on the backend it was written from.
     #[cfg(feature = "wgpu")]
@@ -427,6 +440,14 @@ mod tests {
         assert!(parse(&["--bogus"]).is_err());
         assert!(parse(&["--backend", "tpu"]).is_err());
         assert!(parse(&["--storage", "disk"]).is_err());
+        assert!(parse(&["--compute", "fp8"]).is_err());
+        // f16 is a compute dtype only.
+        assert!(parse(&["--reduce", "f16"]).is_err());
+        let args = parse(&["--compute", "bf16", "--reduce", "bf16"])
+            .unwrap()
+            .unwrap();
+        use sshsdp::backend::{MixedPrecision, Precision::Bf16};
+        assert_eq!(args.precision, MixedPrecision::new(Bf16, Bf16));
         // Without the feature, wgpu is an error naming it; with it, device storage by default.
         let wgpu = parse(&["--backend", "wgpu"]);
         if cfg!(feature = "wgpu") {

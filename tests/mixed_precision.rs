@@ -300,3 +300,54 @@ fn policies_a_backend_or_the_network_cannot_run_are_refused_by_shard() {
     let error = shard_error::<Flex>(MixedPrecision::new(Bf16, F16));
     assert!(error.contains("reduces gradients in F16"), "{error}");
 }
+
+/// A model with float inputs (DiT) casts them to its parameters' dtype and returns its loss in
+/// the inputs' dtype: bf16 compute on one rank gives an f32 loss near the f32 one.
+#[test]
+fn dit_casts_float_inputs_to_the_compute_dtype() {
+    use sshsdp::models::{Dit, DitConfig};
+    let cfg = DitConfig {
+        frames: 2,
+        channels: 1,
+        height: 8,
+        width: 8,
+        patch: 4,
+        d_model: 16,
+        layers: 1,
+        heads: 2,
+    };
+    let losses = |compute| {
+        let out = ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
+            let device = Default::default();
+            let model: Dit<A> = with_seed(|| cfg.init(&device));
+            let config = HsdpConfig::new(Mesh::new(1, 1).unwrap())
+                .with_mixed_precision(MixedPrecision::new(compute, Precision::F32));
+            let (model, _runtime) = shard::<A, _, _>(model, config, comm, &device).unwrap();
+            let shape = [2, cfg.tokens(), cfg.patch_dim()];
+            let x0 = Tensor::<A, 3>::ones(shape, &device) * 0.5;
+            let noise = Tensor::<A, 3>::ones(shape, &device) * 0.75;
+            let t = Tensor::<A, 1>::from_floats([0.2, 0.7], &device);
+            assert_eq!(model.compute_dtype(), compute.dtype().into());
+            let loss = model.loss(x0, t, noise.clone());
+            assert_eq!(loss.dtype(), DType::F32);
+            let sample = model.sample(noise, 2);
+            assert_eq!(sample.dtype(), DType::F32);
+            loss.into_scalar().elem::<f32>()
+        })
+        .unwrap();
+        out.into_iter().next().unwrap().unwrap()
+    };
+    let (wide, narrow) = (losses(Precision::F32), losses(Precision::Bf16));
+    assert!(
+        (wide - narrow).abs() <= 0.02 * wide.abs(),
+        "{narrow} vs {wide}"
+    );
+}
+
+/// `f` under one process-wide lock with Burn's RNG seeded: the same initial weights every time.
+fn with_seed<T>(f: impl FnOnce() -> T) -> T {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    Flex::seed(&Default::default(), 11);
+    f()
+}

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use sshsdp::backend::Placement;
+use sshsdp::backend::{MixedPrecision, Placement, Precision};
 use sshsdp::plan::{Mesh, RuntimeFormat};
 
 /// Which optimizer steps the parameters.
@@ -50,6 +50,21 @@ pub struct Args {
     /// `--storage host|device`: where fp32 masters, optimizer state and gradient buckets live
     /// (default: the device on GPU backends, the host on burn-flex).
     pub storage: Placement,
+    /// `--compute f32|bf16|f16` and `--reduce f32|bf16`: the mixed-precision policy.
+    pub precision: MixedPrecision,
+}
+
+/// Parses a `--compute`/`--reduce` dtype.
+fn parse_precision(flag: &str, value: &str) -> Result<Precision, String> {
+    match value {
+        "f32" => Ok(Precision::F32),
+        "bf16" => Ok(Precision::Bf16),
+        "f16" if flag == "--compute" => Ok(Precision::F16),
+        v => Err(format!(
+            "{flag} is f32 or bf16{}, not `{v}`",
+            if flag == "--compute" { " or f16" } else { "" }
+        )),
+    }
 }
 
 /// The backend of a run (`--backend`).
@@ -121,6 +136,9 @@ Backend:
                        collectives through the host: NCCL is not wired into the examples yet)
   --storage host|device  where fp32 masters, optimizer state and gradient buckets live
                        (default: device on wgpu and cuda, host on flex)
+  --compute f32|bf16|f16  dtype parameters and activations compute in (default f32; fp32
+                       masters either way; bf16 on flex and cuda, f16 where bf16 is missing)
+  --reduce f32|bf16    dtype gradients are reduced in (default f32)
 Output:
   --out DIR            metrics.csv, loss.svg, loss.png and samples (default runs/<example>/)
   --eval-every N       steps between held-out evaluations (0: at the end only)
@@ -165,6 +183,7 @@ pub fn parse_args(
         trace: None,
         backend: BackendKind::Flex,
         storage: Placement::Host,
+        precision: MixedPrecision::default(),
     };
     let mut storage = None;
     let mut args = args.into_iter();
@@ -254,6 +273,8 @@ pub fn parse_args(
                     s => return Err(format!("--storage is host or device, not `{s}`")),
                 })
             }
+            "--compute" => out.precision.compute = parse_precision(&flag, &value()?)?,
+            "--reduce" => out.precision.reduce = parse_precision(&flag, &value()?)?,
             other => {
                 if !extra(other, &mut value)? {
                     return Err(format!("unknown option `{other}` (see --help)"));

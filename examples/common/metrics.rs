@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use sshsdp::backend::Precision;
 use sshsdp::plan::RuntimeFormat;
 
 /// Resident set size of this process (all ranks of the threads engine), bytes.
@@ -28,6 +29,15 @@ pub fn human(x: f64) -> String {
         format!("{:.1}k", x / 1e3)
     } else {
         format!("{x:.0}")
+    }
+}
+
+/// Name of a dtype as `--compute`/`--reduce` spell it.
+pub fn precision_name(precision: Precision) -> &'static str {
+    match precision {
+        Precision::F32 => "f32",
+        Precision::Bf16 => "bf16",
+        Precision::F16 => "f16",
     }
 }
 

@@ -166,11 +166,14 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
         report.parameters as f64 / 1e6
     );
     println!(
-        "sharding    {} {}, mesh {} (replicas x shards); {} runtime parameters",
+        "sharding    {} {}, mesh {} (replicas x shards); {} runtime parameters, compute in {}, \
+         gradients reduced in {}",
         report.world,
         report.engine,
         report.mesh,
-        format_name(args.format)
+        format_name(args.format),
+        precision_name(args.precision.compute),
+        precision_name(args.precision.reduce)
     );
     println!(
         "backend     {}; fp32 masters, optimizer state and gradients on the {}",

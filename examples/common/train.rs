@@ -30,6 +30,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         .with_format(args.format)
         .with_master_placement(args.storage)
         .with_grad_placement(args.storage)
+        .with_mixed_precision(args.precision)
         .with_trace(args.trace.is_some());
     let (mut model, runtime) = shard::<Train<I>, _, _>(init.clone(), config, comm, &device)
         .map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;

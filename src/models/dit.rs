@@ -18,7 +18,7 @@ use burn::nn::{
 };
 use burn::tensor::activation::{gelu, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 /// Offset `s` of the cosine noise schedule.
 const SCHEDULE_OFFSET: f64 = 0.008;
@@ -212,9 +212,17 @@ impl<B: Backend> Dit<B> {
         Tensor::cat(vec![args.clone().sin(), args.cos()], 1)
     }
 
+    /// The dtype the parameters compute in (f32, or a 16-bit dtype under a mixed-precision
+    /// policy): float inputs are cast to it, as FSDP2's `cast_forward_inputs` does.
+    pub fn compute_dtype(&self) -> DType {
+        self.patch_embed.weight.val().dtype()
+    }
+
     /// Predicted noise `[batch, tokens, patch_dim]` of noisy tokens `x` (same shape) at
-    /// diffusion times `t` `[batch]`.
+    /// diffusion times `t` `[batch]`, in [`Self::compute_dtype`].
     pub fn forward(&self, x: Tensor<B, 3>, t: Tensor<B, 1>) -> Tensor<B, 3> {
+        let dtype = self.compute_dtype();
+        let x = x.cast(dtype);
         let [batch, tokens, _] = x.dims();
         let device = x.device();
         let positions = Tensor::<B, 1, Int>::arange(0..tokens as i64, &device)
@@ -223,7 +231,11 @@ impl<B: Backend> Dit<B> {
         let mut h = self.patch_embed.forward(x) + self.pos_embed.forward(positions);
         let c = self
             .time_out
-            .forward(silu(self.time_in.forward(self.time_features(t))));
+            // Time features in the input's precision (f32: t · 1000 needs more than bf16's 8
+            // bits), then cast.
+            .forward(silu(
+                self.time_in.forward(self.time_features(t).cast(dtype)),
+            ));
         let c = silu(c);
         for b in &self.blocks {
             let m = b.ada.forward(c.clone()).chunk(6, 1);
@@ -249,7 +261,8 @@ impl<B: Backend> Dit<B> {
             .unsqueeze_dim::<2>(1)
             .unsqueeze_dim::<3>(2);
         let xt = x0 * ab.clone().sqrt() + noise.clone() * (ab.neg() + 1.0).sqrt();
-        let pred = self.forward(xt, t);
+        // The loss in the inputs' dtype (f32), whatever the compute dtype.
+        let pred = self.forward(xt, t).cast(noise.dtype());
         (pred - noise).powi_scalar(2).mean()
     }
 
@@ -265,7 +278,7 @@ impl<B: Backend> Dit<B> {
             let t_prev = (i - 1) as f64 / steps.max(1) as f64;
             let (ab, ab_prev) = (alpha_bar_scalar(t).max(1e-4), alpha_bar_scalar(t_prev));
             let tt = Tensor::<B, 1>::full([batch], t as f32, &device);
-            let eps = self.forward(x.clone(), tt);
+            let eps = self.forward(x.clone(), tt).cast(x.dtype());
             let x0 = ((x - eps.clone() * (1.0 - ab).sqrt()) / ab.sqrt()).clamp(-1.0, 1.0);
             x = x0 * ab_prev.sqrt() + eps * (1.0 - ab_prev).max(0.0).sqrt();
         }
