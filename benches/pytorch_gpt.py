@@ -21,7 +21,8 @@ What it mirrors (see examples/train_gpt.rs, examples/common/ and src/models/gpt.
     (max_norm / (norm + 1e-6), as in sshsdp-optim); peak lr 4e-3 with linear warm-up over
     20 steps and cosine decay to 10 % at the last step (common/optim.rs learning_rate).
   * Shape defaults: width 128, 4 layers, 4 heads, context 128, global batch 16, 400 steps,
-    f32 everywhere, seed 0.
+    f32 everywhere (`--dtype bf16`: bf16 compute on fp32 weights, as `train_gpt --compute
+    bf16`), seed 0.
   * Logged loss: the global-batch loss (mean of the ranks' losses). The final loss printed is
     the mean of the last (up to) 20 steps' global losses, like the Rust summary's "mean of
     the last 20 steps".
@@ -197,6 +198,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda (single mode only: the same model on one GPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                   help="compute dtype: bf16 is torch.autocast in single mode and FSDP2's "
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32) in fsdp2 mode "
+                        "(fp32 master weights either way), like train_gpt --compute bf16")
     p.add_argument("--log-every", type=int, default=None, help="default: steps / 20")
     a = p.parse_args(argv)
     if a.steps <= a.warmup:
@@ -232,10 +237,17 @@ def train(args, rank, world, dist=None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
+            reduce_dtype=torch.float32 if args.dtype == "bf16" else None)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    # Single process in bf16: autocast (matmuls in bf16 on fp32 weights, AMP's usual path).
+    autocast = args.dtype == "bf16" and dist is None
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-5,
                               weight_decay=0.01)
     if lead:
@@ -244,7 +256,7 @@ def train(args, rank, world, dist=None):
               f"{args.width}, {args.layers} layers, {args.heads} heads, context {args.seq}, "
               f"global batch {args.batch}; mode {args.mode}, world {world}, threads "
               f"{torch.get_num_threads()}/process; AdamW lr {args.lr:g} (warm-up "
-              f"{args.lr_warmup}, cosine), clip {args.clip or 'off'}, f32, attn {args.attn}, "
+              f"{args.lr_warmup}, cosine), clip {args.clip or 'off'}, {args.dtype}, attn {args.attn}, "
               f"device {args.device}{', compiled' if args.compile else ''}", flush=True)
 
     def global_mean(values):
@@ -262,7 +274,8 @@ def train(args, rank, world, dist=None):
         t0 = time.perf_counter()
         for group in optim.param_groups:
             group["lr"] = learning_rate(args.lr, args.lr_warmup, step, args.steps)
-        loss = forward(tokens)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = forward(tokens)
         loss.backward()
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -288,7 +301,7 @@ def train(args, rank, world, dist=None):
     rate = args.batch * args.seq * (args.steps - args.warmup) / timed
     if lead:
         print(f"pytorch {args.mode} world={world} threads={torch.get_num_threads()} "
-              f"device={args.device}{' compiled' if args.compile else ''}: "
+              f"device={args.device} dtype={args.dtype}{' compiled' if args.compile else ''}: "
               f"{rate:.1f} tokens/s (steps {args.steps}, final loss {sum(tail) / len(tail):.4f})",
               flush=True)
 

@@ -128,6 +128,9 @@ struct Run {
     views: Vec<(DType, Vec<f32>)>,
     /// Rank 0's gradient bytes entering reductions in the last step.
     reduced_bytes: u64,
+    /// Rank 0's bytes of parameters produced by decoding or casting in the last step (the
+    /// whole run when it has no step).
+    decoded_bytes: u64,
 }
 
 fn run(case: Case, steps: usize) -> Run {
@@ -149,16 +152,17 @@ fn run(case: Case, steps: usize) -> Run {
         let (mut model, runtime) = shard::<A, _, _>(model, config, comm, &device).unwrap();
         let mut views = Views(Vec::new());
         model.visit(&mut views);
+        let mut counters = runtime.take_counters();
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);
         let mut losses = Vec::new();
         for step in 0..steps {
-            runtime.take_counters();
             let loss = model.loss(tokens::<A>(step, rank * rows, rows, &device));
             losses.push(loss.clone().into_scalar().elem::<f32>());
             let _ = loss.backward();
             model = optim.step(1e-2, model, &runtime).unwrap();
+            counters = runtime.take_counters();
         }
-        (losses, views.0, runtime.take_counters().reduced_bytes)
+        (losses, views.0, counters)
     })
     .unwrap();
     let mut ranks: Vec<_> = ranks
@@ -168,11 +172,12 @@ fn run(case: Case, steps: usize) -> Run {
     let losses = (0..steps)
         .map(|s| ranks.iter().map(|r| r.0[s]).sum::<f32>() / world as f32)
         .collect();
-    let (_, views, reduced_bytes) = ranks.swap_remove(0);
+    let (_, views, counters) = ranks.swap_remove(0);
     Run {
         losses,
         views,
-        reduced_bytes,
+        reduced_bytes: counters.reduced_bytes,
+        decoded_bytes: counters.decoded_bytes,
     }
 }
 
@@ -197,8 +202,16 @@ fn bf16_compute_parameters_are_the_f32_views_rounded() {
         RuntimeFormat::Bf16,
         RuntimeFormat::Mxfp8,
     ] {
-        let wide = run(Case::new(format, F32, F32), 0).views;
-        let narrow = run(Case::new(format, Bf16, F32), 0).views;
+        let wide = run(Case::new(format, F32, F32), 0);
+        let narrow = run(Case::new(format, Bf16, F32), 0);
+        // Visiting the parameters gathered every bucket once. A bf16 bucket computed in bf16 is
+        // its own compute buffer: nothing is decoded; the others are decoded into 2-byte values.
+        let elements: u64 = narrow.views.iter().map(|(_, v)| v.len() as u64).sum();
+        match format {
+            RuntimeFormat::Bf16 => assert_eq!(narrow.decoded_bytes, 0),
+            _ => assert!(narrow.decoded_bytes >= 2 * elements, "{format:?}"),
+        }
+        let (wide, narrow) = (wide.views, narrow.views);
         assert_eq!(wide.len(), narrow.len());
         for (p, ((wd, w), (nd, n))) in wide.iter().zip(&narrow).enumerate() {
             assert_eq!(

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The H200 check of the device issue, in one call (about 6 minutes; no Rust toolchain there):
+# The H200 check of the device issue, in one call (about 8 minutes; no Rust toolchain there):
 #
 #   1. every CubeCL kernel against its CPU reference on fresh data, with quantise GB/s against a
 #      device copy and MX matmul against the f32 GEMM (scripts/gpu_check.sh: gpu_check);
 #   2. the NCCL engine's conformance at world 1 (scripts/device/nccl_check.sh);
 #   3. a GPT training step on `Autodiff<Hsdp<Cuda>>` (train_gpt --backend cuda: one rank, device
-#      storage, AdamW, f32 compute) with bf16 and with MXFP8 runtime parameters;
+#      storage, AdamW) with bf16 and with MXFP8 runtime parameters, computing in f32 and in bf16
+#      (the mixed-precision policy: `--compute bf16`);
 #   4. the same GPT, data and AdamW in PyTorch on the same GPU, eager and torch.compile, in the
-#      same compute dtype (f32);
+#      same compute dtypes (f32; bf16 through torch.autocast);
 #
 # and writes one Markdown table of the results to $OUT/h200.md (stdout too); each step's log goes
-# to $OUT/ (gpu_check.log, nccl_check.log, train_bf16.log, train_mxfp8.log, torch.log).
+# to $OUT/ (gpu_check.log, nccl_check.log, train_<format>_<compute>.log, torch.log).
 #
 # Build the binaries on the x86-64 build machine, then carry the folder:
 #   cargo build --release -p sshsdp-kernels --features cuda --bin gpu_check
@@ -26,7 +27,7 @@
 # skipped: it needs a GPU).
 #
 # Sizes (environment): H200_WIDTH (768), H200_LAYERS (12), H200_HEADS (12), H200_SEQ (1024),
-# H200_BATCH (8), H200_STEPS (30; ours is timed over its last 10 steps, PyTorch after 5 warm-up
+# H200_BATCH (8), H200_STEPS (25; ours is timed over its last 10 steps, PyTorch after 5 warm-up
 # steps). NCCL cannot put two ranks on
 # one GPU, so this is world 1: the MXFP8-vs-bf16 communication gain is a multi-GPU figure (see
 # docs/PROJECTION.md), not this table's.
@@ -87,7 +88,7 @@ if [ "$MODE" = cpu ]; then
     fi
 else
     WIDTH="${H200_WIDTH:-768}" LAYERS="${H200_LAYERS:-12}" HEADS="${H200_HEADS:-12}"
-    SEQ="${H200_SEQ:-1024}" BATCH="${H200_BATCH:-8}" STEPS="${H200_STEPS:-30}"
+    SEQ="${H200_SEQ:-1024}" BATCH="${H200_BATCH:-8}" STEPS="${H200_STEPS:-25}"
     WARM=5
     BACKEND=cuda
     KERNELS="${BIN_DIR:-target/release}/gpu_check"
@@ -144,56 +145,70 @@ rate_of() {
         awk '{ m = ($2 == "k") ? 1e3 : (($2 == "M") ? 1e6 : 1); printf "%.0f", $1 * m }'
 }
 declare -A RATE
-for format in bf16 mxfp8; do
-    log="$OUT_DIR/train_$format.log"
-    echo "== train_gpt --backend $BACKEND --format $format"
-    args=(--backend "$BACKEND" --ranks 1 --optim adamw --format "$format" --steps "$STEPS"
-        --eval-every 0 --sample-len 0 --out "$OUT_DIR/run_$format" "${MODEL[@]}")
-    if [ "$MODE" = cuda ]; then
-        OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" "${args[@]}" >"$log" 2>&1
-    else
-        timeout 600 "$TRAIN" "${args[@]}" >"$log" 2>&1
-    fi
-    rc=$?
-    grep -E "^(train loss|throughput|memory|device|backend|sharding) " "$log"
-    RATE[$format]="$(rate_of "$log")"
-    if [ "$rc" = 0 ] && [ -n "${RATE[$format]}" ]; then
-        loss="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
-        device="$(sed -n 's/^device *//p' "$log")"
-        row "GPT ${LAYERS}×${WIDTH}, seq $SEQ, batch $BATCH on Autodiff<Hsdp<$BACKEND>>, $format runtime" \
-            "${RATE[$format]} tokens/s (last ≤ 10 steps)" "loss $loss; ${device:+$device; }train_$format.log"
-    else
-        row "GPT on Autodiff<Hsdp<$BACKEND>>, $format runtime" "FAIL (exit $rc)" "train_$format.log"
-        STATUS=1
+# Compute dtypes: f32, and 16-bit compute (the precision policy): bf16 on CUDA; lavapipe has no
+# bf16, so the dry run computes in f16 there (the same cast-and-view path).
+if [ "$MODE" = cpu ]; then HALF=f16; else HALF=bf16; fi
+for compute in f32 "$HALF"; do
+    for format in bf16 mxfp8; do
+        key="${format}_$compute"
+        log="$OUT_DIR/train_$key.log"
+        echo "== train_gpt --backend $BACKEND --format $format --compute $compute"
+        args=(--backend "$BACKEND" --ranks 1 --optim adamw --format "$format" --compute "$compute"
+            --steps "$STEPS" --eval-every 0 --sample-len 0 --out "$OUT_DIR/run_$key" "${MODEL[@]}")
+        if [ "$MODE" = cuda ]; then
+            OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" "${args[@]}" >"$log" 2>&1
+        else
+            timeout 600 "$TRAIN" "${args[@]}" >"$log" 2>&1
+        fi
+        rc=$?
+        grep -E "^(train loss|throughput|memory|device|backend|sharding) " "$log"
+        RATE[$key]="$(rate_of "$log")"
+        label="GPT ${LAYERS}×${WIDTH}, seq $SEQ, batch $BATCH on Autodiff<Hsdp<$BACKEND>>, $format runtime, $compute compute"
+        if [ "$rc" = 0 ] && [ -n "${RATE[$key]}" ]; then
+            loss="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
+            device="$(sed -n 's/^device *//p' "$log")"
+            row "$label" "${RATE[$key]} tokens/s (last ≤ 10 steps)" "loss $loss; ${device:+$device; }train_$key.log"
+        else
+            row "$label" "FAIL (exit $rc)" "train_$key.log"
+            STATUS=1
+        fi
+    done
+    if [ -n "${RATE[bf16_$compute]:-}" ] && [ -n "${RATE[mxfp8_$compute]:-}" ]; then
+        row "MXFP8 against bf16 runtime parameters (tokens/s), $compute compute" \
+            "$(awk -v a="${RATE[mxfp8_$compute]}" -v b="${RATE[bf16_$compute]}" 'BEGIN { printf "%.2f", a / b }')" \
+            "world 1: decode cost only, no communication saved"
     fi
 done
-if [ -n "${RATE[bf16]:-}" ] && [ -n "${RATE[mxfp8]:-}" ]; then
-    row "MXFP8 against bf16 runtime parameters (tokens/s)" \
-        "$(awk -v a="${RATE[mxfp8]}" -v b="${RATE[bf16]}" 'BEGIN { printf "%.2f", a / b }')" \
-        "world 1: decode cost only, no communication saved"
-fi
 
 # --- 4. PyTorch ---------------------------------------------------------------------------------
 TORCH_ARGS=(--mode single --device "$TORCH_DEVICE" --steps "$STEPS" --warmup "$WARM" --width "$WIDTH"
     --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH")
 : >"$OUT_DIR/torch.log"
-for compiled in "" --compile; do
-    kind="eager"
-    [ -n "$compiled" ] && kind="torch.compile"
-    name="PyTorch $($PYTHON -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?') $kind, f32"
-    echo "== $name"
-    timeout 300 "$PYTHON" benches/pytorch_gpt.py "${TORCH_ARGS[@]}" $compiled >>"$OUT_DIR/torch.log" 2>&1
-    rc=$?
-    rate="$(sed -n 's/^pytorch .*: \([0-9.]*\) tokens\/s.*/\1/p' "$OUT_DIR/torch.log" | tail -n 1)"
-    if [ "$rc" = 0 ] && [ -n "$rate" ]; then
-        ours="${RATE[bf16]:-}"
-        ratio="–"
-        [ -n "$ours" ] && ratio="$(awk -v a="$ours" -v b="$rate" 'BEGIN { printf "%.2f", a / b }')"
-        row "$name, same GPT and AdamW on $TORCH_DEVICE" "${rate%.*} tokens/s" "ours (bf16 runtime) / this: $ratio"
-    else
-        row "$name" "FAIL (exit $rc)" "torch.log"
-        STATUS=1
-    fi
+version="$($PYTHON -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?')"
+for dtype in f32 bf16; do
+    # Ours in the same compute dtype (bf16 runtime parameters); f16 stands in for bf16 on lavapipe.
+    ours_compute="$dtype"
+    [ "$dtype" = bf16 ] && ours_compute="$HALF"
+    for compiled in "" --compile; do
+        kind="eager"
+        [ -n "$compiled" ] && kind="torch.compile"
+        name="PyTorch $version $kind, $dtype compute"
+        echo "== $name"
+        timeout 300 "$PYTHON" benches/pytorch_gpt.py "${TORCH_ARGS[@]}" --dtype "$dtype" $compiled \
+            >>"$OUT_DIR/torch.log" 2>&1
+        rc=$?
+        rate="$(sed -n 's/^pytorch .*: \([0-9.]*\) tokens\/s.*/\1/p' "$OUT_DIR/torch.log" | tail -n 1)"
+        if [ "$rc" = 0 ] && [ -n "$rate" ]; then
+            ours="${RATE[bf16_$ours_compute]:-}"
+            ratio="–"
+            [ -n "$ours" ] && ratio="$(awk -v a="$ours" -v b="$rate" 'BEGIN { printf "%.2f", a / b }')"
+            row "$name, same GPT and AdamW on $TORCH_DEVICE" "${rate%.*} tokens/s" \
+                "ours (bf16 runtime, $ours_compute compute) / this: $ratio"
+        else
+            row "$name" "FAIL (exit $rc)" "torch.log"
+            STATUS=1
+        fi
+    done
 done
 
 # --- the table ----------------------------------------------------------------------------------
@@ -207,6 +222,6 @@ done
     printf '%s\n' "${ROWS[@]}"
     echo
     echo "Not in this table yet: the same GPT unsharded on plain Burn (the decorator's overhead),"
-    echo "bf16 compute (the precision policy), NCCL carrying a step."
+    echo "NCCL carrying a step (collectives go through the host; world 1 here)."
 } | tee "$OUT_DIR/h200.md"
 exit "$STATUS"

@@ -166,8 +166,11 @@ impl<B: Backend> Materialiser<B> {
                 shape: codec.shape(k).to_vec(),
             })
             .collect();
+        // A bf16 bucket computed in bf16 is its own compute buffer (the linear layout's units
+        // are its elements): nothing to decode, on the host or on a device.
+        let is_compute = matches!(full, Elems::Bf16(_)) && self.compute == Precision::Bf16;
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if self.copy_mode == CopyMode::ZeroCopy {
+        if self.copy_mode == CopyMode::ZeroCopy && !is_compute {
             // On a CubeCL backend gathered MXFP8 or bf16 units are decoded on the device.
             let decoded = crate::cube_codec::decode_views_if_cube::<B>(
                 codec,
@@ -193,11 +196,24 @@ impl<B: Backend> Materialiser<B> {
                 });
             }
         }
-        let decodes = !matches!(full, Elems::F32(_)) || self.compute != Precision::F32;
-        let (compute, gathered) = codec.to_compute(full, which, phase)?;
-        let compute = ComputeBuf::new(compute, self.compute);
-        if decodes {
-            counters.decoded_bytes += compute.bytes();
+        let (compute, gathered) = match full {
+            Elems::Bf16(units) if is_compute => (ComputeBuf::Bf16(units), None),
+            full => {
+                let decodes = !matches!(full, Elems::F32(_)) || self.compute != Precision::F32;
+                let (compute, gathered) = codec.to_compute(full, which, phase)?;
+                let compute = ComputeBuf::new(compute, self.compute);
+                if decodes {
+                    counters.decoded_bytes += compute.bytes();
+                }
+                (compute, gathered)
+            }
+        };
+        if compute.len() != codec.compute_elems() {
+            return Err(HsdpError::Failed(format!(
+                "a gathered bucket of {} values where the layout has {}",
+                compute.len(),
+                codec.compute_elems()
+            )));
         }
         let bytes = compute.bytes() + gathered.as_ref().map_or(0, Elems::bytes);
         let params = match self.copy_mode {
