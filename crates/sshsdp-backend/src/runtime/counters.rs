@@ -5,7 +5,7 @@
 pub struct Counters {
     /// Bytes received by bucket all-gathers (forward and backward).
     pub gathered_bytes: u64,
-    /// Bytes of full-bucket gradients entering reductions.
+    /// Bytes of full-bucket gradients entering reductions, in the reduction dtype.
     pub reduced_bytes: u64,
     /// Parameter bytes copied outside collectives and re-derivation (0 on the zero-copy path).
     pub param_bytes_copied: u64,
@@ -19,8 +19,9 @@ pub struct Counters {
     pub backward_gathers: u64,
     /// Most bytes of gathered (compute-dtype) buckets held at once.
     pub peak_resident_bytes: u64,
-    /// Bytes of compute-dtype (f32) parameters produced by widening (bf16) or decoding (MXFP8)
-    /// gathered buckets; 0 for f32 runtime parameters.
+    /// Bytes of compute-dtype parameters produced by widening (bf16), decoding (MXFP8) or
+    /// casting (a 16-bit compute dtype) gathered buckets; 0 where the gathered bucket is the
+    /// compute buffer (f32 runtime parameters computed in f32, bf16 ones in bf16).
     pub decoded_bytes: u64,
     /// Bytes staged between the device and the host around host collectives and the host codec
     /// (device masters read back to re-derive runtime units, gradients uploaded to device
