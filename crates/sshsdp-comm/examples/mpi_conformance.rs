@@ -66,6 +66,16 @@ fn inject(comm: &MpiComm, which: &str) -> bool {
                 false
             }
         },
+        "counts" => match conformance::mismatched_counts(comm) {
+            Ok(()) => {
+                println!("rank {rank}: all-to-all-v counts that disagree: error as expected");
+                true
+            }
+            Err(e) => {
+                eprintln!("rank {rank}: mismatched counts: {e}");
+                false
+            }
+        },
         "abort" => match conformance::abort_fails_every_rank(comm) {
             Ok(took) => {
                 println!(
@@ -99,7 +109,7 @@ fn inject(comm: &MpiComm, which: &str) -> bool {
             false
         }
         other => {
-            eprintln!("mpi_conformance: unknown fault {other:?} (tag, abort, hang, exit)");
+            eprintln!("mpi_conformance: unknown fault {other:?} (tag, counts, abort, hang, exit)");
             false
         }
     }

@@ -44,6 +44,20 @@ pub trait Collective: Sized {
     /// All-reduce in place.
     fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()>;
 
+    /// All-to-all with per-peer counts (`MPI_Alltoallv`): `send` holds, in rank order,
+    /// `send_counts[r]` elements for each rank `r`, and `recv` receives, in rank order,
+    /// `recv_counts[r]` elements from each rank `r` (this rank's own chunk included). Chunks may
+    /// be empty. Counts must agree pairwise — rank `a`'s `send_counts[b]` is rank `b`'s
+    /// `recv_counts[a]` — or the call is [`CommError::Mismatch`] on every rank (engines check
+    /// before moving data).
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> CommResult<()>;
+
     /// Broadcast `buf` from `root` to every rank, in place.
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()>;
 
@@ -146,6 +160,47 @@ pub fn check_chunks(
             "{op}: {what} has {whole} elements, expected {size} ranks × {part}"
         )))
     }
+}
+
+/// Checks an all-to-all-v buffer: `counts` has one entry per rank and they add up to `len`
+/// (the buffer named `what`).
+pub fn check_counts(
+    op: &str,
+    what: &str,
+    len: usize,
+    counts: &[usize],
+    size: usize,
+) -> CommResult<()> {
+    if counts.len() != size {
+        return Err(CommError::InvalidArgument(format!(
+            "{op}: {} {what} counts for a communicator of {size} ranks",
+            counts.len()
+        )));
+    }
+    let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+    if total != Some(len) {
+        return Err(CommError::InvalidArgument(format!(
+            "{op}: {what} has {len} elements but its counts add up to {}",
+            total.map_or("more than usize::MAX".to_string(), |t| t.to_string())
+        )));
+    }
+    Ok(())
+}
+
+/// The first pair of ranks whose all-to-all-v counts disagree, as a message, given every
+/// rank's send counts (`sends[a][b]`: what `a` sends `b`) and receive counts (`recvs[b][a]`:
+/// what `b` expects from `a`).
+pub fn counts_mismatch(op: &str, sends: &[&[usize]], recvs: &[&[usize]]) -> Option<String> {
+    let size = sends.len();
+    (0..size)
+        .flat_map(|a| (0..size).map(move |b| (a, b)))
+        .find(|&(a, b)| sends[a][b] != recvs[b][a])
+        .map(|(a, b)| {
+            format!(
+                "{op}: rank {a} sends {} elements to rank {b}, which expects {}",
+                sends[a][b], recvs[b][a]
+            )
+        })
 }
 
 /// Checks that `root` is a rank of a communicator of `size` ranks.

@@ -215,6 +215,95 @@ pub fn bad_arguments<C: Collective>(comm: &C) -> Outcome {
     comm.barrier().map_err(|e| e.to_string())
 }
 
+/// How many elements rank `a` sends rank `b` in the all-to-all-v checks: uneven, with empty
+/// chunks (every third pair, and a rank's chunk to itself when `a` is odd).
+fn a2a_count(a: usize, b: usize, scale: usize) -> usize {
+    if (a + 2 * b) % 3 == 0 || (a == b && a % 2 == 1) {
+        0
+    } else {
+        (1 + (a * 5 + b * 3) % 7) * scale
+    }
+}
+
+fn all_to_all_v_typed<C: Collective, T: FromF32>(comm: &C) -> Outcome {
+    let (rank, size) = (comm.rank(), comm.size());
+    for scale in [1, 1000] {
+        let send_counts: Vec<usize> = (0..size).map(|b| a2a_count(rank, b, scale)).collect();
+        let recv_counts: Vec<usize> = (0..size).map(|a| a2a_count(a, rank, scale)).collect();
+        // Chunk for rank b starts at element offset b · 10⁶ of this rank's value stream.
+        let send: Vec<T> = (0..size)
+            .flat_map(|b| data::<T>(rank, b * 1_000_000, send_counts[b]))
+            .collect();
+        let mut recv = vec![T::default(); recv_counts.iter().sum()];
+        comm.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts)
+            .map_err(|e| e.to_string())?;
+        let mut at = 0;
+        for (a, &n) in recv_counts.iter().enumerate() {
+            ensure!(
+                recv[at..at + n] == data::<T>(a, rank * 1_000_000, n)[..],
+                "all_to_all_v ({}, scale {scale}): chunk from rank {a} differs",
+                std::any::type_name::<T>()
+            );
+            at += n;
+        }
+    }
+    Ok(())
+}
+
+/// All-to-all with uneven and empty chunks in every element type, on the world and on split
+/// halves; counts that do not add up to a buffer are an argument error.
+pub fn all_to_all_v<C: Collective>(comm: &C) -> Outcome {
+    all_to_all_v_typed::<C, f32>(comm)?;
+    all_to_all_v_typed::<C, bf16>(comm)?;
+    all_to_all_v_typed::<C, u8>(comm)?;
+    let sub = comm
+        .split(comm.rank() % 2, comm.rank())
+        .map_err(|e| e.to_string())?;
+    all_to_all_v_typed::<C, f32>(&sub)?;
+    let size = comm.size();
+    ensure!(
+        matches!(
+            comm.all_to_all_v(
+                &vec![1f32; size + 1],
+                &vec![1; size],
+                &mut vec![0f32; size],
+                &vec![1; size]
+            ),
+            Err(CommError::InvalidArgument(_))
+        ),
+        "all_to_all_v with counts that do not add up to the buffer must be an argument error"
+    );
+    comm.barrier().map_err(|e| e.to_string())
+}
+
+/// Fault check (an engine may fail the communicator's world on it, as MPI does: run it last, on
+/// a world of its own): rank 0 sends rank 1 one element more than rank 1 expects; every rank
+/// gets [`CommError::Mismatch`] (or [`CommError::PeerFailed`] carrying it), with no data moved.
+/// A world of one rank has nobody to disagree with.
+pub fn mismatched_counts<C: Collective>(comm: &C) -> Outcome {
+    let size = comm.size();
+    if size < 2 {
+        return Ok(());
+    }
+    let mut send_counts = vec![1usize; size];
+    if comm.rank() == 0 {
+        send_counts[1] = 2;
+    }
+    let send = vec![1f32; send_counts.iter().sum()];
+    let mut recv = vec![0f32; size];
+    match comm.all_to_all_v(&send, &send_counts, &mut recv, &vec![1; size]) {
+        Err(CommError::Mismatch(m)) | Err(CommError::PeerFailed(m))
+            if m.contains("rank 0 sends 2") =>
+        {
+            Ok(())
+        }
+        other => Err(format!(
+            "all_to_all_v with disagreeing counts must be a mismatch naming them on every rank, \
+             got {other:?}"
+        )),
+    }
+}
+
 /// Sub-communicators: split by parity, run collectives inside each half.
 pub fn split<C: Collective>(comm: &C) -> Outcome {
     let (rank, size) = (comm.rank(), comm.size());
@@ -396,6 +485,7 @@ pub fn run_all<C: Collective>(comm: &C) -> Vec<(&'static str, Outcome)> {
         ("broadcast", broadcast(comm)),
         ("bad_arguments", bad_arguments(comm)),
         ("split", split(comm)),
+        ("all_to_all_v", all_to_all_v(comm)),
         ("asynchronous", asynchronous(comm)),
     ];
     for (r, s, name) in [

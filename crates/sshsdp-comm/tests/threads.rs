@@ -224,6 +224,20 @@ fn calls_with_different_tags_are_errors_on_every_rank() {
 }
 
 #[test]
+fn all_to_all_v_counts_that_disagree_are_errors_on_every_rank() {
+    for size in [1, 2, 3] {
+        let results = ThreadsWorld::run(size, config(30_000), |comm| {
+            conformance::mismatched_counts(&comm)
+        })
+        .unwrap();
+        for (rank, r) in results.into_iter().enumerate() {
+            r.unwrap()
+                .unwrap_or_else(|e| panic!("world {size}, rank {rank}: {e}"));
+        }
+    }
+}
+
+#[test]
 fn an_abort_is_an_error_on_every_rank_long_before_the_timeout() {
     let results = ThreadsWorld::run(4, config(60_000), |comm| {
         conformance::abort_fails_every_rank(&comm)

@@ -140,7 +140,7 @@ use guard::Live;
 use crate::call::CallDesc as Call;
 use raw::*;
 
-use crate::collective::{check_chunks, check_root, equal_chunks};
+use crate::collective::{check_chunks, check_counts, check_root, equal_chunks};
 use crate::{
     AbortHandle, CallTag, Collective, CommError, CommResult, Element, ReduceOp, Reducible,
 };
@@ -494,6 +494,91 @@ impl Collective for MpiComm {
                 Ok(())
             },
         )
+    }
+
+    /// `MPI_Alltoallv` on the caller's buffers, no copy, after an `MPI_Alltoall` of the counts
+    /// and an `MPI_Allgather` of each rank's first disagreement (if any), so that counts that
+    /// disagree are the same [`CommError::Mismatch`] on every rank instead of a truncation.
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        const OP: &str = "all_to_all_v";
+        check_counts(OP, "send", send.len(), send_counts, self.size)?;
+        check_counts(OP, "recv", recv.len(), recv_counts, self.size)?;
+        let dt = datatype::<T>(OP)?;
+        let ints = |counts: &[usize]| -> CommResult<(Vec<c_int>, Vec<c_int>)> {
+            let counts = counts
+                .iter()
+                .map(|&c| mpi_count(OP, c))
+                .collect::<CommResult<Vec<_>>>()?;
+            let mut displs = Vec::with_capacity(counts.len());
+            let mut at: c_int = 0;
+            for &c in &counts {
+                displs.push(at);
+                at = at.checked_add(c).ok_or_else(|| {
+                    CommError::InvalidArgument(format!("{OP}: more than MPI's int count in all"))
+                })?;
+            }
+            Ok((counts, displs))
+        };
+        let (scounts, sdispls) = ints(send_counts)?;
+        let (rcounts, rdispls) = ints(recv_counts)?;
+        let int = i32_datatype();
+        self.guarded(Call::data::<T>(OP, self.size, self.tag.get()), || {
+            // What every peer will send us, against what we expect.
+            let mut incoming = vec![0 as c_int; self.size];
+            // SAFETY: `scounts` and `incoming` hold one int per rank.
+            let code = unsafe {
+                ffi::MPI_Alltoall(
+                    scounts.as_ptr().cast(),
+                    1,
+                    int,
+                    incoming.as_mut_ptr().cast(),
+                    1,
+                    int,
+                    self.raw(),
+                )
+            };
+            check("MPI_Alltoall", code)?;
+            // (sender, receiver, sent, expected) of this rank's first disagreement, or -1s.
+            let mine: [c_int; 4] = incoming
+                .iter()
+                .zip(&rcounts)
+                .position(|(got, want)| got != want)
+                .map_or([-1; 4], |a| {
+                    [a as c_int, self.rank as c_int, incoming[a], rcounts[a]]
+                });
+            let mut all = vec![0 as c_int; 4 * self.size];
+            // SAFETY: `mine` holds 4 ints, `all` 4 per rank.
+            unsafe { self.raw_all_gather(mine.as_ptr().cast(), all.as_mut_ptr().cast(), 4, int) }?;
+            if let Some(w) = all.chunks(4).find(|w| w[0] >= 0) {
+                return Err(CommError::Mismatch(format!(
+                    "{OP}: rank {} sends {} elements to rank {}, which expects {}",
+                    w[0], w[2], w[1], w[3]
+                )));
+            }
+            // SAFETY: `send` holds the sum of `scounts` elements of `dt` at `sdispls`, `recv` the
+            // sum of `rcounts` at `rdispls` (checked above); distinct borrows; the counts agree
+            // pairwise (checked with every rank).
+            let code = unsafe {
+                ffi::MPI_Alltoallv(
+                    send.as_ptr().cast(),
+                    scounts.as_ptr(),
+                    sdispls.as_ptr(),
+                    dt,
+                    recv.as_mut_ptr().cast(),
+                    rcounts.as_ptr(),
+                    rdispls.as_ptr(),
+                    dt,
+                    self.raw(),
+                )
+            };
+            check("MPI_Alltoallv", code)
+        })
     }
 
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {

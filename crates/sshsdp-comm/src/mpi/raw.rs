@@ -47,6 +47,10 @@ pub(super) fn f32_datatype() -> ffi::MPI_Datatype {
     f32::equivalent_datatype().as_raw()
 }
 
+pub(super) fn i32_datatype() -> ffi::MPI_Datatype {
+    i32::equivalent_datatype().as_raw()
+}
+
 pub(super) fn sum_op() -> ffi::MPI_Op {
     SystemOperation::sum().as_raw()
 }

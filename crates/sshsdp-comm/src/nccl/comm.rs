@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSli
 use cudarc::nccl::{result, sys};
 
 use super::{cuda_error, nccl_dtype, nccl_error, probe, DeviceElement};
-use crate::collective::{check_chunks, check_root, equal_chunks};
+use crate::collective::{check_chunks, check_counts, check_root, counts_mismatch, equal_chunks};
 use crate::{Collective, CommError, CommResult, ElementKind, ReduceOp};
 
 /// Length in bytes of an NCCL unique id.
@@ -390,6 +390,93 @@ impl NcclComm {
         }
         .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
         Ok(())
+    }
+
+    /// All-to-all with per-peer counts on the device (see [`Collective::all_to_all_v`]): one
+    /// `ncclSend` and one `ncclRecv` per peer with a non-empty chunk, in one NCCL group. The
+    /// counts are first all-gathered (16 bytes per rank and peer, through the host) and checked
+    /// pair by pair, so counts that disagree are [`CommError::Mismatch`] on every rank instead
+    /// of a hang.
+    pub fn all_to_all_v_dev<D: DeviceElement, S: DevicePtr<D>, R: DevicePtrMut<D>>(
+        &self,
+        send: &S,
+        send_counts: &[usize],
+        recv: &mut R,
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        const OP: &str = "all_to_all_v_dev";
+        self.check_buffer(OP, send)?;
+        self.check_buffer(OP, recv)?;
+        check_counts(OP, "send", send.len(), send_counts, self.size)?;
+        check_counts(OP, "recv", recv.len(), recv_counts, self.size)?;
+        let mine: Vec<u8> = send_counts
+            .iter()
+            .chain(recv_counts)
+            .flat_map(|&c| (c as u64).to_le_bytes())
+            .collect();
+        let mut all = vec![0u8; mine.len() * self.size];
+        Collective::all_gather(self, &mine, &mut all)?;
+        let counts: Vec<Vec<usize>> = all
+            .chunks(mine.len())
+            .map(|r| {
+                r.chunks(8)
+                    .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+                    .collect()
+            })
+            .collect();
+        let sends: Vec<&[usize]> = counts.iter().map(|c| &c[..self.size]).collect();
+        let recvs: Vec<&[usize]> = counts.iter().map(|c| &c[self.size..]).collect();
+        if let Some(msg) = counts_mismatch(OP, &sends, &recvs) {
+            return Err(CommError::Mismatch(msg));
+        }
+        bind(&self.stream)?;
+        let elem = std::mem::size_of::<D>() as u64;
+        let (src, _read) = send.device_ptr(&self.stream);
+        let (dst, _write) = recv.device_ptr_mut(&self.stream);
+        let (mut s_at, mut r_at) = (0u64, 0u64);
+        result::group_start().map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
+        let mut posted = Ok(());
+        for peer in 0..self.size {
+            let (sn, rn) = (send_counts[peer], recv_counts[peer]);
+            // SAFETY: [s_at, s_at + sn) lies in `send` and [r_at, r_at + rn) in `recv` (their
+            // counts add up to their lengths), live device allocations on this GPU; distinct
+            // Rust borrows, so they do not overlap. The peer posts the matching call (checked).
+            let r = unsafe {
+                let sent = match sn {
+                    0 => Ok(()),
+                    _ => result::send(
+                        (src + s_at * elem) as *const c_void,
+                        sn,
+                        nccl_dtype(D::KIND),
+                        peer as i32,
+                        self.raw,
+                        self.cu_stream(),
+                    )
+                    .map(|_| ()),
+                };
+                sent.and_then(|()| match rn {
+                    0 => Ok(()),
+                    _ => result::recv(
+                        (dst + r_at * elem) as *mut c_void,
+                        rn,
+                        nccl_dtype(D::KIND),
+                        peer as i32,
+                        self.raw,
+                        self.cu_stream(),
+                    )
+                    .map(|_| ()),
+                })
+            };
+            if let Err(e) = r {
+                posted = Err(nccl_error(OP, e, Some(self.raw)));
+                break;
+            }
+            s_at += sn as u64;
+            r_at += rn as u64;
+        }
+        // The group is closed whatever happened inside it.
+        let ended = result::group_end().map_err(|e| nccl_error(OP, e, Some(self.raw)));
+        posted.and(ended.map(|_| ()))
     }
 
     /// In-place reduce-scatter on the device: `buf` holds `size` chunks; afterwards chunk

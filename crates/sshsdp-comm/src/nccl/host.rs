@@ -109,6 +109,30 @@ fn reduce<T: Element, D: DeviceElement>(c: &NcclComm, buf: &mut [T]) -> CommResu
     c.download(&dev, buf)
 }
 
+fn a2a<T: Element, D: DeviceElement>(
+    c: &NcclComm,
+    (send, send_counts): (&[T], &[usize]),
+    (recv, recv_counts): (&mut [T], &[usize]),
+) -> CommResult<()> {
+    let (send, recv) = (host_as_dev::<T, D>(send)?, host_as_dev_mut::<T, D>(recv)?);
+    // A rank may send or receive nothing: an empty buffer is a view of a one-element allocation.
+    let src = if send.is_empty() {
+        c.zeros::<D>(1)?
+    } else {
+        c.upload(send)?
+    };
+    let mut dst = c.zeros::<D>(recv.len().max(1))?;
+    let src = src.slice(0..send.len());
+    let mut dst = dst.slice_mut(0..recv.len());
+    c.all_to_all_v_dev(&src, send_counts, &mut dst, recv_counts)?;
+    if !recv.is_empty() {
+        c.stream()
+            .memcpy_dtoh(&dst, recv)
+            .map_err(|e| cuda_error("copy to host", e))?;
+    }
+    c.synchronize()
+}
+
 fn bcast<T: Element, D: DeviceElement>(c: &NcclComm, buf: &mut [T], root: usize) -> CommResult<()> {
     if root >= c.size() {
         return Err(CommError::InvalidArgument(format!(
@@ -173,6 +197,16 @@ impl Collective for NcclComm {
         dispatch!(T, reduce(self, buf))?;
         scale(buf, op, self.size());
         Ok(())
+    }
+
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        dispatch!(T, a2a(self, (send, send_counts), (recv, recv_counts)))
     }
 
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {

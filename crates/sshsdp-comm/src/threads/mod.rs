@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use rendezvous::{Arrival, CallGuard, Family, Group, OpDesc, RawBufs};
 
-use crate::collective::{check_chunks, check_root, equal_chunks};
+use crate::collective::{check_chunks, check_counts, check_root, counts_mismatch, equal_chunks};
 use crate::{
     AbortHandle, CallTag, Collective, CommError, CommResult, Element, Pending, ReduceOp, Reducible,
 };
@@ -333,6 +333,61 @@ impl Collective for ThreadComm {
                     )
                 };
             }
+        }
+        Ok(())
+    }
+
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        const OP: &str = "all_to_all_v";
+        let size = self.size();
+        check_counts(OP, "send", send.len(), send_counts, size)?;
+        check_counts(OP, "recv", recv.len(), recv_counts, size)?;
+        let (g, rank, seq) = (&*self.group, self.rank, self.next_seq());
+        // Published next to the send buffer (in the slot's `recv` address, unused here): this
+        // rank's send counts then its receive counts, so every rank can check every pair and
+        // find its chunk in each peer's buffer.
+        let counts: Vec<usize> = send_counts.iter().chain(recv_counts).copied().collect();
+        let d = OpDesc::data::<T>(OP, size, self.tag());
+        let bufs = RawBufs {
+            send: send.as_ptr() as usize,
+            recv: counts.as_ptr() as usize,
+        };
+        let Arrival { bufs: all, .. } = g.arrive(seq, rank, d, bufs, None)?;
+        let _guard = CallGuard::new(g, seq, false);
+        // SAFETY: every rank published `2 · size` counts that live, unmodified, until all depart.
+        let peers: Vec<&[usize]> = all
+            .iter()
+            .map(|b| unsafe { std::slice::from_raw_parts(b.recv as *const usize, 2 * size) })
+            .collect();
+        let sends: Vec<&[usize]> = peers.iter().map(|c| &c[..size]).collect();
+        let recvs: Vec<&[usize]> = peers.iter().map(|c| &c[size..]).collect();
+        // Every rank checks every pair, so every rank reaches the same verdict.
+        if let Some(msg) = counts_mismatch(OP, &sends, &recvs) {
+            return Err(CommError::Mismatch(msg));
+        }
+        let mut at = 0;
+        for (q, peer) in all.iter().enumerate() {
+            let n = recv_counts[q];
+            let offset: usize = sends[q][..rank].iter().sum();
+            if n > 0 {
+                // SAFETY: rank q's send buffer holds its counts' sum of T (checked on its side),
+                // of which [offset, offset + n) is our chunk (n == sends[q][rank], checked above);
+                // it stays alive and unmodified until all depart; `recv` is ours alone.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (peer.send as *const T).add(offset),
+                        recv.as_mut_ptr().add(at),
+                        n,
+                    )
+                };
+            }
+            at += n;
         }
         Ok(())
     }
