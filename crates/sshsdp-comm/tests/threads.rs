@@ -248,3 +248,88 @@ fn an_abort_is_an_error_on_every_rank_long_before_the_timeout() {
         assert!(took.as_secs_f64() < 1.0, "rank {rank} took {took:?}");
     }
 }
+
+/// The engine's byte counts: an all-gather receives the peers' chunks, an all-reduce moves
+/// `2·n·(W−1)/W` each way, an all-to-all-v moves each off-diagonal chunk once (sent by its
+/// source, received by its destination), and a split communicator counts for its world rank.
+#[test]
+fn traffic_counts_the_bytes_each_rank_moves() {
+    use sshsdp_comm::threads::TrafficBytes;
+    let world = 4;
+    let results = ThreadsWorld::run(world, config(30_000), |comm| {
+        let (rank, size) = (comm.rank(), comm.size());
+        let step = |f: &dyn Fn()| {
+            let before = comm.traffic();
+            f();
+            comm.barrier().unwrap();
+            let after = comm.traffic();
+            TrafficBytes {
+                sent: after.sent - before.sent,
+                received: after.received - before.received,
+            }
+        };
+        let gather = step(&|| {
+            let mut buf = vec![1f32; 8 * size];
+            comm.all_gather_in_place(&mut buf).unwrap();
+        });
+        let reduce = step(&|| {
+            let mut buf = vec![1f32; 400];
+            comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+        });
+        // Rank a sends a + b elements (bf16) to rank b.
+        let a2a = step(&|| {
+            let sc: Vec<usize> = (0..size).map(|b| rank + b).collect();
+            let rc: Vec<usize> = (0..size).map(|a| a + rank).collect();
+            let send = vec![half::bf16::ONE; sc.iter().sum()];
+            let mut recv = vec![half::bf16::ZERO; rc.iter().sum()];
+            comm.all_to_all_v(&send, &sc, &mut recv, &rc).unwrap();
+        });
+        let sub = comm.split(rank % 2, rank).unwrap();
+        let split = step(&|| {
+            let mut buf = vec![0u8; 10];
+            sub.broadcast(&mut buf, 0).unwrap();
+        });
+        (rank, gather, reduce, a2a, split)
+    })
+    .unwrap();
+    for r in results {
+        let (rank, gather, reduce, a2a, split) = r.unwrap();
+        let peers = (world - 1) as u64;
+        assert_eq!(
+            gather,
+            TrafficBytes {
+                sent: peers * 32,
+                received: peers * 32
+            }
+        );
+        let ring = 2 * 1600 * peers / world as u64;
+        assert_eq!(
+            reduce,
+            TrafficBytes {
+                sent: ring,
+                received: ring
+            }
+        );
+        let off: u64 = (0..world)
+            .filter(|&q| q != rank)
+            .map(|q| 2 * (rank + q) as u64)
+            .sum();
+        assert_eq!(
+            a2a,
+            TrafficBytes {
+                sent: off,
+                received: off
+            },
+            "rank {rank}"
+        );
+        // Halves {0, 2} and {1, 3}: the root (new rank 0) sends 10 bytes, the other receives.
+        let root = rank < 2;
+        assert_eq!(
+            split,
+            TrafficBytes {
+                sent: if root { 10 } else { 0 },
+                received: if root { 0 } else { 10 }
+            }
+        );
+    }
+}

@@ -39,6 +39,44 @@ impl Default for ThreadsConfig {
     }
 }
 
+/// Bytes one rank moved to and from its peers, over every communicator of its world rank (the
+/// world's and those split from it), counted by the engine where the data moves: each copy from
+/// a peer's buffer counts as received by the reader and sent by the peer. A rank's copies within
+/// its own buffers count for neither. Reductions count what each rank reads of its peers'
+/// chunks (an all-reduce of `n` bytes over `W` ranks moves `2·n·(W−1)/W` each way, as a ring
+/// would).
+#[derive(Debug, Default)]
+pub struct Traffic {
+    sent: AtomicU64,
+    received: AtomicU64,
+}
+
+/// A snapshot of [`Traffic`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrafficBytes {
+    /// Bytes peers read from this rank's buffers.
+    pub sent: u64,
+    /// Bytes this rank read from its peers' buffers.
+    pub received: u64,
+}
+
+/// Counts `bytes` read by rank `me` from rank `from`'s buffers (nothing when `from` is `me`).
+fn moved(all: &[RawBufs], me: usize, from: usize, bytes: usize) {
+    if from == me || bytes == 0 {
+        return;
+    }
+    // SAFETY: every rank published its communicator's `Traffic`, which that rank's communicator
+    // (or its pending call) keeps alive until every rank has departed the call.
+    let (mine, theirs) = unsafe {
+        (
+            &*(all[me].traffic as *const Traffic),
+            &*(all[from].traffic as *const Traffic),
+        )
+    };
+    mine.received.fetch_add(bytes as u64, Ordering::Relaxed);
+    theirs.sent.fetch_add(bytes as u64, Ordering::Relaxed);
+}
+
 /// Creates worlds of in-process ranks.
 pub struct ThreadsWorld;
 
@@ -52,7 +90,7 @@ impl ThreadsWorld {
         }
         let group = Group::new(size, config.timeout, &Arc::new(Family::default()));
         Ok((0..size)
-            .map(|rank| ThreadComm::new(group.clone(), rank))
+            .map(|rank| ThreadComm::new(group.clone(), rank, Arc::default()))
             .collect())
     }
 
@@ -101,16 +139,19 @@ impl ThreadsWorld {
 pub struct ThreadComm {
     group: Arc<Group>,
     rank: usize,
+    /// This world rank's bytes moved, shared with the communicators split from this one.
+    traffic: Arc<Traffic>,
     seq: AtomicU64,
     /// The label of the calls made now (see [`Collective::set_tag`]).
     tag: Mutex<CallTag>,
 }
 
 impl ThreadComm {
-    fn new(group: Arc<Group>, rank: usize) -> Self {
+    fn new(group: Arc<Group>, rank: usize, traffic: Arc<Traffic>) -> Self {
         Self {
             group,
             rank,
+            traffic,
             seq: AtomicU64::new(0),
             tag: Mutex::new(CallTag::NONE),
         }
@@ -122,6 +163,24 @@ impl ThreadComm {
 
     fn tag(&self) -> CallTag {
         *self.tag.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes this rank has moved to and from its peers so far, over every communicator of its
+    /// world rank (see [`Traffic`]).
+    pub fn traffic(&self) -> TrafficBytes {
+        TrafficBytes {
+            sent: self.traffic.sent.load(Ordering::Relaxed),
+            received: self.traffic.received.load(Ordering::Relaxed),
+        }
+    }
+
+    fn traffic_ptr(&self) -> usize {
+        Arc::as_ptr(&self.traffic) as usize
+    }
+
+    /// This rank and its traffic counters, as the call helpers take them.
+    fn me(&self) -> (usize, usize) {
+        (self.rank, self.traffic_ptr())
     }
 
     /// The timeout this communicator's group uses.
@@ -146,7 +205,7 @@ impl Drop for ThreadComm {
 /// In-place all-gather: chunk `rank` of the buffer at `base` is ours, the rest is filled.
 fn gather_into<T: Element>(
     g: &Group,
-    rank: usize,
+    (rank, traffic): (usize, usize),
     (seq, desc): (u64, OpDesc),
     base: *mut T,
     chunk: usize,
@@ -155,6 +214,7 @@ fn gather_into<T: Element>(
     let bufs = RawBufs {
         send: mine as usize,
         recv: 0,
+        traffic,
     };
     let Arrival { bufs: all, .. } = g.arrive(seq, rank, desc, bufs, None)?;
     let _guard = CallGuard::new(g, seq, false);
@@ -166,6 +226,7 @@ fn gather_into<T: Element>(
             unsafe {
                 std::ptr::copy_nonoverlapping(peer.send as *const T, base.add(q * chunk), chunk);
             }
+            moved(&all, rank, q, chunk * size_of::<T>());
         }
     }
     Ok(())
@@ -173,7 +234,7 @@ fn gather_into<T: Element>(
 
 fn gather_out<T: Element>(
     g: &Group,
-    rank: usize,
+    (rank, traffic): (usize, usize),
     (seq, desc): (u64, OpDesc),
     send: &[T],
     recv: &mut [T],
@@ -182,6 +243,7 @@ fn gather_out<T: Element>(
     let bufs = RawBufs {
         send: send.as_ptr() as usize,
         recv: 0,
+        traffic,
     };
     let Arrival { bufs: all, .. } = g.arrive(seq, rank, desc, bufs, None)?;
     let _guard = CallGuard::new(g, seq, false);
@@ -189,6 +251,7 @@ fn gather_out<T: Element>(
         // SAFETY: as in `gather_into`; `recv` is ours alone and holds size · chunk elements.
         let src = unsafe { std::slice::from_raw_parts(peer.send as *const T, chunk) };
         recv[q * chunk..(q + 1) * chunk].copy_from_slice(src);
+        moved(&all, rank, q, chunk * size_of::<T>());
     }
     Ok(())
 }
@@ -228,7 +291,7 @@ unsafe fn reduce_chunk<T: Reducible>(srcs: &[*const T], dst: *mut T, len: usize,
 
 fn reduce_scatter_impl<T: Reducible>(
     g: &Group,
-    rank: usize,
+    (rank, traffic): (usize, usize),
     (seq, d): (u64, OpDesc),
     send: &[T],
     recv: &mut [T],
@@ -238,6 +301,7 @@ fn reduce_scatter_impl<T: Reducible>(
     let bufs = RawBufs {
         send: send.as_ptr() as usize,
         recv: 0,
+        traffic,
     };
     let Arrival { bufs: all, .. } = g.arrive(seq, rank, d, bufs, None)?;
     let _guard = CallGuard::new(g, seq, false);
@@ -248,6 +312,7 @@ fn reduce_scatter_impl<T: Reducible>(
     // SAFETY: each peer published a send buffer of size · chunk elements that stays alive and
     // unmodified until all depart; `recv` is ours alone.
     unsafe { reduce_chunk(&srcs, recv.as_mut_ptr(), chunk, op.scale(g.size())) };
+    (0..all.len()).for_each(|q| moved(&all, rank, q, chunk * size_of::<T>()));
     Ok(())
 }
 
@@ -266,7 +331,7 @@ impl Collective for ThreadComm {
             self.next_seq(),
             OpDesc::data::<T>("all_gather", chunk, self.tag()),
         );
-        gather_into(&self.group, self.rank, call, buf.as_mut_ptr(), chunk)
+        gather_into(&self.group, self.me(), call, buf.as_mut_ptr(), chunk)
     }
 
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
@@ -275,7 +340,7 @@ impl Collective for ThreadComm {
             self.next_seq(),
             OpDesc::data::<T>("all_gather", send.len(), self.tag()),
         );
-        gather_out(&self.group, self.rank, call, send, recv)
+        gather_out(&self.group, self.me(), call, send, recv)
     }
 
     fn reduce_scatter<T: Reducible>(
@@ -295,7 +360,7 @@ impl Collective for ThreadComm {
             self.next_seq(),
             OpDesc::reduce::<T>("reduce_scatter", recv.len(), op, self.tag()),
         );
-        reduce_scatter_impl(&self.group, self.rank, call, send, recv, op)
+        reduce_scatter_impl(&self.group, self.me(), call, send, recv, op)
     }
 
     fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
@@ -305,6 +370,7 @@ impl Collective for ThreadComm {
         let bufs = RawBufs {
             send: 0,
             recv: base as usize,
+            traffic: self.traffic_ptr(),
         };
         let Arrival { bufs: all, .. } = g.arrive(seq, rank, d, bufs, None)?;
         let mut guard = CallGuard::new(g, seq, true);
@@ -319,6 +385,7 @@ impl Collective for ThreadComm {
         // `rank` of its own (reads of our own chunk happen block by block before the write of
         // that block). Buffers live until all depart.
         unsafe { reduce_chunk(&srcs, base.add(mine.start), mine.len(), op.scale(g.size())) };
+        (0..all.len()).for_each(|q| moved(&all, rank, q, mine.len() * size_of::<T>()));
         guard.middle();
         for (q, peer) in all.iter().enumerate() {
             let r = range(q);
@@ -332,6 +399,7 @@ impl Collective for ThreadComm {
                         r.len(),
                     )
                 };
+                moved(&all, rank, q, r.len() * size_of::<T>());
             }
         }
         Ok(())
@@ -357,6 +425,7 @@ impl Collective for ThreadComm {
         let bufs = RawBufs {
             send: send.as_ptr() as usize,
             recv: counts.as_ptr() as usize,
+            traffic: self.traffic_ptr(),
         };
         let Arrival { bufs: all, .. } = g.arrive(seq, rank, d, bufs, None)?;
         let _guard = CallGuard::new(g, seq, false);
@@ -386,6 +455,7 @@ impl Collective for ThreadComm {
                         n,
                     )
                 };
+                moved(&all, rank, q, n * size_of::<T>());
             }
             at += n;
         }
@@ -403,6 +473,7 @@ impl Collective for ThreadComm {
         let bufs = RawBufs {
             send: base as usize,
             recv: 0,
+            traffic: self.traffic_ptr(),
         };
         let Arrival { bufs: all, .. } = g.arrive(seq, rank, d, bufs, None)?;
         let _guard = CallGuard::new(g, seq, false);
@@ -410,6 +481,7 @@ impl Collective for ThreadComm {
             // SAFETY: the root's buffer holds `len` elements of T and is not written until all
             // depart; ours is disjoint from it.
             unsafe { std::ptr::copy_nonoverlapping(all[root].send as *const T, base, buf.len()) };
+            moved(&all, rank, root, buf.len() * size_of::<T>());
         }
         Ok(())
     }
@@ -454,7 +526,11 @@ impl Collective for ThreadComm {
             .iter()
             .position(|&r| r == self.rank)
             .expect("every rank is a member of its color");
-        Ok(ThreadComm::new(group.clone(), new_rank))
+        Ok(ThreadComm::new(
+            group.clone(),
+            new_rank,
+            self.traffic.clone(),
+        ))
     }
 
     fn start_all_gather<T: Element>(&self, mut buf: Vec<T>) -> CommResult<Pending<Vec<T>>> {
@@ -463,9 +539,10 @@ impl Collective for ThreadComm {
             self.next_seq(),
             OpDesc::data::<T>("all_gather", chunk, self.tag()),
         );
-        let (group, rank) = (self.group.clone(), self.rank);
+        let (group, rank, traffic) = (self.group.clone(), self.rank, self.traffic.clone());
         Ok(spawn_pending(move || {
-            gather_into(&group, rank, call, buf.as_mut_ptr(), chunk).map(|()| buf)
+            let me = (rank, Arc::as_ptr(&traffic) as usize);
+            gather_into(&group, me, call, buf.as_mut_ptr(), chunk).map(|()| buf)
         }))
     }
 
@@ -486,9 +563,10 @@ impl Collective for ThreadComm {
             self.next_seq(),
             OpDesc::reduce::<T>("reduce_scatter", recv.len(), op, self.tag()),
         );
-        let (group, rank) = (self.group.clone(), self.rank);
+        let (group, rank, traffic) = (self.group.clone(), self.rank, self.traffic.clone());
         Ok(spawn_pending(move || {
-            reduce_scatter_impl(&group, rank, call, &send, &mut recv, op).map(|()| (send, recv))
+            let me = (rank, Arc::as_ptr(&traffic) as usize);
+            reduce_scatter_impl(&group, me, call, &send, &mut recv, op).map(|()| (send, recv))
         }))
     }
 }

@@ -25,6 +25,8 @@ use crate::{CommError, CommResult};
 pub(crate) struct RawBufs {
     pub send: usize,
     pub recv: usize,
+    /// The rank's [`super::Traffic`] counters (0 for calls without data).
+    pub traffic: usize,
 }
 
 type Payload = Arc<dyn Any + Send + Sync>;
