@@ -20,7 +20,7 @@ use sshsdp::checkpoint;
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
-use sshsdp::optim::{MuonConfig, MuonWithElementwise, ShardedMuon};
+use sshsdp::optim::{MuonConfig, MuonExchange, MuonWithElementwise, ShardedMuon};
 use sshsdp::plan::{Mesh, Role, Sharding};
 
 type Inner = NdArray<f32>;
@@ -81,6 +81,21 @@ fn sharded(
     sharding: Sharding,
     clip: Option<f64>,
 ) -> Vec<(Vec<f32>, Weights, u64, u64)> {
+    sharded_with(init, mesh, sharding, clip, MuonExchange::default())
+        .into_iter()
+        .map(|(losses, weights, calls, split, _)| (losses, weights, calls, split))
+        .collect()
+}
+
+/// [`sharded`] with the split matrices exchanged by `exchange`; also returns each rank's
+/// off-rank elements (sent, received) over the run.
+fn sharded_with(
+    init: &Gpt<B>,
+    mesh: Mesh,
+    sharding: Sharding,
+    clip: Option<f64>,
+    exchange: MuonExchange,
+) -> Vec<(Vec<f32>, Weights, u64, u64, (u64, u64))> {
     let world = mesh.world_size();
     let config = ThreadsConfig {
         timeout: Duration::from_secs(120),
@@ -93,21 +108,31 @@ fn sharded(
             .with_sharding(sharding)
             .with_bucket_elements(1500);
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
-        let mut optim = ShardedMuon::new(muon().init(), AdamWConfig::new().build(), device);
+        let mut optim = ShardedMuon::new(muon().init(), AdamWConfig::new().build(), device)
+            .with_exchange(exchange);
         if let Some(max_norm) = clip {
             optim = optim.with_grad_clipping(max_norm);
         }
         let local = BATCH / world;
         let mut losses = Vec::new();
-        let mut split = 0;
+        let (mut split, mut moved) = (0, (0, 0));
         for step in 0..STEPS {
             let loss = model.loss(tokens(step, rank * local, local));
             losses.push(loss.clone().into_scalar());
             let _ = loss.backward();
             model = optim.step(LR, model, &runtime).unwrap();
-            split += optim.last_step().ns_split;
+            let last = optim.last_step();
+            split += last.ns_split;
+            moved.0 += last.sent_elements;
+            moved.1 += last.received_elements;
         }
-        (losses, weights(&model), optim.muon().ns_calls(), split)
+        (
+            losses,
+            weights(&model),
+            optim.muon().ns_calls(),
+            split,
+            moved,
+        )
     })
     .unwrap()
     .into_iter()
@@ -217,6 +242,54 @@ fn distributed_muon_equals_single_device_muon() {
             let split: u64 = ranks.iter().map(|r| r.3).sum();
             assert!(split > 0, "{mesh} {sharding:?}: some matrices are split");
         }
+    }
+}
+
+/// The owner all-to-all moves each split matrix's rows to its owner and back instead of
+/// all-reducing every split matrix twice: the same owner orthogonalises the same rows, so the
+/// two exchanges train bit for bit alike; only off-owner rows cross between ranks.
+#[test]
+fn the_owner_exchange_trains_bitwise_like_the_all_reduce_exchange() {
+    let init = initial();
+    for (mesh, sharding) in [
+        (Mesh::flat(2).unwrap(), Sharding::Hierarchical),
+        (Mesh::flat(4).unwrap(), Sharding::Hierarchical),
+        (Mesh::new(2, 2).unwrap(), Sharding::Hierarchical),
+        (Mesh::new(2, 2).unwrap(), Sharding::Hsdp),
+    ] {
+        let old = sharded_with(&init, mesh, sharding, Some(1.0), MuonExchange::AllReduce);
+        let new = sharded_with(
+            &init,
+            mesh,
+            sharding,
+            Some(1.0),
+            MuonExchange::OwnerAllToAll,
+        );
+        let what = format!("{mesh} {sharding:?}");
+        for (rank, (o, n)) in old.iter().zip(&new).enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&o.0), bits(&n.0), "{what} rank {rank}: losses");
+            for ((path, a), (_, b)) in o.1.iter().zip(&n.1) {
+                assert_eq!(bits(a), bits(b), "{what} rank {rank}: {path}");
+            }
+            assert_eq!(
+                (o.2, o.3),
+                (n.2, n.3),
+                "{what} rank {rank}: Newton–Schulz calls"
+            );
+            assert_eq!(
+                o.4,
+                (0, 0),
+                "the all-reduce exchange counts no owner traffic"
+            );
+        }
+        let split: u64 = new.iter().map(|r| r.3).sum();
+        let (sent, received) = new
+            .iter()
+            .fold((0, 0), |(s, r), n| (s + n.4 .0, r + n.4 .1));
+        // What one rank sends another receives.
+        assert_eq!(sent, received, "{what}");
+        assert_eq!(split > 0, sent > 0, "{what}: split {split}, sent {sent}");
     }
 }
 

@@ -126,6 +126,16 @@ pub(crate) trait MeshComm {
         send: &[u8],
         recv: &mut [u8],
     ) -> CommResult<()>;
+    /// Replica lane. All-to-all with per-peer counts over the update group (counts indexed by
+    /// update-group rank; under DDP the group is this rank alone: `recv` is `send`).
+    fn all_to_all_v_update_group(
+        &self,
+        sharding: Sharding,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> CommResult<()>;
     /// Ranks in the update group.
     fn update_group_size(&self, sharding: Sharding) -> usize;
     /// Broadcast from world rank 0 (registration, before the lanes start).
@@ -214,6 +224,35 @@ impl<C: Collective> MeshComm for MeshComms<C> {
             Sharding::Hierarchical => self.world.all_gather(send, recv),
             Sharding::Hsdp => self.shard_group.all_gather(send, recv),
             Sharding::Ddp => {
+                recv.copy_from_slice(send);
+                Ok(())
+            }
+        }
+    }
+
+    fn all_to_all_v_update_group(
+        &self,
+        sharding: Sharding,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        match sharding {
+            Sharding::Hierarchical => self
+                .world
+                .all_to_all_v(send, send_counts, recv, recv_counts),
+            Sharding::Hsdp => self
+                .shard_group
+                .all_to_all_v(send, send_counts, recv, recv_counts),
+            Sharding::Ddp => {
+                if send.len() != recv.len() {
+                    return Err(CommError::InvalidArgument(format!(
+                        "all_to_all_v on one rank: {} elements sent, {} expected",
+                        send.len(),
+                        recv.len()
+                    )));
+                }
                 recv.copy_from_slice(send);
                 Ok(())
             }

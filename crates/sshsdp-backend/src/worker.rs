@@ -102,6 +102,13 @@ enum ReplicaRequest {
         buf: Vec<f32>,
         reply: Sender<CommResult<Vec<f32>>>,
     },
+    AllToAllV {
+        tag: CallTag,
+        send: Vec<f32>,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+        reply: Sender<CommResult<Vec<f32>>>,
+    },
     GatherBytes {
         tag: CallTag,
         send: Vec<u8>,
@@ -284,6 +291,26 @@ impl Worker {
         self.send(|reply| Request::Replica(ReplicaRequest::AllReduce { tag, buf, reply }))
     }
 
+    /// All-to-all over the update group with per-rank counts (by update-group rank); the
+    /// optimizer's owner exchanges (Muon's split matrices).
+    pub fn all_to_all_v(
+        &self,
+        send: Vec<f32>,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    ) -> Reply {
+        let tag = self.tag(None, "optimizer all-to-all");
+        self.send(|reply| {
+            Request::Replica(ReplicaRequest::AllToAllV {
+                tag,
+                send,
+                send_counts,
+                recv_counts,
+                reply,
+            })
+        })
+    }
+
     /// Every update-group rank's `send` (equal lengths), in rank order; `stage` names what for.
     pub fn gather_bytes(&self, stage: &'static str, send: Vec<u8>) -> Reply<Vec<u8>> {
         let tag = self.tag(None, stage);
@@ -426,6 +453,26 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                 let r = lane.run("all-reduce (update group)", tag, || {
                     comm.all_reduce_update_group(sharding, &mut buf)?;
                     Ok(buf)
+                });
+                let _ = reply.send(r);
+            }
+            ReplicaRequest::AllToAllV {
+                tag,
+                send,
+                send_counts,
+                recv_counts,
+                reply,
+            } => {
+                let r = lane.run("all-to-all (update group)", tag, || {
+                    let mut recv = vec![0f32; recv_counts.iter().sum()];
+                    comm.all_to_all_v_update_group(
+                        sharding,
+                        &send,
+                        &send_counts,
+                        &mut recv,
+                        &recv_counts,
+                    )?;
+                    Ok(recv)
                 });
                 let _ = reply.send(r);
             }

@@ -41,5 +41,5 @@ pub use elementwise::{step_slice, ShardedOptimizer, Slice};
 pub use hybrid::MuonWithElementwise;
 pub use muon::{MatrixLayout, Muon, MuonConfig, MuonState, NsStats, UpdateScale};
 pub use newton_schulz::{newton_schulz, ns_flops, NsPrecision, NS_COEFFICIENTS, NS_EPS};
-pub use sharded::{MuonStepStats, ParamState, ShardedMuon};
+pub use sharded::{MuonExchange, MuonStepStats, ParamState, ShardedMuon};
 pub use units::{units_of, UpdateUnit};

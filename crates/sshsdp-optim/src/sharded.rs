@@ -24,7 +24,7 @@ use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend, Views};
+use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend, UpdateGroup, Views};
 
 use crate::{step_slice, GradClip, Slice};
 use sshsdp_plan::Role;
@@ -38,6 +38,19 @@ struct HostPiece<'a> {
     grad: &'a [f32],
 }
 
+/// How [`ShardedMuon`] brings split matrices to their Newton–Schulz owner and back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MuonExchange {
+    /// Two all-to-all-v per step: each holder sends its rows of a split matrix to the matrix's
+    /// owner only, and the owner sends each holder its rows of the result (about `2·P·(W−1)/W`
+    /// bytes in the whole update group for `P` bytes of split matrices).
+    #[default]
+    OwnerAllToAll,
+    /// Two dense all-reduces of every split matrix over the update group (each rank moves
+    /// about `4·P·(W−1)/W`): the earlier exchange, kept as a baseline.
+    AllReduce,
+}
+
 /// Newton–Schulz and exchange counts of the last step on this rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MuonStepStats {
@@ -45,8 +58,13 @@ pub struct MuonStepStats {
     pub ns_local: u64,
     /// Of those, split matrices assembled from other ranks' slices.
     pub ns_split: u64,
-    /// Elements in each of the two exchange all-reduces (0 when no matrix is split).
+    /// Elements of split matrices in the exchange (each all-reduce's length with
+    /// [`MuonExchange::AllReduce`]; 0 when no matrix is split).
     pub exchanged_elements: u64,
+    /// Elements this rank sent to other ranks in the owner exchange (both directions).
+    pub sent_elements: u64,
+    /// Elements this rank received from other ranks in the owner exchange (both directions).
+    pub received_elements: u64,
 }
 
 /// The optimizer state of one parameter's slice in a [`ShardedMuon`].
@@ -67,6 +85,7 @@ pub struct ShardedMuon<B: Backend, O: SimpleOptimizer<B>> {
     momentum: HashMap<usize, Vec<f32>>,
     last: MuonStepStats,
     clip: GradClip,
+    exchange: MuonExchange,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
@@ -81,7 +100,15 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             momentum: HashMap::new(),
             last: MuonStepStats::default(),
             clip: GradClip::default(),
+            exchange: MuonExchange::default(),
         }
+    }
+
+    /// The same optimizer exchanging split matrices by `exchange` (default
+    /// [`MuonExchange::OwnerAllToAll`]). Both give bitwise the same update.
+    pub fn with_exchange(mut self, exchange: MuonExchange) -> Self {
+        self.exchange = exchange;
+        self
     }
 
     /// Clips the global gradient norm (over all shards, measured by the runtime) to `max_norm`
@@ -163,16 +190,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                 .iter()
                 .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
                 .collect();
-            // Split matrices: their place in the exchange buffer, in plan order.
-            let mut split_offset = HashMap::new();
-            let mut split_len = 0usize;
-            for (i, p) in plan.params().iter().enumerate() {
-                if p.spec.role == Role::Matrix && p.split {
-                    split_offset.insert(i, split_len);
-                    split_len += p.spec.numel() as usize;
-                }
-            }
-            let mut exchange_u = vec![0f32; split_len];
+            let mut split_updates = Vec::new();
             let mut owned_updates = Vec::new();
             for unit in &units {
                 let piece = &mut pieces[unit.piece];
@@ -187,12 +205,10 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                     }
                     Role::Matrix => {
                         let u = self.momentum_update(unit, grad);
-                        match split_offset.get(&unit.param) {
-                            Some(&at) => {
-                                let at = at + unit.in_param.start;
-                                exchange_u[at..at + u.len()].copy_from_slice(&u);
-                            }
-                            None => owned_updates.push((unit.clone(), u)),
+                        if plan.params()[unit.param].split {
+                            split_updates.push((unit.clone(), u));
+                        } else {
+                            owned_updates.push((unit.clone(), u));
                         }
                     }
                 }
@@ -204,33 +220,146 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                 self.apply(lr, runtime, unit.param, master, &o);
                 stats.ns_local += 1;
             }
-            if split_len > 0 {
-                stats.exchanged_elements = split_len as u64;
-                let u_all = group.all_reduce_sum(exchange_u)?;
-                let mut o_all = vec![0f32; split_len];
-                for (&param, &at) in &split_offset {
-                    if plan.params()[param].ns_owner != Some(group.piece()) {
-                        continue;
-                    }
-                    let n = plan.params()[param].spec.numel() as usize;
-                    let o = self.orthogonalize(runtime, param, u_all[at..at + n].to_vec())?;
-                    o_all[at..at + n].copy_from_slice(&o);
-                    stats.ns_local += 1;
-                    stats.ns_split += 1;
+            // Split matrices: through their owner, in plan order.
+            split_updates.sort_by_key(|(unit, _)| unit.param);
+            let results = match self.exchange {
+                MuonExchange::OwnerAllToAll => {
+                    self.owner_exchange(runtime, group, &split_updates, &mut stats)?
                 }
-                let o_all = group.all_reduce_sum(o_all)?;
-                for unit in units.iter().filter(|u| u.role == Role::Matrix) {
-                    if let Some(&at) = split_offset.get(&unit.param) {
-                        let o = &o_all[at + unit.in_param.start..at + unit.in_param.end];
-                        let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
-                        self.apply(lr, runtime, unit.param, master, o);
-                    }
+                MuonExchange::AllReduce => {
+                    self.all_reduce_exchange(runtime, group, &split_updates, &mut stats)?
                 }
+            };
+            for ((unit, _), o) in split_updates.iter().zip(results) {
+                let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
+                self.apply(lr, runtime, unit.param, master, &o);
             }
             self.last = stats;
             Ok(())
         })?;
         Ok(module)
+    }
+
+    /// The orthogonalised update of each of this rank's split-matrix slices `mine` (sorted by
+    /// parameter), through two all-to-all-v: slices to the owners, which assemble and
+    /// orthogonalise each matrix, then each holder's rows of the result back.
+    fn owner_exchange(
+        &self,
+        runtime: &HsdpRuntime<B>,
+        group: &UpdateGroup<'_>,
+        mine: &[(UpdateUnit, Vec<f32>)],
+        stats: &mut MuonStepStats,
+    ) -> Result<Vec<Vec<f32>>, HsdpError> {
+        let plan = runtime.plan();
+        let (pieces, me) = (group.pieces(), group.piece());
+        let split = split_matrices(plan, pieces);
+        if split.is_empty() {
+            // The same plan on every rank: nobody exchanges.
+            return Ok(Vec::new());
+        }
+        let owner = |param: usize| -> Result<usize, HsdpError> {
+            plan.params()[param].ns_owner.ok_or_else(|| {
+                HsdpError::Failed(format!("split matrix {param} has no Newton–Schulz owner"))
+            })
+        };
+        // 1. Every holder sends its slices to their owners (plan order within a chunk).
+        let mut send = vec![Vec::new(); pieces];
+        for (unit, u) in mine {
+            send[owner(unit.param)?].extend_from_slice(u);
+        }
+        let mut expect = vec![0; pieces];
+        for m in split.iter().filter(|m| m.owner == me) {
+            for (q, r) in &m.holders {
+                expect[*q] += r.len();
+            }
+        }
+        count_exchange(stats, &send, &expect, me);
+        let got = group.exchange(send, &expect)?;
+        // 2. The owner assembles and orthogonalises each of its matrices, and cuts the result
+        //    into its holders' rows.
+        let mut at = vec![0; pieces];
+        let mut back = vec![Vec::new(); pieces];
+        for m in split.iter().filter(|m| m.owner == me) {
+            let n = plan.params()[m.param].spec.numel() as usize;
+            let mut u = vec![0f32; n];
+            for (q, r) in &m.holders {
+                u[r.clone()].copy_from_slice(&got[*q][at[*q]..at[*q] + r.len()]);
+                at[*q] += r.len();
+            }
+            let o = self.orthogonalize(runtime, m.param, u)?;
+            for (q, r) in &m.holders {
+                back[*q].extend_from_slice(&o[r.clone()]);
+            }
+            stats.ns_local += 1;
+            stats.ns_split += 1;
+        }
+        // 3. Every holder gets its rows back from each owner (plan order within a chunk).
+        let mut expect = vec![0; pieces];
+        for (unit, _) in mine {
+            expect[owner(unit.param)?] += unit.in_param.len();
+        }
+        count_exchange(stats, &back, &expect, me);
+        let got = group.exchange(back, &expect)?;
+        let mut at = vec![0; pieces];
+        mine.iter()
+            .map(|(unit, _)| {
+                let o = owner(unit.param)?;
+                let rows = got[o][at[o]..at[o] + unit.in_param.len()].to_vec();
+                at[o] += unit.in_param.len();
+                Ok(rows)
+            })
+            .collect()
+    }
+
+    /// [`MuonExchange::AllReduce`]: every split matrix dense in one buffer, summed over the
+    /// update group (each holder writes its slice), orthogonalised by its owner, and summed again
+    /// so every holder reads its slice of the result.
+    fn all_reduce_exchange(
+        &self,
+        runtime: &HsdpRuntime<B>,
+        group: &UpdateGroup<'_>,
+        mine: &[(UpdateUnit, Vec<f32>)],
+        stats: &mut MuonStepStats,
+    ) -> Result<Vec<Vec<f32>>, HsdpError> {
+        let plan = runtime.plan();
+        // Split matrices: their place in the exchange buffer, in plan order.
+        let mut split_offset = HashMap::new();
+        let mut split_len = 0usize;
+        for (i, p) in plan.params().iter().enumerate() {
+            if p.spec.role == Role::Matrix && p.split {
+                split_offset.insert(i, split_len);
+                split_len += p.spec.numel() as usize;
+            }
+        }
+        if split_len == 0 {
+            return Ok(Vec::new());
+        }
+        stats.exchanged_elements = split_len as u64;
+        let mut exchange_u = vec![0f32; split_len];
+        for (unit, u) in mine {
+            let at = split_offset[&unit.param] + unit.in_param.start;
+            exchange_u[at..at + u.len()].copy_from_slice(u);
+        }
+        let u_all = group.all_reduce_sum(exchange_u)?;
+        let mut o_all = vec![0f32; split_len];
+        for (&param, &at) in &split_offset {
+            if plan.params()[param].ns_owner != Some(group.piece()) {
+                continue;
+            }
+            let n = plan.params()[param].spec.numel() as usize;
+            let o = self.orthogonalize(runtime, param, u_all[at..at + n].to_vec())?;
+            o_all[at..at + n].copy_from_slice(&o);
+            stats.ns_local += 1;
+            stats.ns_split += 1;
+        }
+        let o_all = group.all_reduce_sum(o_all)?;
+        Ok(mine
+            .iter()
+            .map(|(unit, _)| {
+                let at = split_offset[&unit.param];
+                o_all[at + unit.in_param.start..at + unit.in_param.end].to_vec()
+            })
+            .collect())
     }
 
     /// The element-wise optimizer on one slice (gradient already clipped).
@@ -314,4 +443,53 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpErr
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| HsdpError::Failed(format!("reading optimizer values: {e:?}")))
+}
+
+/// A split matrix: its owner and the rows each piece holds.
+struct SplitMatrix {
+    /// Plan index.
+    param: usize,
+    /// The piece that orthogonalises it.
+    owner: usize,
+    /// `(piece, elements of the matrix)` of every holder, in piece order.
+    holders: Vec<(usize, std::ops::Range<usize>)>,
+}
+
+/// Every split Muon matrix of `plan` in plan order, with its holders among `pieces` pieces.
+fn split_matrices(plan: &sshsdp_plan::Plan, pieces: usize) -> Vec<SplitMatrix> {
+    plan.params()
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.spec.role == Role::Matrix && p.split)
+        .map(|(i, p)| {
+            let views = &plan.buckets()[p.bucket].views;
+            let holders = (0..pieces.min(views.len()))
+                .flat_map(|q| {
+                    views[q]
+                        .iter()
+                        .filter(|v| v.param == i)
+                        .map(move |v| (q, v.elements.start as usize..v.elements.end as usize))
+                })
+                .collect();
+            SplitMatrix {
+                param: i,
+                owner: p.ns_owner.unwrap_or(usize::MAX),
+                holders,
+            }
+        })
+        .collect()
+}
+
+/// Adds an exchange's off-rank elements to `stats`: `send[q]` goes to piece `q`, `expect[q]`
+/// comes from it; this rank is piece `me`.
+fn count_exchange(stats: &mut MuonStepStats, send: &[Vec<f32>], expect: &[usize], me: usize) {
+    let others = |q: &usize| *q != me;
+    stats.sent_elements += (0..send.len())
+        .filter(others)
+        .map(|q| send[q].len() as u64)
+        .sum::<u64>();
+    stats.received_elements += (0..expect.len())
+        .filter(others)
+        .map(|q| expect[q] as u64)
+        .sum::<u64>();
 }

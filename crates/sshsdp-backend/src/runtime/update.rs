@@ -91,6 +91,8 @@ pub struct UpdateGroup<'a> {
     pub(super) worker: &'a Worker,
     pub(super) timeline: &'a Timeline,
     pub(super) piece: usize,
+    /// The update-group rank holding each piece.
+    pub(super) piece_ranks: Vec<usize>,
     pub(super) grad_norm: f64,
 }
 
@@ -103,6 +105,55 @@ impl UpdateGroup<'_> {
             .span(Track::Model, "wait optimizer all-reduce", None, || {
                 reply.wait()
             })?)
+    }
+
+    /// Sends `send[p]` to the holder of piece `p` and returns, per piece `p`, the
+    /// `recv_counts[p]` elements its holder sent this rank (one all-to-all-v over the update
+    /// group; every rank calls it in the same order, and what piece `a` sends piece `b` must be
+    /// what `b` expects from `a`, or it is an error on every rank). Chunks may be empty; only
+    /// non-empty chunks between different ranks cross the network.
+    pub fn exchange(
+        &self,
+        send: Vec<Vec<f32>>,
+        recv_counts: &[usize],
+    ) -> Result<Vec<Vec<f32>>, HsdpError> {
+        let pieces = self.piece_ranks.len();
+        if send.len() != pieces || recv_counts.len() != pieces {
+            return Err(HsdpError::Failed(format!(
+                "exchange: {} chunks to send and {} counts for {pieces} pieces",
+                send.len(),
+                recv_counts.len()
+            )));
+        }
+        // Pieces in update-group rank order.
+        let mut by_rank = vec![0; pieces];
+        for (p, &r) in self.piece_ranks.iter().enumerate() {
+            by_rank[r] = p;
+        }
+        let send_counts: Vec<usize> = by_rank.iter().map(|&p| send[p].len()).collect();
+        let rank_recv: Vec<usize> = by_rank.iter().map(|&p| recv_counts[p]).collect();
+        let mut flat = Vec::with_capacity(send_counts.iter().sum());
+        for &p in &by_rank {
+            flat.extend_from_slice(&send[p]);
+        }
+        let reply = self.worker.all_to_all_v(flat, send_counts, rank_recv);
+        let recv = self
+            .timeline
+            .span(Track::Model, "wait optimizer all-to-all", None, || {
+                reply.wait()
+            })?;
+        let mut out = vec![Vec::new(); pieces];
+        let mut at = 0;
+        for &p in &by_rank {
+            out[p] = recv[at..at + recv_counts[p]].to_vec();
+            at += recv_counts[p];
+        }
+        Ok(out)
+    }
+
+    /// Number of pieces in the update group (one per rank of it).
+    pub fn pieces(&self) -> usize {
+        self.piece_ranks.len()
     }
 
     /// This rank's piece index (what the plan's `ns_owner` refers to).
@@ -245,6 +296,7 @@ pub(super) fn run<B: Backend>(
             worker: &rt.worker,
             timeline: &rt.timeline,
             piece,
+            piece_ranks: piece_ranks(&rt.plan)?,
             grad_norm,
         };
         sshsdp_comm::faults::inject("sshsdp::update", rt.world_rank)
@@ -420,4 +472,15 @@ fn global_grad_norm<B: Backend>(
         .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
         .sum();
     Ok(total.sqrt())
+}
+
+/// The update-group rank holding each piece of `plan`: the world rank when hierarchical, the
+/// shard-group rank (the shard index) under HSDP, rank 0 under DDP.
+fn piece_ranks(plan: &sshsdp_plan::Plan) -> Result<Vec<usize>, HsdpError> {
+    (0..plan.pieces())
+        .map(|p| match plan.config().sharding {
+            sshsdp_plan::Sharding::Hierarchical => Ok(plan.ranks_of_piece(p)?[0]),
+            sshsdp_plan::Sharding::Hsdp | sshsdp_plan::Sharding::Ddp => Ok(p),
+        })
+        .collect()
 }
