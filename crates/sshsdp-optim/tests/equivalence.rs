@@ -433,6 +433,16 @@ impl<C: Collective> Collective for ThreadBound<C> {
     fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
         self.on_owner().all_reduce(buf, op)
     }
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        self.on_owner()
+            .all_to_all_v(send, send_counts, recv, recv_counts)
+    }
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
         self.on_owner().broadcast(buf, root)
     }
