@@ -42,10 +42,10 @@ use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig};
-use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
+use sshsdp::comm::threads::{ThreadComm, ThreadsConfig, ThreadsWorld, TrafficBytes};
 use sshsdp::comm::Collective;
 use sshsdp::optim::ShardedOptimizer;
-use sshsdp::optim::{newton_schulz, ns_flops, MuonConfig, NsPrecision, ShardedMuon};
+use sshsdp::optim::{newton_schulz, ns_flops, MuonConfig, MuonExchange, NsPrecision, ShardedMuon};
 use sshsdp::plan::{Mesh, Role, RoleRule, RuntimeFormat, Sharding};
 
 mod common;
@@ -64,7 +64,7 @@ const TOKENS: usize = 8;
 const WARMUP: usize = 1;
 const STEPS: usize = 3;
 const LR: f64 = 1e-3;
-const WORLDS: [usize; 2] = [1, 4];
+const WORLDS: [usize; 3] = [1, 2, 4];
 /// Matrices (Muon's) per layer.
 const MATRICES_PER_LAYER: usize = 6;
 
@@ -156,6 +156,8 @@ impl Opt {
 /// One optimizer phase's numbers on one rank.
 struct RankPhase {
     times: Vec<f64>,
+    /// Bytes the engine moved for this rank in each timed step (forward, backward, update).
+    traffic: Vec<TrafficBytes>,
     /// Newton–Schulz calls and FLOPs per step (from `ns_stats` deltas over the timed steps).
     ns_calls: f64,
     ns_flops: f64,
@@ -165,6 +167,7 @@ struct RankPhase {
 }
 
 /// One configuration's numbers.
+#[derive(Clone)]
 struct Row {
     /// Median over steps of the slowest rank's step time.
     secs: f64,
@@ -177,6 +180,10 @@ struct Row {
     plan_balance: f64,
     exchanged: u64,
     peak: usize,
+    /// Per rank: bytes the engine moved in one training step.
+    traffic: Vec<TrafficBytes>,
+    /// Bytes of the plan's split Muon matrices (f32).
+    split_bytes: u64,
 }
 
 fn max_over_mean(v: &[f64]) -> f64 {
@@ -189,35 +196,46 @@ fn max_over_mean(v: &[f64]) -> f64 {
 }
 
 /// Steps `model` `WARMUP + STEPS` times with `step`, each after a fresh forward and backward;
-/// returns the timed steps' seconds (barrier to return).
-fn timed_steps<C: Collective>(
+/// returns the timed steps' seconds (barrier to return) and the bytes the engine moved for this
+/// rank in each timed step, forward and backward included (between barriers, so every peer is
+/// done with this rank's buffers; nothing is in flight between steps).
+fn timed_steps(
     model: &mut Option<GptShapes<B>>,
-    sync: &C,
+    sync: &ThreadComm,
     mut step: impl FnMut(GptShapes<B>) -> GptShapes<B>,
     mut after_warmup: impl FnMut(),
-) -> Vec<f64> {
+) -> (Vec<f64>, Vec<TrafficBytes>) {
     let device = Default::default();
     let rank = sync.rank();
-    let mut times = Vec::new();
+    let (mut times, mut traffic) = (Vec::new(), Vec::new());
     for i in 0..WARMUP + STEPS {
         if i == WARMUP {
             after_warmup();
         }
+        sync.barrier().unwrap();
+        let before = sync.traffic();
         let m = model.take().unwrap();
         let _ = m.loss(tokens(i, rank, &device)).backward();
         sync.barrier().unwrap();
         let t = Instant::now();
         *model = Some(step(m));
+        let secs = t.elapsed().as_secs_f64();
+        sync.barrier().unwrap();
+        let after = sync.traffic();
         if i >= WARMUP {
-            times.push(t.elapsed().as_secs_f64());
+            times.push(secs);
+            traffic.push(TrafficBytes {
+                sent: after.sent - before.sent,
+                received: after.received - before.received,
+            });
         }
     }
-    times
+    (times, traffic)
 }
 
 /// Resets the peak to the live heap on rank 0 between barriers; returns the old peak above
 /// `base`.
-fn phase_peak<C: Collective>(sync: &C, base: usize) -> usize {
+fn phase_peak(sync: &ThreadComm, base: usize) -> usize {
     sync.barrier().unwrap();
     let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base);
     if sync.rank() == 0 {
@@ -227,82 +245,186 @@ fn phase_peak<C: Collective>(sync: &C, base: usize) -> usize {
     peak
 }
 
-/// Shards `init` over `world` ranks and times AdamW, then Muon + AdamW, on the same shards.
-fn run(init: &GptShapes<B>, world: usize) -> [Row; 2] {
+/// One optimizer phase of [`run`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    AdamW,
+    Muon(MuonExchange),
+}
+
+/// Shards `init` over `world` ranks and times each of `phases` in turn on the same shards
+/// (each optimizer built fresh, the previous one's state dropped).
+fn run(init: &GptShapes<B>, world: usize, phases: &[Phase]) -> Vec<Row> {
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
     let config = ThreadsConfig {
         timeout: Duration::from_secs(600),
     };
-    let ranks: Vec<([RankPhase; 2], Vec<u128>)> = ThreadsWorld::run(world, config, |comm| {
+    let ranks: Vec<(Vec<RankPhase>, Vec<u128>, u64)> = ThreadsWorld::run(world, config, |comm| {
         let device = Default::default();
         let rank = comm.rank();
+        // Shares this rank's traffic counters with the runtime's communicators (split from
+        // the same world rank).
         let sync = comm.split(0, rank).unwrap();
         let config = HsdpConfig::new(Mesh::flat(world).unwrap())
             .with_sharding(Sharding::Hierarchical)
             .with_format(RuntimeFormat::F32);
         let (model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let split_bytes: u64 = runtime
+            .plan()
+            .params()
+            .iter()
+            .filter(|p| p.spec.role == Role::Matrix && p.split)
+            .map(|p| 4 * p.spec.numel())
+            .sum();
         let mut model = Some(model);
         phase_peak(&sync, base);
-
-        let mut adamw = ShardedOptimizer::new(AdamWConfig::new().build(), device);
-        let times = timed_steps(
-            &mut model,
-            &sync,
-            |m| adamw.step(LR, m, &runtime).unwrap(),
-            || {},
-        );
-        drop(adamw);
-        let adamw = RankPhase {
-            times,
-            ns_calls: 0.0,
-            ns_flops: 0.0,
-            exchanged: 0,
-            peak: phase_peak(&sync, base),
-        };
-
-        let mut muon =
-            ShardedMuon::new(MuonConfig::new().init(), AdamWConfig::new().build(), device);
-        let counters = muon.muon().clone();
-        let times = timed_steps(
-            &mut model,
-            &sync,
-            |m| muon.step(LR, m, &runtime).unwrap(),
-            || counters.reset_ns_stats(),
-        );
-        let ns = muon.muon().ns_stats();
-        let exchanged = muon.last_step().exchanged_elements;
-        drop(muon);
-        let muon = RankPhase {
-            times,
-            ns_calls: ns.calls as f64 / STEPS as f64,
-            ns_flops: ns.flops as f64 / STEPS as f64,
-            exchanged,
-            peak: phase_peak(&sync, base),
-        };
-        ([adamw, muon], runtime.plan().owner_load().to_vec())
+        let mut out = Vec::new();
+        for &phase in phases {
+            let (times, traffic, ns, exchanged) = match phase {
+                Phase::AdamW => {
+                    let mut adamw = ShardedOptimizer::new(AdamWConfig::new().build(), device);
+                    let step = |m| adamw.step(LR, m, &runtime).unwrap();
+                    let (times, traffic) = timed_steps(&mut model, &sync, step, || {});
+                    (times, traffic, Default::default(), 0)
+                }
+                Phase::Muon(exchange) => {
+                    let mut muon = ShardedMuon::new(
+                        MuonConfig::new().init(),
+                        AdamWConfig::new().build(),
+                        device,
+                    )
+                    .with_exchange(exchange);
+                    let counters = muon.muon().clone();
+                    let (times, traffic) = timed_steps(
+                        &mut model,
+                        &sync,
+                        |m| muon.step(LR, m, &runtime).unwrap(),
+                        || counters.reset_ns_stats(),
+                    );
+                    let last = muon.last_step();
+                    (
+                        times,
+                        traffic,
+                        muon.muon().ns_stats(),
+                        last.exchanged_elements,
+                    )
+                }
+            };
+            out.push(RankPhase {
+                times,
+                traffic,
+                ns_calls: ns.calls as f64 / STEPS as f64,
+                ns_flops: ns.flops as f64 / STEPS as f64,
+                exchanged,
+                peak: phase_peak(&sync, base),
+            });
+        }
+        (out, runtime.plan().owner_load().to_vec(), split_bytes)
     })
     .unwrap()
     .into_iter()
     .map(|r| r.expect("rank panicked"))
     .collect();
     let load: Vec<f64> = ranks[0].1.iter().map(|&l| l as f64).collect();
-    [0, 1].map(|phase| {
-        let phases: Vec<&RankPhase> = ranks.iter().map(|r| &r.0[phase]).collect();
-        let step_times = (0..STEPS)
-            .map(|i| phases.iter().map(|p| p.times[i]).fold(0.0, f64::max))
-            .collect();
-        let per_rank: Vec<f64> = phases.iter().map(|p| p.ns_flops).collect();
-        Row {
-            secs: median(step_times),
-            ns_calls: phases.iter().map(|p| p.ns_calls).sum(),
-            ns_flops: per_rank.iter().sum(),
-            ns_balance: max_over_mean(&per_rank),
-            plan_balance: max_over_mean(&load),
-            exchanged: phases[0].exchanged,
-            peak: phases[0].peak,
+    (0..phases.len())
+        .map(|phase| {
+            let per: Vec<&RankPhase> = ranks.iter().map(|r| &r.0[phase]).collect();
+            let step_times = (0..STEPS)
+                .map(|i| per.iter().map(|p| p.times[i]).fold(0.0, f64::max))
+                .collect();
+            let per_rank: Vec<f64> = per.iter().map(|p| p.ns_flops).collect();
+            Row {
+                secs: median(step_times),
+                ns_calls: per.iter().map(|p| p.ns_calls).sum(),
+                ns_flops: per_rank.iter().sum(),
+                ns_balance: max_over_mean(&per_rank),
+                plan_balance: max_over_mean(&load),
+                exchanged: per[0].exchanged,
+                peak: per[0].peak,
+                traffic: per.iter().map(|p| steady(&p.traffic)).collect(),
+                split_bytes: ranks[0].2,
+            }
+        })
+        .collect()
+}
+
+/// A phase's bytes per step: every timed step moves the same (the same collectives of the same
+/// sizes), which is checked.
+fn steady(steps: &[TrafficBytes]) -> TrafficBytes {
+    assert!(
+        steps.windows(2).all(|w| w[0] == w[1]),
+        "every step moves the same bytes: {steps:?}"
+    );
+    steps[0]
+}
+
+/// Muon's exchange of split matrices, old (two all-reduces) against new (owner all-to-all), at
+/// each world: the bytes the engine moved for each rank in a training step above AdamW's step
+/// on the same shards (which runs every other collective alike), and the optimizer-step time.
+fn exchange_table(measured: &[(usize, [Row; 3])]) {
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!();
+    println!(
+        "Muon's exchange of split matrices (P: their f32 bytes; W: update-group size): bytes the \
+         threads engine moved per step for each rank, above AdamW's step on the same shards; \
+         bound: 1.1 · 2·P·(W−1)/W for the whole group"
+    );
+    println!(
+        "{:<6} {:<14} {:>9} {:>8} {:>22} {:>22} {:>12} {:>12} {:>8}",
+        "world",
+        "exchange",
+        "step ms",
+        "P MiB",
+        "sent MiB per rank",
+        "received MiB per rank",
+        "group MiB",
+        "2P(W-1)/W",
+        "≤ bound"
+    );
+    for (world, [adamw, new, old]) in measured {
+        let w = *world as f64;
+        let bound = 2.0 * new.split_bytes as f64 * (w - 1.0) / w;
+        for (name, row) in [("all-reduce", old), ("owner a2a", new)] {
+            let above = |f: fn(&TrafficBytes) -> u64| -> Vec<u64> {
+                row.traffic
+                    .iter()
+                    .zip(&adamw.traffic)
+                    .map(|(m, a)| f(m) - f(a))
+                    .collect()
+            };
+            let sent = above(|t| t.sent);
+            let received = above(|t| t.received);
+            let list = |v: &[u64]| {
+                v.iter()
+                    .map(|&b| format!("{:.2}", mib(b)))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            let group: u64 = sent.iter().sum();
+            assert_eq!(
+                group,
+                received.iter().sum::<u64>(),
+                "what is sent is received"
+            );
+            println!(
+                "{:<6} {:<14} {:>9.1} {:>8.2} {:>22} {:>22} {:>12.2} {:>12.2} {:>8}",
+                world,
+                name,
+                row.secs * 1e3,
+                mib(row.split_bytes),
+                list(&sent),
+                list(&received),
+                mib(group),
+                bound / (1024.0 * 1024.0),
+                if group as f64 <= 1.1 * bound {
+                    "yes"
+                } else {
+                    "no"
+                },
+            );
         }
-    })
+    }
 }
 
 /// Best seconds of `f` over `reps` runs after one warm-up (the least disturbed run: these are
@@ -472,8 +594,17 @@ fn main() {
         "peak MiB"
     );
     let mut rows: Vec<(usize, Opt, Row)> = Vec::new();
+    let mut exchanges = Vec::new();
     for world in WORLDS {
-        let [adamw, muon] = run(&init, world);
+        let mut phases = vec![Phase::AdamW, Phase::Muon(MuonExchange::OwnerAllToAll)];
+        if world > 1 {
+            phases.push(Phase::Muon(MuonExchange::AllReduce));
+        }
+        let mut measured = run(&init, world, &phases).into_iter();
+        let (adamw, muon) = (measured.next().unwrap(), measured.next().unwrap());
+        if let Some(old) = measured.next() {
+            exchanges.push((world, [adamw.clone(), muon.clone(), old]));
+        }
         assert_eq!(
             muon.ns_calls as usize, c.matrices,
             "each matrix orthogonalised once per world and step"
@@ -509,11 +640,12 @@ fn main() {
     }
     println!(
         "NS calls and GFLOP per step summed over ranks; NS 1-core: that work at the one-thread \
-         NS rate; exch: elements in each of Muon's two exchange all-reduces; plan bal: \
-         max/mean of plan.owner_load() over pieces; NS bal: max/mean of NS FLOPs run per rank; \
-         peak: process heap above the world's baseline during the phase, forward and backward \
-         included (all ranks)"
+         NS rate; exch: elements of split matrices in Muon's exchange (the owner all-to-all); \
+         plan bal: max/mean of plan.owner_load() over pieces; NS bal: max/mean of NS FLOPs run \
+         per rank; peak: process heap above the world's baseline during the phase, forward and \
+         backward included (all ranks)"
     );
+    exchange_table(&exchanges);
 
     if layers > 0 {
         // AdamW costs a fixed time per element; Muon's element-wise part runs at AdamW's rate

@@ -251,7 +251,7 @@ fn gather_out<T: Element>(
         // SAFETY: as in `gather_into`; `recv` is ours alone and holds size · chunk elements.
         let src = unsafe { std::slice::from_raw_parts(peer.send as *const T, chunk) };
         recv[q * chunk..(q + 1) * chunk].copy_from_slice(src);
-        moved(&all, rank, q, chunk * size_of::<T>());
+        moved(&all, rank, q, size_of_val(send));
     }
     Ok(())
 }
@@ -312,7 +312,7 @@ fn reduce_scatter_impl<T: Reducible>(
     // SAFETY: each peer published a send buffer of size · chunk elements that stays alive and
     // unmodified until all depart; `recv` is ours alone.
     unsafe { reduce_chunk(&srcs, recv.as_mut_ptr(), chunk, op.scale(g.size())) };
-    (0..all.len()).for_each(|q| moved(&all, rank, q, chunk * size_of::<T>()));
+    (0..all.len()).for_each(|q| moved(&all, rank, q, size_of_val(recv)));
     Ok(())
 }
 
@@ -481,7 +481,7 @@ impl Collective for ThreadComm {
             // SAFETY: the root's buffer holds `len` elements of T and is not written until all
             // depart; ours is disjoint from it.
             unsafe { std::ptr::copy_nonoverlapping(all[root].send as *const T, base, buf.len()) };
-            moved(&all, rank, root, buf.len() * size_of::<T>());
+            moved(&all, rank, root, size_of_val(buf));
         }
         Ok(())
     }
