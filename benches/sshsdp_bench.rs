@@ -291,7 +291,7 @@ fn sharded<I: Backend>(
             shard::<A<I>, _, _>(init.clone(), config, comm, device).map_err(|e| e.to_string())?;
         let options = TrafficOptions {
             reshard_after_forward: mode.reshard,
-            muon_exchange: false,
+            muon_exchange: None,
         };
         let projected = StepTraffic::of(runtime.plan(), options);
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());

@@ -21,7 +21,7 @@
 use std::process::ExitCode;
 
 use sshsdp::plan::presets::TransformerShape;
-use sshsdp::plan::projection::{Links, Purpose, StepTraffic, TrafficOptions};
+use sshsdp::plan::projection::{Links, MuonExchange, Purpose, StepTraffic, TrafficOptions};
 use sshsdp::plan::{
     DType, Mesh, OptimizerFootprint, Plan, PlanConfig, RankMemory, RuntimeFormat, Sharding,
 };
@@ -173,7 +173,7 @@ fn project(
     let plan = Plan::build(shape.specs(DType::Bf16), mesh, config).map_err(|e| e.to_string())?;
     let options = TrafficOptions {
         reshard_after_forward: args.reshard,
-        muon_exchange: args.muon,
+        muon_exchange: args.muon.then_some(MuonExchange::OwnerAllToAll),
     };
     let traffic = StepTraffic::of(&plan, options);
     let t = traffic.time(mesh, &args.links);
@@ -241,7 +241,8 @@ fn main() -> ExitCode {
          masters and optimizer state per node, SS-HSDP shards them over the world). gather = \
          bucket all-gathers; reduce = gradient reduce-scatter (+ replica reduce-scatter or \
          all-reduce); rebuild = SS-HSDP's replica all-gather of re-derived pieces; Muon = the \
-         two all-reduces of split matrices (bf16 plan), not in the comm total."
+         owner all-to-all exchange of split matrices (rows to their Newton–Schulz owner and \
+         back; bf16 plan), not in the comm total."
     );
     for (name, shape) in &args.models {
         let params: u64 = shape.specs(DType::Bf16).iter().map(|s| s.numel()).sum();

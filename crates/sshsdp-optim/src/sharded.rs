@@ -27,6 +27,7 @@ use burn::tensor::{Tensor, TensorData};
 use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend, UpdateGroup, Views};
 
 use crate::{step_slice, GradClip, Slice};
+pub use sshsdp_plan::projection::MuonExchange;
 use sshsdp_plan::Role;
 
 use crate::units::{units_of, UpdateUnit};
@@ -38,19 +39,6 @@ struct HostPiece<'a> {
     grad: &'a [f32],
 }
 
-/// How [`ShardedMuon`] brings split matrices to their Newton–Schulz owner and back.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum MuonExchange {
-    /// Two all-to-all-v per step: each holder sends its rows of a split matrix to the matrix's
-    /// owner only, and the owner sends each holder its rows of the result (about `2·P·(W−1)/W`
-    /// bytes in the whole update group for `P` bytes of split matrices).
-    #[default]
-    OwnerAllToAll,
-    /// Two dense all-reduces of every split matrix over the update group (each rank moves
-    /// about `4·P·(W−1)/W`): the earlier exchange, kept as a baseline.
-    AllReduce,
-}
-
 /// Newton–Schulz and exchange counts of the last step on this rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MuonStepStats {
@@ -58,7 +46,7 @@ pub struct MuonStepStats {
     pub ns_local: u64,
     /// Of those, split matrices assembled from other ranks' slices.
     pub ns_split: u64,
-    /// Elements of split matrices in the exchange (each all-reduce's length with
+    /// Elements of the split matrices exchanged (each all-reduce's length with
     /// [`MuonExchange::AllReduce`]; 0 when no matrix is split).
     pub exchanged_elements: u64,
     /// Elements this rank sent to other ranks in the owner exchange (both directions).
@@ -257,6 +245,10 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             // The same plan on every rank: nobody exchanges.
             return Ok(Vec::new());
         }
+        stats.exchanged_elements = split
+            .iter()
+            .map(|m| plan.params()[m.param].spec.numel())
+            .sum();
         let owner = |param: usize| -> Result<usize, HsdpError> {
             plan.params()[param].ns_owner.ok_or_else(|| {
                 HsdpError::Failed(format!("split matrix {param} has no Newton–Schulz owner"))

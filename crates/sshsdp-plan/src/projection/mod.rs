@@ -16,10 +16,12 @@
 //!   `G/S` over the replica group; DDP: all-reduce of `G` over the world;
 //! * **shard rebuild** (hierarchical only) — after the update, all-gather of the `B/S` runtime
 //!   shard from its `R` re-derived pieces over the replica group;
-//! * **Muon exchange** (when modelled) — distributed Muon assembles every split matrix for its
-//!   Newton–Schulz owner with one all-reduce of all split matrices' fp32 updates over the update
-//!   group and hands the results back with a second one (two all-reduces of
-//!   `4 · Σ numel(split matrices)` bytes; matrices lying inside one piece move nothing).
+//! * **Muon exchange** (when modelled, [`MuonExchange`]) — distributed Muon brings every split
+//!   matrix to its Newton–Schulz owner and the result back. [`MuonExchange::OwnerAllToAll`]
+//!   (the default): two all-to-all-v over the update group, each moving the fp32 rows that lie
+//!   outside the owner's piece (`4 · Σ (numel − owner's rows)` bytes in the whole group, about
+//!   `2·P·(W−1)/W` over both for `P` bytes of split matrices); [`MuonExchange::AllReduce`]: two
+//!   all-reduces of `4 · Σ numel(split matrices)` bytes. Matrices inside one piece move nothing.
 //!
 //! Every size comes from the plan's runtime layout, the one the runtime allocates: `B` is the
 //! bucket's `pieces × piece_bytes` and `G` its `4 × pieces × piece_elements` (fp32 gradients,
@@ -59,6 +61,23 @@ pub enum CollectiveKind {
     ReduceScatter,
     /// All-reduce of a `bytes` buffer.
     AllReduce,
+    /// All-to-all with per-peer counts: `bytes` is what the group's ranks send each other in
+    /// all (their own chunks excluded).
+    AllToAll,
+}
+
+/// How distributed Muon exchanges the matrices that piece boundaries split (what
+/// `sshsdp_optim::ShardedMuon` runs, and what the projection models).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MuonExchange {
+    /// Two all-to-all-v per step: each holder sends its rows of a split matrix to the matrix's
+    /// Newton–Schulz owner only, and the owner sends each holder its rows of the result (about
+    /// `2·P·(W−1)/W` bytes in the whole update group for `P` bytes of split matrices).
+    #[default]
+    OwnerAllToAll,
+    /// Two dense all-reduces of every split matrix over the update group (each rank moves about
+    /// `4·P·(W−1)/W`): the earlier exchange, kept as a baseline.
+    AllReduce,
 }
 
 /// The ranks a collective runs over (rank 0's group stands for all: the mesh is regular).
@@ -83,7 +102,7 @@ pub enum Purpose {
     GradientReduction,
     /// All-gather of the re-derived runtime pieces across replicas after the update.
     ShardRebuild,
-    /// Distributed Muon's two all-reduces of split matrices.
+    /// Distributed Muon's exchange of split matrices (two all-to-all-v or two all-reduces).
     MuonExchange,
 }
 
@@ -104,17 +123,25 @@ pub struct Collective {
 
 impl Collective {
     /// Bytes each rank sends (and receives) on a ring: `bytes·(n−1)/n`, twice that for an
-    /// all-reduce.
+    /// all-reduce; for an all-to-all, the group's bytes over its ranks (an even spread: owners
+    /// are balanced by Newton–Schulz work, not bytes, so the busiest rank may send more).
     pub fn wire_bytes(&self) -> f64 {
         let n = self.ranks.max(1) as f64;
         let one_pass = self.bytes as f64 * (n - 1.0) / n;
         match self.kind {
             CollectiveKind::AllReduce => 2.0 * one_pass,
+            CollectiveKind::AllToAll => self.bytes as f64 / n,
             _ => one_pass,
         }
     }
 
-    /// Sequential ring steps: `n−1`, or `2(n−1)` for an all-reduce.
+    /// Bytes all the group's ranks send in all ([`Self::wire_bytes`] times the ranks).
+    pub fn group_bytes(&self) -> f64 {
+        self.wire_bytes() * self.ranks.max(1) as f64
+    }
+
+    /// Sequential steps: `n−1` on a ring (or pairwise for an all-to-all), `2(n−1)` for an
+    /// all-reduce.
     pub fn ring_steps(&self) -> usize {
         let steps = self.ranks.saturating_sub(1);
         match self.kind {
@@ -138,8 +165,40 @@ impl Collective {
 pub struct TrafficOptions {
     /// Buckets are released after forward and gathered again in backward.
     pub reshard_after_forward: bool,
-    /// Distributed Muon's exchange of split matrices is included.
-    pub muon_exchange: bool,
+    /// Distributed Muon's exchange of split matrices, when it is modelled.
+    pub muon_exchange: Option<MuonExchange>,
+}
+
+/// The matrices a plan's piece boundaries split, as Muon's exchange moves them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitMatrices {
+    /// Their elements.
+    pub elements: u64,
+    /// Of those, the elements outside their Newton–Schulz owner's piece (what the owner
+    /// all-to-all moves each way).
+    pub off_owner: u64,
+}
+
+impl SplitMatrices {
+    /// The split Muon matrices of `plan`.
+    pub fn of(plan: &Plan) -> Self {
+        let mut out = Self::default();
+        for (i, p) in plan.params().iter().enumerate() {
+            if p.spec.role != Role::Matrix || !p.split {
+                continue;
+            }
+            out.elements += p.spec.numel();
+            let views = &plan.buckets()[p.bucket].views;
+            out.off_owner += views
+                .iter()
+                .enumerate()
+                .filter(|&(q, _)| Some(q) != p.ns_owner)
+                .flat_map(|(_, vs)| vs.iter().filter(|v| v.param == i))
+                .map(|v| v.len())
+                .sum::<u64>();
+        }
+        out
+    }
 }
 
 /// Every collective of one training step of a plan, for one rank.
@@ -187,30 +246,24 @@ impl BucketBytes {
 impl StepTraffic {
     /// The collectives `plan`'s runtime issues in one step (see the module docs).
     pub fn of(plan: &Plan, options: TrafficOptions) -> Self {
-        let split: u64 = plan
-            .params()
-            .iter()
-            .filter(|p| p.spec.role == Role::Matrix && p.split)
-            .map(|p| p.spec.numel())
-            .sum();
         Self::from_buckets(
             plan.mesh(),
             plan.config().sharding,
             &BucketBytes::of_plan(plan),
-            split,
+            SplitMatrices::of(plan),
             options,
         )
     }
 
     /// The collectives of one step over `mesh` for buckets of the given sizes (in forward
-    /// order), with `split_matrix_elements` elements of matrices split across pieces (Muon's
-    /// exchange). [`StepTraffic::of`] takes all of it from a plan; this is for sizes measured
-    /// or scaled otherwise.
+    /// order), with `split` the matrices split across pieces (Muon's exchange).
+    /// [`StepTraffic::of`] takes all of it from a plan; this is for sizes measured or scaled
+    /// otherwise.
     pub fn from_buckets(
         mesh: Mesh,
         sharding: Sharding,
         buckets: &[BucketBytes],
-        split_matrix_elements: u64,
+        split: SplitMatrices,
         options: TrafficOptions,
     ) -> Self {
         let (r, s, world) = (mesh.replicas(), mesh.shards(), mesh.world_size());
@@ -269,16 +322,19 @@ impl StepTraffic {
                 push(ShardRebuild, AllGather, Replica, r, b.runtime / s as u64);
             }
         }
-        if options.muon_exchange {
+        if let Some(exchange) = options.muon_exchange {
             let (group, ranks) = match sharding {
                 Sharding::Hierarchical => (World, world),
                 Sharding::Hsdp => (Shard, s),
                 Sharding::Ddp => (World, 1),
             };
-            if split_matrix_elements > 0 && ranks > 1 {
-                let bytes = 4 * split_matrix_elements;
-                push(MuonExchange, AllReduce, group, ranks, bytes);
-                push(MuonExchange, AllReduce, group, ranks, bytes);
+            if split.elements > 0 && ranks > 1 {
+                let (kind, bytes) = match exchange {
+                    self::MuonExchange::OwnerAllToAll => (AllToAll, 4 * split.off_owner),
+                    self::MuonExchange::AllReduce => (AllReduce, 4 * split.elements),
+                };
+                push(MuonExchange, kind, group, ranks, bytes);
+                push(MuonExchange, kind, group, ranks, bytes);
             }
         }
         Self { collectives }

@@ -148,7 +148,7 @@ fn muon_exchange_all_reduces_split_matrices_twice() {
         .sum();
     assert!(split > 0);
     let options = TrafficOptions {
-        muon_exchange: true,
+        muon_exchange: Some(MuonExchange::AllReduce),
         ..Default::default()
     };
     let t = StepTraffic::of(&plan, options);
@@ -163,6 +163,49 @@ fn muon_exchange_all_reduces_split_matrices_twice() {
         .all(|c| c.bytes == 4 * split && c.ranks == 8));
     let without = StepTraffic::of(&plan, TrafficOptions::default());
     assert_eq!(without.wire_bytes(Purpose::MuonExchange), 0.0);
+}
+
+#[test]
+fn the_owner_exchange_moves_the_rows_outside_each_owner_twice() {
+    let plan = plan(1, 8, Sharding::Hierarchical, RuntimeFormat::F32);
+    let split = SplitMatrices::of(&plan);
+    assert!(split.elements > 0 && split.off_owner > 0 && split.off_owner < split.elements);
+    let options = TrafficOptions {
+        muon_exchange: Some(MuonExchange::OwnerAllToAll),
+        ..Default::default()
+    };
+    let t = StepTraffic::of(&plan, options);
+    let exchange: Vec<_> = t
+        .collectives
+        .iter()
+        .filter(|c| c.purpose == Purpose::MuonExchange)
+        .collect();
+    assert_eq!(exchange.len(), 2);
+    for c in &exchange {
+        assert_eq!(
+            (c.kind, c.bytes, c.ranks),
+            (CollectiveKind::AllToAll, 4 * split.off_owner, 8)
+        );
+        assert_eq!(c.group_bytes(), (4 * split.off_owner) as f64);
+    }
+    // Within the bound 2·P·(W−1)/W for P bytes of split matrices, and far below the all-reduce.
+    let p = 4.0 * split.elements as f64;
+    let owner: f64 = exchange.iter().map(|c| c.group_bytes()).sum();
+    assert!(owner <= 2.0 * p * 7.0 / 8.0, "{owner} vs {p}");
+    let all_reduce = StepTraffic::of(
+        &plan,
+        TrafficOptions {
+            muon_exchange: Some(MuonExchange::AllReduce),
+            ..Default::default()
+        },
+    );
+    let dense: f64 = all_reduce
+        .collectives
+        .iter()
+        .filter(|c| c.purpose == Purpose::MuonExchange)
+        .map(|c| c.group_bytes())
+        .sum();
+    assert!(owner < dense / 2.0, "{owner} vs {dense}");
 }
 
 #[test]
