@@ -81,7 +81,7 @@ fn sharded(
     sharding: Sharding,
     clip: Option<f64>,
 ) -> Vec<(Vec<f32>, Weights, u64, u64)> {
-    sharded_with(init, mesh, sharding, clip, MuonExchange::default())
+    sharded_with(init, mesh, sharding, clip, MuonExchange::default(), true)
         .into_iter()
         .map(|(losses, weights, calls, split, _)| (losses, weights, calls, split))
         .collect()
@@ -95,6 +95,7 @@ fn sharded_with(
     sharding: Sharding,
     clip: Option<f64>,
     exchange: MuonExchange,
+    megabatches: bool,
 ) -> Vec<(Vec<f32>, Weights, u64, u64, (u64, u64))> {
     let world = mesh.world_size();
     let config = ThreadsConfig {
@@ -109,7 +110,8 @@ fn sharded_with(
             .with_bucket_elements(1500);
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let mut optim = ShardedMuon::new(muon().init(), AdamWConfig::new().build(), device)
-            .with_exchange(exchange);
+            .with_exchange(exchange)
+            .with_megabatches(megabatches);
         if let Some(max_norm) = clip {
             optim = optim.with_grad_clipping(max_norm);
         }
@@ -257,13 +259,21 @@ fn the_owner_exchange_trains_bitwise_like_the_all_reduce_exchange() {
         (Mesh::new(2, 2).unwrap(), Sharding::Hierarchical),
         (Mesh::new(2, 2).unwrap(), Sharding::Hsdp),
     ] {
-        let old = sharded_with(&init, mesh, sharding, Some(1.0), MuonExchange::AllReduce);
+        let old = sharded_with(
+            &init,
+            mesh,
+            sharding,
+            Some(1.0),
+            MuonExchange::AllReduce,
+            true,
+        );
         let new = sharded_with(
             &init,
             mesh,
             sharding,
             Some(1.0),
             MuonExchange::OwnerAllToAll,
+            true,
         );
         let what = format!("{mesh} {sharding:?}");
         for (rank, (o, n)) in old.iter().zip(&new).enumerate() {
@@ -290,6 +300,55 @@ fn the_owner_exchange_trains_bitwise_like_the_all_reduce_exchange() {
         // What one rank sends another receives.
         assert_eq!(sent, received, "{what}");
         assert_eq!(split > 0, sent > 0, "{what}: split {split}, sent {sent}");
+    }
+}
+
+/// Megabatches (same-shape matrices orthogonalised in one batched Newton–Schulz on their owner)
+/// train like one matrix at a time: the batched matmuls only sum in another order.
+#[test]
+fn megabatches_train_like_one_matrix_at_a_time() {
+    let init = initial();
+    for (mesh, sharding) in [
+        (Mesh::flat(1).unwrap(), Sharding::Hierarchical),
+        (Mesh::flat(4).unwrap(), Sharding::Hierarchical),
+    ] {
+        let one = sharded_with(
+            &init,
+            mesh,
+            sharding,
+            None,
+            MuonExchange::OwnerAllToAll,
+            false,
+        );
+        let batched = sharded_with(
+            &init,
+            mesh,
+            sharding,
+            None,
+            MuonExchange::OwnerAllToAll,
+            true,
+        );
+        let what = format!("{mesh} {sharding:?}");
+        for (rank, (a, b)) in one.iter().zip(&batched).enumerate() {
+            for (s, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                    "{what} rank {rank} step {s}: {x} vs {y}"
+                );
+            }
+            for ((path, x), (_, y)) in a.1.iter().zip(&b.1) {
+                let diff = x
+                    .iter()
+                    .zip(y)
+                    .map(|(p, q)| (p - q).abs())
+                    .fold(0f32, f32::max);
+                assert!(diff <= 1e-5, "{what} rank {rank} {path}: {diff:e}");
+            }
+            assert_eq!(
+                a.2, b.2,
+                "{what}: the same Newton–Schulz calls, counted per matrix"
+            );
+        }
     }
 }
 

@@ -40,6 +40,8 @@ pub use clip::{clip_factor, GradClip};
 pub use elementwise::{step_slice, ShardedOptimizer, Slice};
 pub use hybrid::MuonWithElementwise;
 pub use muon::{MatrixLayout, Muon, MuonConfig, MuonState, NsStats, UpdateScale};
-pub use newton_schulz::{newton_schulz, ns_flops, NsPrecision, NS_COEFFICIENTS, NS_EPS};
+pub use newton_schulz::{
+    newton_schulz, newton_schulz_batched, ns_flops, NsPrecision, NS_COEFFICIENTS, NS_EPS,
+};
 pub use sharded::{MuonExchange, MuonStepStats, ParamState, ShardedMuon};
 pub use units::{units_of, UpdateUnit};

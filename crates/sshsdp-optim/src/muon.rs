@@ -29,7 +29,7 @@ use burn::optim::{LearningRate, SimpleOptimizer};
 use burn::record::Record;
 use burn::tensor::{backend::Backend, Tensor};
 
-use crate::newton_schulz::{newton_schulz, ns_flops, NsPrecision};
+use crate::newton_schulz::{newton_schulz, newton_schulz_batched, ns_flops, NsPrecision};
 
 /// How the orthogonalised update is scaled before it is applied.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -189,6 +189,22 @@ impl Muon {
         self.counters
             .flops
             .fetch_add(ns_flops(rows, cols, cfg.ns_steps), Ordering::Relaxed);
+        ortho
+    }
+
+    /// [`Muon::orthogonalize`] of a batch of same-shape updates `[batch, rows, cols]` in one
+    /// batched Newton–Schulz (counted as one call per matrix in [`Muon::ns_stats`]).
+    pub fn orthogonalize_batch<B: Backend>(&self, updates: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, rows, cols] = updates.dims();
+        let cfg = &self.config;
+        let ortho = newton_schulz_batched(updates, cfg.ns_steps, cfg.ns_precision);
+        self.counters
+            .calls
+            .fetch_add(batch as u64, Ordering::Relaxed);
+        self.counters.flops.fetch_add(
+            batch as u64 * ns_flops(rows, cols, cfg.ns_steps),
+            Ordering::Relaxed,
+        );
         ortho
     }
 

@@ -89,13 +89,56 @@ pub fn newton_schulz<B: Backend>(
     }
 }
 
-/// The `steps` iterations on a wide (or square) `x`; `round` is applied to every intermediate
-/// (the identity, or bf16 emulation).
-fn iterate<B: Backend>(
-    mut x: Tensor<B, 2>,
+/// [`newton_schulz`] of a batch of same-shape matrices `g` `[batch, rows, cols]` at once: each
+/// matrix normalised by its own Frobenius norm, then every product of the iteration one batched
+/// matmul (fewer, larger kernels — Muon's "megabatches" of same-shape matrices on one owner).
+/// Equal to orthogonalising each matrix alone up to the matmuls' summation order.
+pub fn newton_schulz_batched<B: Backend>(
+    g: Tensor<B, 3>,
     steps: usize,
-    round: &dyn Fn(Tensor<B, 2>) -> Tensor<B, 2>,
-) -> Tensor<B, 2> {
+    precision: NsPrecision,
+) -> Tensor<B, 3> {
+    let [_, rows, cols] = g.dims();
+    let transposed = rows > cols;
+    let g = if transposed { g.swap_dims(1, 2) } else { g };
+    let out_dtype: FloatDType = g.dtype().into();
+
+    let norm = g
+        .clone()
+        .powi_scalar(2)
+        .sum_dim(2)
+        .sum_dim(1)
+        .sqrt()
+        .add_scalar(NS_EPS);
+    let x = g.div(norm);
+
+    let x = match precision {
+        NsPrecision::F32 => iterate(x, steps, &|t| t),
+        NsPrecision::Bf16 => {
+            let device = x.device();
+            if B::supports_dtype(&device, DType::BF16) {
+                iterate(x.cast(FloatDType::BF16), steps, &|t| t).cast(out_dtype)
+            } else {
+                iterate(round_bf16(x), steps, &round_bf16)
+            }
+        }
+    };
+
+    if transposed {
+        x.swap_dims(1, 2)
+    } else {
+        x
+    }
+}
+
+/// The `steps` iterations on a wide (or square) `x` (or a batch of them: `transpose` and
+/// `matmul` act on the last two dimensions); `round` is applied to every intermediate (the
+/// identity, or bf16 emulation).
+fn iterate<B: Backend, const D: usize>(
+    mut x: Tensor<B, D>,
+    steps: usize,
+    round: &dyn Fn(Tensor<B, D>) -> Tensor<B, D>,
+) -> Tensor<B, D> {
     let (a, b, c) = NS_COEFFICIENTS;
     for _ in 0..steps {
         let gram = round(x.clone().matmul(x.clone().transpose()));
@@ -109,7 +152,7 @@ fn iterate<B: Backend>(
 
 /// Rounds every element to the nearest bf16 value (ties to even), keeping the tensor's float
 /// type and device. Host round trip: for emulation on backends without bf16 only.
-fn round_bf16<B: Backend>(t: Tensor<B, 2>) -> Tensor<B, 2> {
+fn round_bf16<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
     let device = t.device();
     let dtype = t.dtype();
     let shape = t.shape();

@@ -74,6 +74,7 @@ pub struct ShardedMuon<B: Backend, O: SimpleOptimizer<B>> {
     last: MuonStepStats,
     clip: GradClip,
     exchange: MuonExchange,
+    megabatch: bool,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
@@ -89,7 +90,16 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             last: MuonStepStats::default(),
             clip: GradClip::default(),
             exchange: MuonExchange::default(),
+            megabatch: true,
         }
+    }
+
+    /// Same-shape matrices this rank orthogonalises in a step run as one batched Newton–Schulz
+    /// (`true`, the default: fewer, larger matmuls) or one by one. The two agree up to the
+    /// matmuls' summation order.
+    pub fn with_megabatches(mut self, on: bool) -> Self {
+        self.megabatch = on;
+        self
     }
 
     /// The same optimizer exchanging split matrices by `exchange` (default
@@ -201,24 +211,31 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                     }
                 }
             }
-            // Whole matrices: orthogonalise and apply here.
-            for (unit, u) in owned_updates {
-                let o = self.orthogonalize(runtime, unit.param, u)?;
+            // Split matrices go to their owners (in plan order); every matrix this rank owns —
+            // whole in its pieces or assembled — is orthogonalised here, same shapes together.
+            split_updates.sort_by_key(|(unit, _)| unit.param);
+            let assembled = self.send_to_owners(runtime, group, &split_updates, &mut stats)?;
+            let whole = owned_updates.len();
+            let (owned_units, owned_u): (Vec<UpdateUnit>, Vec<Vec<f32>>) =
+                owned_updates.into_iter().unzip();
+            let matrices: Vec<(usize, Vec<f32>)> = owned_units
+                .iter()
+                .map(|unit| unit.param)
+                .zip(owned_u)
+                .chain(assembled)
+                .collect();
+            stats.ns_local += matrices.len() as u64;
+            stats.ns_split += (matrices.len() - whole) as u64;
+            let mut orthogonal = self.orthogonalize_all(runtime, matrices)?;
+            let split_results: Vec<(usize, Vec<f32>)> = orthogonal.split_off(whole);
+            for (unit, (_, o)) in owned_units.iter().zip(orthogonal) {
                 let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
                 self.apply(lr, runtime, unit.param, master, &o);
-                stats.ns_local += 1;
             }
-            // Split matrices: through their owner, in plan order.
-            split_updates.sort_by_key(|(unit, _)| unit.param);
-            let results = match self.exchange {
-                MuonExchange::OwnerAllToAll => {
-                    self.owner_exchange(runtime, group, &split_updates, &mut stats)?
-                }
-                MuonExchange::AllReduce => {
-                    self.all_reduce_exchange(runtime, group, &split_updates, &mut stats)?
-                }
-            };
-            for ((unit, _), o) in split_updates.iter().zip(results) {
+            // Each holder's rows of the results back.
+            let rows =
+                self.return_to_holders(runtime, group, &split_updates, split_results, &mut stats)?;
+            for ((unit, _), o) in split_updates.iter().zip(rows) {
                 let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
                 self.apply(lr, runtime, unit.param, master, &o);
             }
@@ -228,129 +245,181 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         Ok(module)
     }
 
-    /// The orthogonalised update of each of this rank's split-matrix slices `mine` (sorted by
-    /// parameter), through two all-to-all-v: slices to the owners, which assemble and
-    /// orthogonalise each matrix, then each holder's rows of the result back.
-    fn owner_exchange(
+    /// First half of the exchange of split matrices: this rank's slices `mine` (sorted by
+    /// parameter) go to their Newton–Schulz owners; returns the split matrices this rank owns,
+    /// assembled from every holder's rows, in plan order.
+    fn send_to_owners(
         &self,
         runtime: &HsdpRuntime<B>,
         group: &UpdateGroup<'_>,
         mine: &[(UpdateUnit, Vec<f32>)],
         stats: &mut MuonStepStats,
-    ) -> Result<Vec<Vec<f32>>, HsdpError> {
+    ) -> Result<Vec<(usize, Vec<f32>)>, HsdpError> {
         let plan = runtime.plan();
-        let (pieces, me) = (group.pieces(), group.piece());
-        let split = split_matrices(plan, pieces);
+        let split = split_matrices(plan, group.pieces());
         if split.is_empty() {
             // The same plan on every rank: nobody exchanges.
             return Ok(Vec::new());
         }
-        stats.exchanged_elements = split
-            .iter()
-            .map(|m| plan.params()[m.param].spec.numel())
-            .sum();
-        let owner = |param: usize| -> Result<usize, HsdpError> {
-            plan.params()[param].ns_owner.ok_or_else(|| {
-                HsdpError::Failed(format!("split matrix {param} has no Newton–Schulz owner"))
-            })
-        };
-        // 1. Every holder sends its slices to their owners (plan order within a chunk).
-        let mut send = vec![Vec::new(); pieces];
-        for (unit, u) in mine {
-            send[owner(unit.param)?].extend_from_slice(u);
-        }
-        let mut expect = vec![0; pieces];
-        for m in split.iter().filter(|m| m.owner == me) {
-            for (q, r) in &m.holders {
-                expect[*q] += r.len();
+        let me = group.piece();
+        let numel = |param: usize| plan.params()[param].spec.numel() as usize;
+        stats.exchanged_elements = split.iter().map(|m| numel(m.param) as u64).sum();
+        match self.exchange {
+            MuonExchange::OwnerAllToAll => {
+                let mut send = vec![Vec::new(); group.pieces()];
+                for (unit, u) in mine {
+                    send[owner(plan, unit.param)?].extend_from_slice(u);
+                }
+                let mut expect = vec![0; group.pieces()];
+                for m in split.iter().filter(|m| m.owner == me) {
+                    for (q, r) in &m.holders {
+                        expect[*q] += r.len();
+                    }
+                }
+                count_exchange(stats, &send, &expect, me);
+                let got = group.exchange(send, &expect)?;
+                let mut at = vec![0; group.pieces()];
+                Ok(split
+                    .iter()
+                    .filter(|m| m.owner == me)
+                    .map(|m| {
+                        let mut u = vec![0f32; numel(m.param)];
+                        for (q, r) in &m.holders {
+                            u[r.clone()].copy_from_slice(&got[*q][at[*q]..at[*q] + r.len()]);
+                            at[*q] += r.len();
+                        }
+                        (m.param, u)
+                    })
+                    .collect())
+            }
+            MuonExchange::AllReduce => {
+                // Every split matrix dense in one buffer (each holder writes its rows), summed.
+                let offsets = dense_offsets(&split, plan);
+                let mut buf = vec![0f32; offsets.1];
+                for (unit, u) in mine {
+                    let at = offsets.0[&unit.param] + unit.in_param.start;
+                    buf[at..at + u.len()].copy_from_slice(u);
+                }
+                let all = group.all_reduce_sum(buf)?;
+                Ok(split
+                    .iter()
+                    .filter(|m| m.owner == me)
+                    .map(|m| {
+                        let at = offsets.0[&m.param];
+                        (m.param, all[at..at + numel(m.param)].to_vec())
+                    })
+                    .collect())
             }
         }
-        count_exchange(stats, &send, &expect, me);
-        let got = group.exchange(send, &expect)?;
-        // 2. The owner assembles and orthogonalises each of its matrices, and cuts the result
-        //    into its holders' rows.
-        let mut at = vec![0; pieces];
-        let mut back = vec![Vec::new(); pieces];
-        for m in split.iter().filter(|m| m.owner == me) {
-            let n = plan.params()[m.param].spec.numel() as usize;
-            let mut u = vec![0f32; n];
-            for (q, r) in &m.holders {
-                u[r.clone()].copy_from_slice(&got[*q][at[*q]..at[*q] + r.len()]);
-                at[*q] += r.len();
-            }
-            let o = self.orthogonalize(runtime, m.param, u)?;
-            for (q, r) in &m.holders {
-                back[*q].extend_from_slice(&o[r.clone()]);
-            }
-            stats.ns_local += 1;
-            stats.ns_split += 1;
-        }
-        // 3. Every holder gets its rows back from each owner (plan order within a chunk).
-        let mut expect = vec![0; pieces];
-        for (unit, _) in mine {
-            expect[owner(unit.param)?] += unit.in_param.len();
-        }
-        count_exchange(stats, &back, &expect, me);
-        let got = group.exchange(back, &expect)?;
-        let mut at = vec![0; pieces];
-        mine.iter()
-            .map(|(unit, _)| {
-                let o = owner(unit.param)?;
-                let rows = got[o][at[o]..at[o] + unit.in_param.len()].to_vec();
-                at[o] += unit.in_param.len();
-                Ok(rows)
-            })
-            .collect()
     }
 
-    /// [`MuonExchange::AllReduce`]: every split matrix dense in one buffer, summed over the
-    /// update group (each holder writes its slice), orthogonalised by its owner, and summed again
-    /// so every holder reads its slice of the result.
-    fn all_reduce_exchange(
+    /// Second half: the owned split matrices' results `owned` (plan order, as
+    /// [`Self::send_to_owners`] returned them) go back to their holders; returns this rank's rows of
+    /// each slice in `mine`.
+    fn return_to_holders(
         &self,
         runtime: &HsdpRuntime<B>,
         group: &UpdateGroup<'_>,
         mine: &[(UpdateUnit, Vec<f32>)],
+        owned: Vec<(usize, Vec<f32>)>,
         stats: &mut MuonStepStats,
     ) -> Result<Vec<Vec<f32>>, HsdpError> {
         let plan = runtime.plan();
-        // Split matrices: their place in the exchange buffer, in plan order.
-        let mut split_offset = HashMap::new();
-        let mut split_len = 0usize;
-        for (i, p) in plan.params().iter().enumerate() {
-            if p.spec.role == Role::Matrix && p.split {
-                split_offset.insert(i, split_len);
-                split_len += p.spec.numel() as usize;
-            }
-        }
-        if split_len == 0 {
+        let split = split_matrices(plan, group.pieces());
+        if split.is_empty() {
             return Ok(Vec::new());
         }
-        stats.exchanged_elements = split_len as u64;
-        let mut exchange_u = vec![0f32; split_len];
-        for (unit, u) in mine {
-            let at = split_offset[&unit.param] + unit.in_param.start;
-            exchange_u[at..at + u.len()].copy_from_slice(u);
+        let me = group.piece();
+        match self.exchange {
+            MuonExchange::OwnerAllToAll => {
+                let holders: HashMap<usize, &SplitMatrix> =
+                    split.iter().map(|m| (m.param, m)).collect();
+                let mut back = vec![Vec::new(); group.pieces()];
+                for (param, o) in &owned {
+                    for (q, r) in &holders[param].holders {
+                        back[*q].extend_from_slice(&o[r.clone()]);
+                    }
+                }
+                let mut expect = vec![0; group.pieces()];
+                for (unit, _) in mine {
+                    expect[owner(plan, unit.param)?] += unit.in_param.len();
+                }
+                count_exchange(stats, &back, &expect, me);
+                let got = group.exchange(back, &expect)?;
+                let mut at = vec![0; group.pieces()];
+                mine.iter()
+                    .map(|(unit, _)| {
+                        let o = owner(plan, unit.param)?;
+                        let rows = got[o][at[o]..at[o] + unit.in_param.len()].to_vec();
+                        at[o] += unit.in_param.len();
+                        Ok(rows)
+                    })
+                    .collect()
+            }
+            MuonExchange::AllReduce => {
+                let offsets = dense_offsets(&split, plan);
+                let mut buf = vec![0f32; offsets.1];
+                for (param, o) in &owned {
+                    let at = offsets.0[param];
+                    buf[at..at + o.len()].copy_from_slice(o);
+                }
+                let all = group.all_reduce_sum(buf)?;
+                Ok(mine
+                    .iter()
+                    .map(|(unit, _)| {
+                        let at = offsets.0[&unit.param];
+                        all[at + unit.in_param.start..at + unit.in_param.end].to_vec()
+                    })
+                    .collect())
+            }
         }
-        let u_all = group.all_reduce_sum(exchange_u)?;
-        let mut o_all = vec![0f32; split_len];
-        for (&param, &at) in &split_offset {
-            if plan.params()[param].ns_owner != Some(group.piece()) {
+    }
+
+    /// Newton–Schulz of whole matrices' updates `(param, values)`, in order: same-shape
+    /// matrices in one batched Newton–Schulz each ([`Self::with_megabatches`]), or one by one.
+    fn orthogonalize_all(
+        &self,
+        runtime: &HsdpRuntime<B>,
+        matrices: Vec<(usize, Vec<f32>)>,
+    ) -> Result<Vec<(usize, Vec<f32>)>, HsdpError> {
+        let shape = |param: usize| {
+            let s = &runtime.plan().params()[param].spec.shape;
+            [s[0], s[1]]
+        };
+        let mut out: Vec<Option<Vec<f32>>> = vec![None; matrices.len()];
+        // Indices by shape, in order of first appearance.
+        let mut batches: Vec<([usize; 2], Vec<usize>)> = Vec::new();
+        for (i, (param, _)) in matrices.iter().enumerate() {
+            let s = shape(*param);
+            match batches.iter_mut().find(|(b, _)| *b == s) {
+                Some((_, members)) if self.megabatch => members.push(i),
+                _ => batches.push((s, vec![i])),
+            }
+        }
+        for ([rows, cols], members) in batches {
+            if members.len() == 1 {
+                let (param, u) = &matrices[members[0]];
+                out[members[0]] = Some(self.orthogonalize(runtime, *param, u.clone())?);
                 continue;
             }
-            let n = plan.params()[param].spec.numel() as usize;
-            let o = self.orthogonalize(runtime, param, u_all[at..at + n].to_vec())?;
-            o_all[at..at + n].copy_from_slice(&o);
-            stats.ns_local += 1;
-            stats.ns_split += 1;
+            let n = rows * cols;
+            let mut values = Vec::with_capacity(members.len() * n);
+            for &i in &members {
+                values.extend_from_slice(&matrices[i].1);
+            }
+            let batch = Tensor::<B, 3>::from_data(
+                TensorData::new(values, [members.len(), rows, cols]),
+                &self.device,
+            );
+            let o = read(self.muon.orthogonalize_batch(batch))?;
+            for (k, &i) in members.iter().enumerate() {
+                out[i] = Some(o[k * n..(k + 1) * n].to_vec());
+            }
         }
-        let o_all = group.all_reduce_sum(o_all)?;
-        Ok(mine
-            .iter()
-            .map(|(unit, _)| {
-                let at = split_offset[&unit.param];
-                o_all[at + unit.in_param.start..at + unit.in_param.end].to_vec()
-            })
+        Ok(matrices
+            .into_iter()
+            .zip(out)
+            .map(|((param, _), o)| (param, o.expect("every matrix is in a batch")))
             .collect())
     }
 
@@ -470,6 +539,30 @@ fn split_matrices(plan: &sshsdp_plan::Plan, pieces: usize) -> Vec<SplitMatrix> {
             }
         })
         .collect()
+}
+
+/// The plan's Newton–Schulz owner of split matrix `param`.
+fn owner(plan: &sshsdp_plan::Plan, param: usize) -> Result<usize, HsdpError> {
+    plan.params()[param].ns_owner.ok_or_else(|| {
+        HsdpError::Failed(format!("split matrix {param} has no Newton–Schulz owner"))
+    })
+}
+
+/// Each split matrix's offset in a dense buffer of all of them (plan order), and its length.
+fn dense_offsets(
+    split: &[SplitMatrix],
+    plan: &sshsdp_plan::Plan,
+) -> (HashMap<usize, usize>, usize) {
+    let mut at = 0;
+    let offsets = split
+        .iter()
+        .map(|m| {
+            let here = at;
+            at += plan.params()[m.param].spec.numel() as usize;
+            (m.param, here)
+        })
+        .collect();
+    (offsets, at)
 }
 
 /// Adds an exchange's off-rank elements to `stats`: `send[q]` goes to piece `q`, `expect[q]`
