@@ -1,7 +1,9 @@
 //! Optimizer step time for a GPT-small-shaped parameter set on the threads engine: the sharded
 //! element-wise optimizer (`ShardedOptimizer` with AdamW on every element) against distributed
 //! Muon (`ShardedMuon`: Muon on the matrices, AdamW on the embedding, the LM head and the 1-D
-//! parameters), at world 1 and 4, hierarchical sharding, f32 runtime parameters.
+//! parameters), at world 1, 2 and 4, hierarchical sharding, f32 runtime parameters, 4M-element
+//! buckets; and Muon's exchange of split matrices, the owner all-to-all against the earlier two
+//! all-reduces, with the bytes the threads engine moved for each rank (`ThreadComm::traffic`).
 //! Run: `cargo bench --bench optim` (`SSHSDP_BENCH_LAYERS=n` for `n` decoder layers, default 2).
 //!
 //! The parameter set has GPT-small's shapes — d_model 768, MLP 3072, a 50257-token embedding and
@@ -65,6 +67,10 @@ const WARMUP: usize = 1;
 const STEPS: usize = 3;
 const LR: f64 = 1e-3;
 const WORLDS: [usize; 3] = [1, 2, 4];
+/// Bucket target (elements): 4M cuts some Muon matrices at world 2 and 4 (with the default 25M
+/// the pieces' edges fall inside the 38.6M-element embedding and head), so Muon's exchange of
+/// split matrices has something to move.
+const BUCKET_ELEMENTS: u64 = 4_000_000;
 /// Matrices (Muon's) per layer.
 const MATRICES_PER_LAYER: usize = 6;
 
@@ -268,7 +274,8 @@ fn run(init: &GptShapes<B>, world: usize, phases: &[Phase]) -> Vec<Row> {
         let sync = comm.split(0, rank).unwrap();
         let config = HsdpConfig::new(Mesh::flat(world).unwrap())
             .with_sharding(Sharding::Hierarchical)
-            .with_format(RuntimeFormat::F32);
+            .with_format(RuntimeFormat::F32)
+            .with_bucket_elements(BUCKET_ELEMENTS);
         let (model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let split_bytes: u64 = runtime
             .plan()
