@@ -48,6 +48,7 @@ use sshsdp::comm::threads::{ThreadComm, ThreadsConfig, ThreadsWorld, TrafficByte
 use sshsdp::comm::Collective;
 use sshsdp::optim::ShardedOptimizer;
 use sshsdp::optim::{newton_schulz, ns_flops, MuonConfig, MuonExchange, NsPrecision, ShardedMuon};
+use sshsdp::plan::projection::{Purpose, StepTraffic, TrafficOptions};
 use sshsdp::plan::{Mesh, Role, RoleRule, RuntimeFormat, Sharding};
 
 mod common;
@@ -190,6 +191,9 @@ struct Row {
     traffic: Vec<TrafficBytes>,
     /// Bytes of the plan's split Muon matrices (f32).
     split_bytes: u64,
+    /// The projection's bytes of Muon's exchange in the whole update group, per step: (owner
+    /// all-to-all, all-reduce).
+    projected: (f64, f64),
 }
 
 fn max_over_mean(v: &[f64]) -> f64 {
@@ -266,7 +270,8 @@ fn run(init: &GptShapes<B>, world: usize, phases: &[Phase]) -> Vec<Row> {
     let config = ThreadsConfig {
         timeout: Duration::from_secs(600),
     };
-    let ranks: Vec<(Vec<RankPhase>, Vec<u128>, u64)> = ThreadsWorld::run(world, config, |comm| {
+    type RankResult = (Vec<RankPhase>, Vec<u128>, u64, (f64, f64));
+    let ranks: Vec<RankResult> = ThreadsWorld::run(world, config, |comm| {
         let device = Default::default();
         let rank = comm.rank();
         // Shares this rank's traffic counters with the runtime's communicators (split from
@@ -327,7 +332,28 @@ fn run(init: &GptShapes<B>, world: usize, phases: &[Phase]) -> Vec<Row> {
                 peak: phase_peak(&sync, base),
             });
         }
-        (out, runtime.plan().owner_load().to_vec(), split_bytes)
+        let projected = |exchange| {
+            let options = TrafficOptions {
+                muon_exchange: Some(exchange),
+                ..Default::default()
+            };
+            StepTraffic::of(runtime.plan(), options)
+                .collectives
+                .iter()
+                .filter(|c| c.purpose == Purpose::MuonExchange)
+                .map(|c| c.group_bytes())
+                .sum::<f64>()
+        };
+        let projected = (
+            projected(MuonExchange::OwnerAllToAll),
+            projected(MuonExchange::AllReduce),
+        );
+        (
+            out,
+            runtime.plan().owner_load().to_vec(),
+            split_bytes,
+            projected,
+        )
     })
     .unwrap()
     .into_iter()
@@ -351,6 +377,7 @@ fn run(init: &GptShapes<B>, world: usize, phases: &[Phase]) -> Vec<Row> {
                 peak: per[0].peak,
                 traffic: per.iter().map(|p| steady(&p.traffic)).collect(),
                 split_bytes: ranks[0].2,
+                projected: ranks[0].3,
             }
         })
         .collect()
@@ -375,10 +402,11 @@ fn exchange_table(measured: &[(usize, [Row; 3])]) {
     println!(
         "Muon's exchange of split matrices (P: their f32 bytes; W: update-group size): bytes the \
          threads engine moved per step for each rank, above AdamW's step on the same shards; \
-         bound: 1.1 · 2·P·(W−1)/W for the whole group"
+         group: all ranks' sent bytes; projected: `sshsdp::plan::projection`'s bytes for the \
+         group; bound: 1.1 · 2·P·(W−1)/W for the whole group"
     );
     println!(
-        "{:<6} {:<14} {:>9} {:>8} {:>22} {:>22} {:>12} {:>12} {:>8}",
+        "{:<6} {:<14} {:>9} {:>8} {:>22} {:>22} {:>12} {:>10} {:>10} {:>12} {:>8}",
         "world",
         "exchange",
         "step ms",
@@ -386,13 +414,18 @@ fn exchange_table(measured: &[(usize, [Row; 3])]) {
         "sent MiB per rank",
         "received MiB per rank",
         "group MiB",
+        "projected",
+        "/measured",
         "2P(W-1)/W",
         "≤ bound"
     );
     for (world, [adamw, new, old]) in measured {
         let w = *world as f64;
         let bound = 2.0 * new.split_bytes as f64 * (w - 1.0) / w;
-        for (name, row) in [("all-reduce", old), ("owner a2a", new)] {
+        for (name, row, projected) in [
+            ("all-reduce", old, old.projected.1),
+            ("owner a2a", new, new.projected.0),
+        ] {
             let above = |f: fn(&TrafficBytes) -> u64| -> Vec<u64> {
                 row.traffic
                     .iter()
@@ -415,7 +448,7 @@ fn exchange_table(measured: &[(usize, [Row; 3])]) {
                 "what is sent is received"
             );
             println!(
-                "{:<6} {:<14} {:>9.1} {:>8.2} {:>22} {:>22} {:>12.2} {:>12.2} {:>8}",
+                "{:<6} {:<14} {:>9.1} {:>8.2} {:>22} {:>22} {:>12.2} {:>10.2} {:>10.4} {:>12.2} {:>8}",
                 world,
                 name,
                 row.secs * 1e3,
@@ -423,6 +456,8 @@ fn exchange_table(measured: &[(usize, [Row; 3])]) {
                 list(&sent),
                 list(&received),
                 mib(group),
+                projected / (1024.0 * 1024.0),
+                projected / group as f64,
                 bound / (1024.0 * 1024.0),
                 if group as f64 <= 1.1 * bound {
                     "yes"

@@ -58,7 +58,12 @@ pub(crate) fn assign(params: &mut [PlannedParam], buckets: &[Bucket], pieces: us
             .map(|q| (q, load[q]))
             .min_by_key(|&(q, l)| (l, q))
             .expect("at least one piece");
-        let makespan = load.iter().copied().max().unwrap_or(0).max(least_load + cost);
+        let makespan = load
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(least_load + cost);
         let owner = holders[&index]
             .iter()
             .filter(|&&(q, _)| load[q] + cost <= makespan)
