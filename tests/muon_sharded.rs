@@ -39,6 +39,10 @@ const CONFIG: GptConfig = GptConfig {
 
 type Weights = Vec<(String, Vec<f32>)>;
 
+/// One rank's run: losses, final weights, Newton–Schulz calls, split matrices orthogonalised,
+/// and off-rank elements (sent, received) of Muon's owner exchange.
+type RankRun = (Vec<f32>, Weights, u64, u64, (u64, u64));
+
 fn tokens(step: usize, first: usize, rows: usize) -> Tensor<B, 2, Int> {
     let w = CONFIG.seq + 1;
     let data: Vec<i64> = (first * w..(first + rows) * w)
@@ -96,7 +100,7 @@ fn sharded_with(
     clip: Option<f64>,
     exchange: MuonExchange,
     megabatches: bool,
-) -> Vec<(Vec<f32>, Weights, u64, u64, (u64, u64))> {
+) -> Vec<RankRun> {
     let world = mesh.world_size();
     let config = ThreadsConfig {
         timeout: Duration::from_secs(120),
