@@ -10,13 +10,15 @@
 //! * a backend that cannot compute in bf16 (burn-ndarray) is refused by `shard`, naming it, and
 //!   so is an f16 gradient reduction.
 
+mod common;
+
 use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{DType, ElementConversion, Tensor};
 use burn_flex::Flex;
 use half::bf16;
 use sshsdp::backend::{shard, Hsdp, HsdpConfig, MixedPrecision, Precision};
@@ -39,52 +41,10 @@ const CONFIG: GptConfig = GptConfig {
     seq: 32,
 };
 
-fn tokens<B: Backend>(
-    step: usize,
-    first: usize,
-    rows: usize,
-    device: &B::Device,
-) -> Tensor<B, 2, Int> {
-    let w = CONFIG.seq + 1;
-    let data: Vec<i64> = (first * w..(first + rows) * w)
-        .map(|i| ((i * 7 + step * 13 + (i / w) * 3) % CONFIG.vocab) as i64)
-        .collect();
-    Tensor::from_data(TensorData::new(data, [rows, w]), device)
-}
-
 /// The initial weights, drawn once (Burn's RNG is global and the tests run in parallel).
 fn initial_record() -> &'static [(Vec<usize>, Vec<f32>)] {
     static RECORD: std::sync::OnceLock<Vec<(Vec<usize>, Vec<f32>)>> = std::sync::OnceLock::new();
-    RECORD.get_or_init(|| {
-        let device = Default::default();
-        NdArray::<f32>::seed(&device, 5);
-        let model: Gpt<NdArray<f32>> = CONFIG.init(&device);
-        sshsdp::backend::named_params(&model)
-            .unwrap()
-            .into_iter()
-            .map(|p| (p.shape, p.values))
-            .collect()
-    })
-}
-
-/// Replaces every float parameter, in module order, with the next recorded values.
-struct Load<'a>(std::slice::Iter<'a, (Vec<usize>, Vec<f32>)>);
-
-impl<B: Backend> ModuleMapper<B> for Load<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let (shape, values) = self.0.next().expect("the same model structure");
-        let loaded = Tensor::from_data(
-            TensorData::new(values.clone(), shape.clone()),
-            &tensor.device(),
-        );
-        let loaded = if tensor.is_require_grad() {
-            loaded.require_grad()
-        } else {
-            loaded
-        };
-        Param::from_mapped_value(id, loaded, mapper)
-    }
+    RECORD.get_or_init(|| common::record(&CONFIG, 5))
 }
 
 /// Every parameter tensor's dtype and values (as f32), in module order.
@@ -144,7 +104,7 @@ fn run(case: Case, steps: usize) -> Run {
         let device = Default::default();
         let rank = comm.rank();
         let model: Gpt<A> = CONFIG.init(&device);
-        let model = model.map(&mut Load(record.iter()));
+        let model = model.map(&mut common::Load(record.iter()));
         let config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
             .with_format(case.format)
             .with_reshard_after_forward(case.reshard)
@@ -156,7 +116,13 @@ fn run(case: Case, steps: usize) -> Run {
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);
         let mut losses = Vec::new();
         for step in 0..steps {
-            let loss = model.loss(tokens::<A>(step, rank * rows, rows, &device));
+            let loss = model.loss(common::tokens::<A>(
+                &CONFIG,
+                step,
+                rank * rows,
+                rows,
+                &device,
+            ));
             losses.push(loss.clone().into_scalar().elem::<f32>());
             let _ = loss.backward();
             model = optim.step(1e-2, model, &runtime).unwrap();

@@ -15,14 +15,16 @@
 //!   (lavapipe has no bf16; CUDA runs the same path in bf16) train like f32 parameters.
 //! * bf16 and MXFP8 on Wgpu against NdArray with host storage.
 
+mod common;
+
 use std::path::Path;
 use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::Module;
 use burn::optim::{AdamW, AdamWConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::ElementConversion;
 use burn_wgpu::Wgpu;
 use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpRuntime, MixedPrecision, Placement, Precision};
 use sshsdp::checkpoint::{self, PieceStates};
@@ -43,19 +45,6 @@ const CONFIG: GptConfig = GptConfig {
     seq: 32,
 };
 
-fn tokens<B: Backend>(
-    step: usize,
-    first: usize,
-    rows: usize,
-    device: &B::Device,
-) -> Tensor<B, 2, Int> {
-    let w = CONFIG.seq + 1;
-    let data: Vec<i64> = (first * w..(first + rows) * w)
-        .map(|i| ((i * 7 + step * 13 + (i / w) * 3) % CONFIG.vocab) as i64)
-        .collect();
-    Tensor::from_data(TensorData::new(data, [rows, w]), device)
-}
-
 /// The initial weights, made once on the CPU so both backends start from the same values.
 ///
 /// Made once per process: Burn's RNG is global, and the tests of this file run in parallel, so
@@ -63,36 +52,7 @@ fn tokens<B: Backend>(
 /// (discarded) initial values.
 fn initial_record() -> &'static [(Vec<usize>, Vec<f32>)] {
     static RECORD: std::sync::OnceLock<Vec<(Vec<usize>, Vec<f32>)>> = std::sync::OnceLock::new();
-    RECORD.get_or_init(|| {
-        let device = Default::default();
-        NdArray::<f32>::seed(&device, 3);
-        let model: Gpt<NdArray<f32>> = CONFIG.init(&device);
-        sshsdp::backend::named_params(&model)
-            .unwrap()
-            .into_iter()
-            .map(|p| (p.shape, p.values))
-            .collect()
-    })
-}
-
-/// Replaces every float parameter, in module order, with the next recorded values.
-struct Load<'a>(std::slice::Iter<'a, (Vec<usize>, Vec<f32>)>);
-
-impl<B: Backend> ModuleMapper<B> for Load<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let (shape, values) = self.0.next().expect("the same model structure");
-        let loaded = Tensor::from_data(
-            TensorData::new(values.clone(), shape.clone()),
-            &tensor.device(),
-        );
-        let loaded = if tensor.is_require_grad() {
-            loaded.require_grad()
-        } else {
-            loaded
-        };
-        Param::from_mapped_value(id, loaded, mapper)
-    }
+    RECORD.get_or_init(|| common::record(&CONFIG, 3))
 }
 
 /// The optimizer of a run.
@@ -207,7 +167,7 @@ where
         type A<I> = Autodiff<Hsdp<I>>;
         let rank = comm.rank();
         let model: Gpt<A<I>> = CONFIG.init(&device);
-        let model = model.map(&mut Load(record.iter()));
+        let model = model.map(&mut common::Load(record.iter()));
         let (masters, grads) = case.placement;
         let config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
             .with_format(case.format)
@@ -238,7 +198,13 @@ where
                 // The last step alone (forward, backward, update).
                 runtime.take_counters();
             }
-            let loss = model.loss(tokens::<A<I>>(step, rank * rows, rows, &device));
+            let loss = model.loss(common::tokens::<A<I>>(
+                &CONFIG,
+                step,
+                rank * rows,
+                rows,
+                &device,
+            ));
             losses.push(loss.clone().into_scalar().elem::<f32>());
             let _ = loss.backward();
             model = match &mut optim {

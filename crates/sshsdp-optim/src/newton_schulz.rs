@@ -70,17 +70,7 @@ pub fn newton_schulz<B: Backend>(
     let norm = g.clone().powi_scalar(2).sum().sqrt().add_scalar(NS_EPS);
     let x = g.div(norm.unsqueeze::<2>());
 
-    let x = match precision {
-        NsPrecision::F32 => iterate(x, steps, &|t| t),
-        NsPrecision::Bf16 => {
-            let device = x.device();
-            if B::supports_dtype(&device, DType::BF16) {
-                iterate(x.cast(FloatDType::BF16), steps, &|t| t).cast(out_dtype)
-            } else {
-                iterate(round_bf16(x), steps, &round_bf16)
-            }
-        }
-    };
+    let x = iterate_in(x, steps, precision, out_dtype);
 
     if transposed {
         x.transpose()
@@ -112,7 +102,23 @@ pub fn newton_schulz_batched<B: Backend>(
         .add_scalar(NS_EPS);
     let x = g.div(norm);
 
-    let x = match precision {
+    let x = iterate_in(x, steps, precision, out_dtype);
+
+    if transposed {
+        x.swap_dims(1, 2)
+    } else {
+        x
+    }
+}
+
+/// The `steps` iterations in `precision`, returning `out_dtype` (see [`NsPrecision`]).
+fn iterate_in<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    steps: usize,
+    precision: NsPrecision,
+    out_dtype: FloatDType,
+) -> Tensor<B, D> {
+    match precision {
         NsPrecision::F32 => iterate(x, steps, &|t| t),
         NsPrecision::Bf16 => {
             let device = x.device();
@@ -122,12 +128,6 @@ pub fn newton_schulz_batched<B: Backend>(
                 iterate(round_bf16(x), steps, &round_bf16)
             }
         }
-    };
-
-    if transposed {
-        x.swap_dims(1, 2)
-    } else {
-        x
     }
 }
 

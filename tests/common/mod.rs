@@ -1,0 +1,58 @@
+//! Helpers shared by the GPT training tests (`mixed_precision.rs`, `wgpu_backend.rs`):
+//! deterministic batches, a recorded initial model, and a mapper loading it into any backend.
+
+use burn::backend::NdArray;
+use burn::module::{ModuleMapper, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use sshsdp::models::{Gpt, GptConfig};
+
+/// `rows` sequences of `config.seq + 1` tokens of step `step`, starting at sequence `first` of
+/// the step's global batch (the same tokens whatever the backend or world size).
+pub fn tokens<B: Backend>(
+    config: &GptConfig,
+    step: usize,
+    first: usize,
+    rows: usize,
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    let w = config.seq + 1;
+    let data: Vec<i64> = (first * w..(first + rows) * w)
+        .map(|i| ((i * 7 + step * 13 + (i / w) * 3) % config.vocab) as i64)
+        .collect();
+    Tensor::from_data(TensorData::new(data, [rows, w]), device)
+}
+
+/// A GPT's initial weights drawn on the CPU after seeding Burn's RNG with `seed`, parameter by
+/// parameter in module order. Call it once per process (behind a `OnceLock`): Burn's RNG is
+/// global and tests run in parallel.
+pub fn record(config: &GptConfig, seed: u64) -> Vec<(Vec<usize>, Vec<f32>)> {
+    let device = Default::default();
+    NdArray::<f32>::seed(&device, seed);
+    let model: Gpt<NdArray<f32>> = config.init(&device);
+    sshsdp::backend::named_params(&model)
+        .unwrap()
+        .into_iter()
+        .map(|p| (p.shape, p.values))
+        .collect()
+}
+
+/// Replaces every float parameter, in module order, with the next recorded values.
+pub struct Load<'a>(pub std::slice::Iter<'a, (Vec<usize>, Vec<f32>)>);
+
+impl<B: Backend> ModuleMapper<B> for Load<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let (shape, values) = self.0.next().expect("the same model structure");
+        let loaded = Tensor::from_data(
+            TensorData::new(values.clone(), shape.clone()),
+            &tensor.device(),
+        );
+        let loaded = if tensor.is_require_grad() {
+            loaded.require_grad()
+        } else {
+            loaded
+        };
+        Param::from_mapped_value(id, loaded, mapper)
+    }
+}
