@@ -45,6 +45,7 @@ use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
@@ -62,6 +63,8 @@ use common::{cpu_ticks, median, others_share, LIVE, PEAK};
 
 type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
+/// `B` with Burn's activation checkpointing.
+type Checkpointing = Autodiff<Hsdp<Inner>, BalancedCheckpointing>;
 
 const VOCAB: usize = 256;
 const D: usize = 256;
@@ -119,8 +122,14 @@ struct Mode {
     reshard: bool,
     /// Replicas of the mesh (1: flat).
     replicas: usize,
-    /// Where masters (and optimizer state) and gradients live.
+    /// Where masters and gradients live (and the optimizer state, with the optimizer on the
+    /// model's backend).
     storage: Placement,
+    /// AdamW on the CPU (NdArray) over host views (`step_offloaded`): its state off the device.
+    offload: bool,
+    /// Burn's `BalancedCheckpointing` (activation checkpointing: memory-bound ops recomputed
+    /// in backward) instead of keeping every activation.
+    checkpointing: bool,
     /// Name of the mode this one's ratio is against.
     baseline: &'static str,
 }
@@ -135,6 +144,8 @@ const MESH_MODES: [Mode; 2] = [
         reshard: false,
         replicas: 2,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style HSDP 2×2",
     },
     Mode {
@@ -145,11 +156,13 @@ const MESH_MODES: [Mode; 2] = [
         reshard: false,
         replicas: 2,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style HSDP 2×2",
     },
 ];
 
-const MODES: [Mode; 8] = [
+const MODES: [Mode; 9] = [
     Mode {
         name: "Ddp",
         sharding: Sharding::Ddp,
@@ -158,6 +171,8 @@ const MODES: [Mode; 8] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -168,6 +183,8 @@ const MODES: [Mode; 8] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -178,6 +195,8 @@ const MODES: [Mode; 8] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -188,6 +207,8 @@ const MODES: [Mode; 8] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Device,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -198,6 +219,8 @@ const MODES: [Mode; 8] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -208,6 +231,8 @@ const MODES: [Mode; 8] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style",
     },
     Mode {
@@ -218,6 +243,8 @@ const MODES: [Mode; 8] = [
         reshard: true,
         replicas: 1,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
         baseline: "Fsdp2Style reshard",
     },
     Mode {
@@ -228,6 +255,20 @@ const MODES: [Mode; 8] = [
         reshard: true,
         replicas: 1,
         storage: Placement::Host,
+        offload: false,
+        checkpointing: false,
+        baseline: "Fsdp2Style reshard",
+    },
+    Mode {
+        name: "SS-HSDP f32 reshard + activation checkpointing",
+        sharding: Sharding::Hierarchical,
+        copy: CopyMode::ZeroCopy,
+        format: RuntimeFormat::F32,
+        reshard: true,
+        replicas: 1,
+        storage: Placement::Host,
+        offload: false,
+        checkpointing: true,
         baseline: "Fsdp2Style reshard",
     },
 ];
@@ -267,14 +308,14 @@ fn plain(init: &Gpt<B>, steps: usize) -> Row {
 }
 
 /// `mode` at `world` over `Hsdp<I>` on `device` (every rank drives it), from `init`.
-fn sharded<I: Backend>(
-    init: &Gpt<Autodiff<Hsdp<I>>>,
+fn sharded<I: Backend, C: CheckpointStrategy>(
+    init: &Gpt<Autodiff<Hsdp<I>, C>>,
     world: usize,
     mode: &Mode,
     steps: usize,
     device: &I::Device,
 ) -> Result<Row, String> {
-    type A<I> = Autodiff<Hsdp<I>>;
+    type A<I, C> = Autodiff<Hsdp<I>, C>;
     let base = reset_peak();
     let results = ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
         let rank = comm.rank();
@@ -287,14 +328,16 @@ fn sharded<I: Backend>(
             .with_master_placement(mode.storage)
             .with_grad_placement(mode.storage)
             .with_bucket_elements(BUCKET_ELEMENTS);
-        let (mut model, runtime) =
-            shard::<A<I>, _, _>(init.clone(), config, comm, device).map_err(|e| e.to_string())?;
+        let (mut model, runtime) = shard::<A<I, C>, _, _>(init.clone(), config, comm, device)
+            .map_err(|e| e.to_string())?;
         let options = TrafficOptions {
             reshard_after_forward: mode.reshard,
             muon_exchange: None,
         };
         let projected = StepTraffic::of(runtime.plan(), options);
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
+        let mut offloaded =
+            ShardedOptimizer::<Inner, _>::new(AdamWConfig::new().build(), Default::default());
         let local = BATCH / world;
         let mut times = Vec::new();
         let mut counters = Default::default();
@@ -309,12 +352,15 @@ fn sharded<I: Backend>(
         for step in 0..WARMUP + steps {
             runtime.take_counters();
             let t = Instant::now();
-            let loss = model.loss(tokens::<A<I>>(local, step * world + rank, device));
+            let loss = model.loss(tokens::<A<I, C>>(local, step * world + rank, device));
             sample(step >= WARMUP);
             let _ = loss.backward();
-            model = optim
-                .step(1e-3, model, &runtime)
-                .map_err(|e| e.to_string())?;
+            model = if mode.offload {
+                offloaded.step_offloaded(1e-3, model, &runtime)
+            } else {
+                optim.step(1e-3, model, &runtime)
+            }
+            .map_err(|e| e.to_string())?;
             let secs = t.elapsed().as_secs_f64();
             sample(step >= WARMUP);
             counters = runtime.take_counters();
@@ -421,7 +467,12 @@ fn device_table(steps: usize) {
     for world in [1, 2] {
         for format in [RuntimeFormat::F32, RuntimeFormat::Mxfp8] {
             let mut host_secs = None;
-            for storage in [Placement::Host, Placement::Device] {
+            let storages = [
+                ("Host", Placement::Host, false),
+                ("Host, AdamW on the CPU", Placement::Host, true),
+                ("Device", Placement::Device, false),
+            ];
+            for (storage, placement, offload) in storages {
                 let mode = Mode {
                     name: "device table",
                     sharding: Sharding::Hierarchical,
@@ -429,12 +480,14 @@ fn device_table(steps: usize) {
                     format,
                     reshard: false,
                     replicas: 1,
-                    storage,
+                    storage: placement,
+                    offload,
+                    checkpointing: false,
                     baseline: "host storage",
                 };
-                eprintln!("Hsdp<Wgpu> world {world}: {format:?}, {storage:?} storage");
-                let row = sharded::<Wgpu>(&init, world, &mode, steps, &device);
-                if storage == Placement::Host {
+                eprintln!("Hsdp<Wgpu> world {world}: {format:?}, {storage} storage");
+                let row = sharded(&init, world, &mode, steps, &device);
+                if storage == "Host" {
                     host_secs = row.as_ref().ok().map(|r| r.secs);
                 }
                 rows.push((world, format, storage, row, host_secs));
@@ -448,9 +501,11 @@ fn device_table(steps: usize) {
          for this table alone). The same GPT and batch on `Autodiff<Hsdp<Wgpu>>` (CubeCL's wgpu \
          runtime on the default adapter: Mesa's lavapipe on a machine without a GPU), AdamW, \
          flat mesh, threads engine with every rank on the one device; median of {steps} steps \
-         after {WARMUP} warm-up. Host storage: fp32 masters, AdamW state and gradient buckets on \
-         the host; device storage: all three on the device, the runtime bytes re-derived there \
-         (MXFP8). Runtime shards and collectives are on the host in both (the staged path)."
+         after {WARMUP} warm-up. Host storage: fp32 masters and gradient buckets on the host, \
+         AdamW (a Burn optimizer on the model's backend) and its state on the device; host with \
+         AdamW on the CPU: the optimizer on NdArray over host views (`step_offloaded`), its \
+         state off the device (FSDP2's CPU offload); device storage: masters, state and \
+         gradients on the device, the runtime bytes re-derived there (MXFP8). Runtime shards and collectives are on the host in both (the staged path)."
     );
     println!(
         "\n| world | format | storage | step ms | / host storage | to / from device MiB per step \
@@ -465,7 +520,7 @@ fn device_table(steps: usize) {
                     format!("{:.1} / {:.1}", mib(u), mib(res))
                 });
                 println!(
-                    "| {world} | {format:?} | {storage:?} | {:.0} | {ratio} | {:.2} / {:.2} | \
+                    "| {world} | {format:?} | {storage} | {:.0} | {ratio} | {:.2} / {:.2} | \
                      {memory} | {:.0} |",
                     r.secs * 1e3,
                     mib(r.traffic.0),
@@ -474,7 +529,7 @@ fn device_table(steps: usize) {
                 );
             }
             Err(reason) => {
-                println!("| {world} | {format:?} | {storage:?} | n/a: {reason} | | | | |")
+                println!("| {world} | {format:?} | {storage} | n/a: {reason} | | | | |")
             }
         }
     }
@@ -497,6 +552,11 @@ fn cpu_table(steps: usize) {
     B::seed(&device, 1);
     let init: Gpt<B> = CONFIG.init(&device);
     let params = named_params(&init).expect("parameters");
+    // The same weights on the activation-checkpointing backend (the same seed, read whole the
+    // same way, so Burn's RNG draws the same values).
+    B::seed(&device, 1);
+    let init_checkpointing: Gpt<Checkpointing> = CONFIG.init(&device);
+    named_params(&init_checkpointing).expect("parameters");
     let total: usize = params.iter().map(|p| p.values.len()).sum();
     let embeddings: usize = params
         .iter()
@@ -520,7 +580,12 @@ fn cpu_table(steps: usize) {
         let modes = MODES.iter().chain(MESH_MODES.iter().filter(|_| world == 4));
         for mode in modes.clone() {
             eprintln!("world {world}: {}", mode.name);
-            done.push((mode.name, sharded(&init, world, mode, steps, &device)));
+            let row = if mode.checkpointing {
+                sharded(&init_checkpointing, world, mode, steps, &device)
+            } else {
+                sharded(&init, world, mode, steps, &device)
+            };
+            done.push((mode.name, row));
         }
         let secs_of = |name: &str| {
             done.iter()

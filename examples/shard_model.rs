@@ -62,7 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ranks = ThreadsWorld::run(2, ThreadsConfig::default(), |comm| {
         let device = Default::default();
         let rank = comm.rank();
-        let model = Mlp::<Sharded>::new(&device); // rank 0's weights win: `shard` broadcasts
+        let model = Mlp::<Sharded>::new(&device); // lazy: rank 0 draws it in `shard`
         let config = HsdpConfig::new(Mesh::flat(2)?); // .with_format(RuntimeFormat::Bf16), ...
         let (mut model, runtime) = shard::<Sharded, _, _>(model, config, comm, &device)?;
         let mut optim = ShardedOptimizer::new(AdamWConfig::new().build(), device);

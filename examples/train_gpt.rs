@@ -346,6 +346,17 @@ mod tests {
         }
     }
 
+    /// The tests' defaults (what `main` would take from the example).
+    fn tiny_defaults() -> Defaults {
+        Defaults {
+            steps: 1,
+            lr: 3e-3,
+            warmup: 1,
+            eval_every: 0,
+            out: "unused",
+        }
+    }
+
     /// 3 steps with `first` flags and a checkpoint, resumed for 3 more with `second` flags;
     /// metrics, plot and sample land in the output directory.
     fn save_and_resume(tag: &str, first: &[&str], second: &[&str]) {
@@ -359,14 +370,9 @@ mod tests {
                 .collect();
             v.push(dir.join("out").display().to_string());
             v.extend(extra.iter().map(|s| s.to_string()));
-            let defaults = Defaults {
-                steps: 1,
-                lr: 3e-3,
-                warmup: 1,
-                eval_every: 0,
-                out: "unused",
-            };
-            parse_args(v, &defaults, |_, _| Ok(false)).unwrap().unwrap()
+            parse_args(v, &tiny_defaults(), |_, _| Ok(false))
+                .unwrap()
+                .unwrap()
         };
         let ckpt = dir.join("ckpt").display().to_string();
         let first = [first, &["--save", &ckpt]].concat();
@@ -419,6 +425,57 @@ mod tests {
             &["--ranks", "2", "--backend", "wgpu", "--format", "mxfp8"],
             &["--ranks", "1", "--backend", "flex", "--format", "mxfp8"],
         );
+    }
+
+    /// Trained weights exported from 2 ranks start a 1-rank run (`--init-from`): its first
+    /// loss, on the first run's first batch, is the trained model's, below the untrained one;
+    /// and the file it exports in turn opens as a safetensors file of every parameter.
+    #[test]
+    fn exports_weights_and_starts_from_them_at_another_world_size() {
+        let dir = std::env::temp_dir().join(format!("train_gpt_export_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let task = tiny_task();
+        let defaults = tiny_defaults();
+        let out = dir.join("out").display().to_string();
+        let run = |extra: &[&str]| {
+            let v = [&["--eval-every", "0", "--out", &out], extra].concat();
+            let args = parse_args(v.iter().map(|s| s.to_string()), &defaults, |_, _| Ok(false));
+            common::run(&task, &args.unwrap().unwrap())
+                .unwrap()
+                .unwrap()
+        };
+        let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+        let (a_s, b_s) = (a.display().to_string(), b.display().to_string());
+        let trained = run(&["--ranks", "2", "--steps", "4", "--export", &a_s]);
+        let resumed = run(&[
+            "--ranks",
+            "1",
+            "--steps",
+            "1",
+            "--init-from",
+            &a_s,
+            "--export",
+            &b_s,
+        ]);
+        assert!(
+            resumed.first_loss < trained.first_loss - 0.05,
+            "imported weights: {} vs untrained {}",
+            resumed.first_loss,
+            trained.first_loss
+        );
+        let source = sshsdp::checkpoint::SafetensorsSource::open(&b).unwrap();
+        let model = common::Task::<common::Flex>::init(&task, &Default::default());
+        let params = sshsdp::backend::param_shapes(&model);
+        assert_eq!(source.names().count(), params.len());
+        assert!(parse_args(
+            ["--init-from", "x", "--resume", "y"]
+                .iter()
+                .map(|s| s.to_string()),
+            &defaults,
+            |_, _| Ok(false)
+        )
+        .is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

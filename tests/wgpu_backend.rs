@@ -62,6 +62,8 @@ enum Opt {
     AdamW,
     /// Distributed Muon on hidden matrices, AdamW on the rest.
     Muon,
+    /// AdamW on NdArray over host views (`step_offloaded`): its state off the device.
+    AdamWOnCpu,
 }
 
 /// One training configuration.
@@ -108,6 +110,7 @@ struct Checkpoints<'a> {
 enum Optimizer<I: Backend> {
     AdamW(ShardedOptimizer<I, AdamW>),
     Muon(ShardedMuon<I, AdamW>),
+    OnCpu(ShardedOptimizer<NdArray<f32>, AdamW>),
 }
 
 /// Losses of every rank's local batch, averaged, at each step.
@@ -183,11 +186,13 @@ where
                 let muon = MuonConfig::new().with_scale(UpdateScale::MatchAdamW).init();
                 Optimizer::Muon(ShardedMuon::new(muon, adamw, device.clone()))
             }
+            Opt::AdamWOnCpu => Optimizer::OnCpu(ShardedOptimizer::new(adamw, Default::default())),
         };
         if let Some(dir) = checkpoints.resume {
             let step = match &mut optim {
                 Optimizer::AdamW(o) => checkpoint::load(dir, &runtime, &mut PieceStates::new(o)),
                 Optimizer::Muon(o) => checkpoint::load(dir, &runtime, o),
+                Optimizer::OnCpu(o) => checkpoint::load(dir, &runtime, &mut PieceStates::new(o)),
             };
             assert_eq!(step.unwrap(), steps.start as u64);
         }
@@ -210,6 +215,7 @@ where
             model = match &mut optim {
                 Optimizer::AdamW(o) => o.step(1e-2, model, &runtime),
                 Optimizer::Muon(o) => o.step(1e-2, model, &runtime),
+                Optimizer::OnCpu(o) => o.step_offloaded(1e-2, model, &runtime),
             }
             .unwrap();
         }
@@ -220,6 +226,9 @@ where
                     checkpoint::save(dir, &runtime, &PieceStates::new(o), steps.end as u64)
                 }
                 Optimizer::Muon(o) => checkpoint::save(dir, &runtime, o, steps.end as u64),
+                Optimizer::OnCpu(o) => {
+                    checkpoint::save(dir, &runtime, &PieceStates::new(o), steps.end as u64)
+                }
             };
             saved.unwrap();
         }
@@ -379,6 +388,36 @@ fn full_matrix() -> Vec<Case> {
 
 /// Steps of each configuration of the matrix.
 const MATRIX_STEPS: usize = 5;
+
+/// CPU offload: AdamW on NdArray over host views of a `Hsdp<Wgpu>` model's host masters
+/// (its state never on the device) trains like AdamW on the device, and like NdArray
+/// throughout, in f32 and MXFP8.
+#[test]
+fn adamw_on_the_cpu_under_a_wgpu_model_trains_like_adamw_on_the_device() {
+    for format in [RuntimeFormat::F32, RuntimeFormat::Mxfp8] {
+        let on_device = Case::new(format);
+        let on_cpu = Case {
+            optim: Opt::AdamWOnCpu,
+            ..on_device
+        };
+        let none = Checkpoints::default();
+        let gpu = run::<Wgpu>(on_device, 0..MATRIX_STEPS, none, Default::default());
+        let offloaded = run::<Wgpu>(on_cpu, 0..MATRIX_STEPS, none, Default::default());
+        let cpu = run::<NdArray<f32>>(on_device, 0..MATRIX_STEPS, none, Default::default());
+        let tolerance = match format {
+            RuntimeFormat::F32 => 1e-5,
+            _ => 2e-3,
+        };
+        for step in 0..MATRIX_STEPS {
+            let (a, b, c) = (offloaded.losses[step], gpu.losses[step], cpu.losses[step]);
+            assert!(
+                (a - b).abs() <= tolerance * b.abs() && (a - c).abs() <= tolerance * c.abs(),
+                "{format:?} step {step}: offloaded {a}, on the device {b}, NdArray {c}"
+            );
+        }
+        assert!(offloaded.losses[MATRIX_STEPS - 1] < offloaded.losses[0]);
+    }
+}
 
 #[test]
 fn device_storage_on_wgpu_trains_like_host_storage_on_ndarray_pairwise() {

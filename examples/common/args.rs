@@ -41,6 +41,10 @@ pub struct Args {
     pub save: Option<PathBuf>,
     /// `--resume DIR`: continue from a checkpoint (any world size or mesh).
     pub resume: Option<PathBuf>,
+    /// `--init-from FILE`: initial weights from a safetensors file (each rank reads its shard).
+    pub init_from: Option<PathBuf>,
+    /// `--export FILE`: write the trained weights as one safetensors file at the end.
+    pub export: Option<PathBuf>,
     /// `--seed N`: initial weights and data order.
     pub seed: u64,
     /// `--trace FILE`: write a Chrome trace of every rank's communication timeline.
@@ -144,6 +148,10 @@ Output:
   --eval-every N       steps between held-out evaluations (0: at the end only)
   --save DIR           write a sharded checkpoint at the end
   --resume DIR         continue from a checkpoint written at any world size or mesh
+  --init-from FILE     initial weights from a safetensors file (e.g. an --export; names are
+                       module paths, shapes Burn's); each rank reads only its shard
+  --export FILE        write the trained weights as one safetensors file (streamed bucket by
+                       bucket through rank 0; plain Burn's SafetensorsStore loads it)
   --trace FILE         Chrome-trace JSON of every collective and every wait on one (open it in
                        Perfetto); under mpirun rank r > 0 writes FILE.rank<r>
   -h, --help           this help";
@@ -179,6 +187,8 @@ pub fn parse_args(
         out: PathBuf::from(defaults.out),
         save: None,
         resume: None,
+        init_from: None,
+        export: None,
         seed: 0,
         trace: None,
         backend: BackendKind::Flex,
@@ -247,6 +257,8 @@ pub fn parse_args(
             "--out" => out.out = PathBuf::from(value()?),
             "--save" => out.save = Some(PathBuf::from(value()?)),
             "--resume" => out.resume = Some(PathBuf::from(value()?)),
+            "--init-from" => out.init_from = Some(PathBuf::from(value()?)),
+            "--export" => out.export = Some(PathBuf::from(value()?)),
             "--trace" => out.trace = Some(PathBuf::from(value()?)),
             "--backend" => {
                 out.backend = match value()?.as_str() {
@@ -286,6 +298,9 @@ pub fn parse_args(
         BackendKind::Flex => Placement::Host,
         BackendKind::Wgpu | BackendKind::Cuda => Placement::Device,
     });
+    if out.init_from.is_some() && out.resume.is_some() {
+        return Err("--init-from and --resume both set the weights: give one".into());
+    }
     if let (Some(n), Some(mesh)) = (out.ranks, out.mesh) {
         if n != mesh.world_size() {
             return Err(format!(

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use sshsdp::backend::named_params;
+use sshsdp::backend::param_shapes;
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 #[cfg(feature = "mpi")]
 use sshsdp::comm::Collective;
@@ -70,11 +70,13 @@ pub fn engine_and_mesh(args: &Args, example: &str) -> Result<(Engine, Mesh), Str
     }
 }
 
-/// Number of parameters of `model`.
+/// Number of parameters of `model` (from their shapes: nothing is initialised; `shard` draws
+/// the initial values on rank 0, one bucket at a time).
 pub fn parameter_count<A: Backend, M: Module<A>>(model: &M) -> usize {
-    named_params(model)
-        .map(|ps| ps.iter().map(|p| p.values.len()).sum())
-        .unwrap_or(0)
+    param_shapes(model)
+        .iter()
+        .map(|(_, shape)| shape.iter().product::<usize>())
+        .sum()
 }
 
 /// Runs `task` with `args` on the backend `args.backend` names.

@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use burn::tensor::ElementConversion;
 use indicatif::{ProgressBar, ProgressStyle};
-use sshsdp::backend::{shard, HsdpConfig};
+use sshsdp::backend::{shard, shard_from, HsdpConfig};
+use sshsdp::checkpoint::{export_safetensors, SafetensorsSource};
 use sshsdp::comm::{Collective, ReduceOp};
 use sshsdp::plan::Mesh;
 
@@ -32,8 +33,15 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         .with_grad_placement(args.storage)
         .with_mixed_precision(args.precision)
         .with_trace(args.trace.is_some());
-    let (mut model, runtime) = shard::<Train<I>, _, _>(init.clone(), config, comm, &device)
-        .map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;
+    let sharded = match &args.init_from {
+        Some(file) => {
+            let source = SafetensorsSource::open(file).map_err(|e| e.to_string())?;
+            shard_from::<Train<I>, _, _>(init.clone(), config, comm, &device, &source)
+        }
+        None => shard::<Train<I>, _, _>(init.clone(), config, comm, &device),
+    };
+    let (mut model, runtime) =
+        sharded.map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;
     let mut optim = Optim::<I>::new(args.optim, args.clip, &device);
     let first = match &args.resume {
         Some(dir) => optim.load(dir, &runtime)? as usize,
@@ -60,6 +68,9 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
                 "resumed at step {first} from {}",
                 args.resume.as_ref().unwrap().display()
             );
+        }
+        if let Some(file) = &args.init_from {
+            println!("initial weights from {}", file.display());
         }
     }
     let csv = args.out.join("metrics.csv");
@@ -206,6 +217,12 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
                 "saved a {world}-rank checkpoint at step {last} to {}",
                 dir.display()
             );
+        }
+    }
+    if let Some(file) = &args.export {
+        export_safetensors(&runtime, file).map_err(|e| e.to_string())?;
+        if lead {
+            println!("exported the weights at step {last} to {}", file.display());
         }
     }
     if lead {

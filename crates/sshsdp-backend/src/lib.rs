@@ -51,7 +51,10 @@ pub use config::{CopyMode, HsdpConfig, MixedPrecision, NonFinitePolicy, Precisio
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};
-pub use shard::{named_params, refresh_leaves, shard, shard_with, NamedParam};
+pub use shard::{
+    named_params, param_shapes, refresh_leaves, shard, shard_from, shard_with, NamedParam,
+    ParamSource,
+};
 pub use storage::{DeviceMemory, Placement};
 pub use tensor::{HsdpFloat, ParamHandle};
 pub use timeline::{chrome_trace, Span, Track};

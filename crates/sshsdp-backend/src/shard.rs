@@ -5,6 +5,13 @@
 //! `ParamId`, so all ranks agree; ranks compare plan fingerprints before anything else and a
 //! mismatch is an error on every rank. Initial values are broadcast from rank 0, so ranks that
 //! initialised their modules differently still start identical.
+//!
+//! Registration streams: the plan is built from shapes alone (Burn's lazy parameters report
+//! theirs without initialising), then bucket by bucket rank 0 initialises and reads that
+//! bucket's parameters (in plan order, so Burn's process-global RNG draws what it would have
+//! drawn for the whole module), broadcasts the bucket, and drops its copies; every rank keeps
+//! its runtime shard. No rank holds more than about two buckets besides its shards, and ranks
+//! other than 0 never initialise a lazy parameter at all.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -102,7 +109,118 @@ pub fn named_params<B: burn::tensor::backend::Backend, M: Module<B>>(
     }
 }
 
-/// Swaps each float parameter for a handle into bucket storage.
+/// Initial values for [`shard_from`] read straight into each rank's shards instead of from the
+/// module (e.g. a safetensors file, `sshsdp_checkpoint::SafetensorsSource`): each rank asks only
+/// for the element ranges of its own runtime shard, so no rank ever holds the whole model.
+pub trait ParamSource: Send + Sync {
+    /// Whether the source has parameter `path` with `shape` in a dtype it can read; the error
+    /// names the parameter and what differs. Called on every rank for every parameter before
+    /// anything is read.
+    fn check(&self, path: &str, shape: &[usize]) -> Result<(), String>;
+    /// Elements `range` (row-major, flattened) of parameter `path`, as f32, into `out`
+    /// (`range.len()` elements).
+    fn read(
+        &self,
+        path: &str,
+        range: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), String>;
+}
+
+/// Collects each float parameter's path and shape (in module order) without initialising it.
+struct ShapeCollector {
+    paths: PathTracker,
+    specs: Vec<ParamSpec>,
+}
+
+impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShapeCollector {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.paths.enter(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.paths.exit();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let order = self.specs.len() as u64;
+        self.specs.push(
+            ParamSpec::new(self.paths.path(), param.lazy_shape().to_vec(), DType::F32)
+                .with_order(order),
+        );
+    }
+}
+
+/// A one-element stand-in for a parameter's value: what a parameter holds between the moment
+/// its value is read into a bucket and the moment it becomes a handle into the runtime.
+fn placeholder<B: burn::tensor::backend::Backend, const D: usize>(
+    device: &B::Device,
+    require_grad: bool,
+) -> Tensor<B, D> {
+    Tensor::<B, D>::zeros([1; D], device).set_require_grad(require_grad)
+}
+
+/// Rank 0's reader of one bucket: initialises (if lazy) and reads each member parameter into
+/// the bucket's fp32 element space, and leaves a [`placeholder`] in its place so the module
+/// holds no copy of the values once they are in the bucket.
+struct BucketReader<'a> {
+    paths: PathTracker,
+    /// Path → member index in the bucket.
+    members: HashMap<&'a str, usize>,
+    codec: &'a BucketCodec,
+    full: &'a mut [f32],
+    error: Option<String>,
+}
+
+impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for BucketReader<'_> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.paths.enter(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.paths.exit();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let path = self.paths.path();
+        let Some(&k) = self.members.get(path.as_str()) else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let (device, require_grad) = (tensor.device(), tensor.is_require_grad());
+        match tensor.into_data().convert::<f32>().into_vec::<f32>() {
+            Ok(values) => self.codec.place(k, &values, self.full),
+            Err(e) => {
+                self.error.get_or_insert(format!("reading {path}: {e:?}"));
+            }
+        }
+        Param::from_mapped_value(id, placeholder::<B, D>(&device, require_grad), mapper)
+    }
+}
+
+/// Every float parameter's module path and shape, in module order, without initialising any
+/// (Burn's lazy parameters report their shapes): what [`shard`] plans from.
+pub fn param_shapes<B: burn::tensor::backend::Backend, M: Module<B>>(
+    module: &M,
+) -> Vec<(String, Vec<usize>)> {
+    param_specs(module)
+        .into_iter()
+        .map(|s| (s.path, s.shape))
+        .collect()
+}
+
+/// Every float parameter's spec (path, lazy shape, module order), without initialising any.
+fn param_specs<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> Vec<ParamSpec> {
+    let mut shapes = ShapeCollector {
+        paths: PathTracker::default(),
+        specs: Vec::new(),
+    };
+    module.visit(&mut shapes);
+    shapes.specs
+}
+
+/// Swaps each float parameter for a handle into bucket storage, without initialising the
+/// parameters that are still lazy.
 struct Swapper<B: ShardableBackend> {
     paths: PathTracker,
     runtime: Arc<Runtime<B::Inner>>,
@@ -119,10 +237,21 @@ impl<B: ShardableBackend> ModuleMapper<B> for Swapper<B> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
         let index = self.index[&self.paths.path()];
-        let require_grad = tensor.is_require_grad();
-        let handle = ParamHandle::new(self.runtime.clone(), index, tensor.shape());
+        // A lazy parameter takes a placeholder through Burn's load path, which gives it its
+        // gradient setting without running its initialiser.
+        let param = if param.is_initialized() {
+            param
+        } else {
+            let id = param.id;
+            let device = param.lazy_device();
+            param.transform_for_load(placeholder::<B, D>(&device, false), id)
+        };
+        let (id, value, mapper) = param.consume();
+        let require_grad = value.is_require_grad();
+        drop(value);
+        let shape = self.runtime.plan().params()[index].spec.shape.clone();
+        let handle = ParamHandle::new(self.runtime.clone(), index, shape.into());
         Param::from_mapped_value(
             id,
             leaf::<B, D>(HsdpFloat::Param(handle), require_grad),
@@ -215,13 +344,50 @@ where
     M: Module<B>,
     F: CommFactory,
 {
+    shard_aborting::<B, M, F>(module, config, factory, device, None)
+}
+
+/// [`shard`] with the initial values read from `source` instead of the module: the module gives
+/// only its structure and parameter shapes (its lazy parameters are never initialised, on any
+/// rank), and each rank reads just its runtime shard's element ranges from `source`. A missing
+/// parameter, a shape or dtype the source cannot give, or a failed read is an error on every
+/// rank, naming the parameter.
+pub fn shard_from<B, M, C>(
+    module: M,
+    config: HsdpConfig,
+    comm: C,
+    device: &B::Device,
+    source: &dyn ParamSource,
+) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
+where
+    B: ShardableBackend,
+    M: Module<B>,
+    C: Collective + Send + 'static,
+{
+    let factory = SplitLanes::new(comm, RUNTIME_LANES)?;
+    shard_aborting::<B, M, _>(module, config, factory, device, Some(source))
+}
+
+/// [`shard_on`] over `factory`; on a local error, aborts the factory's communicators: the
+/// others may be waiting in a collective of `shard` for this rank, so they fail now (where the
+/// engine can) rather than at their timeouts.
+fn shard_aborting<B, M, F>(
+    module: M,
+    config: HsdpConfig,
+    factory: F,
+    device: &B::Device,
+    source: Option<&dyn ParamSource>,
+) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
+where
+    B: ShardableBackend,
+    M: Module<B>,
+    F: CommFactory,
+{
     let rank = factory.rank();
     let factory = Arc::new(factory);
     let lanes: Arc<dyn crate::comm::LaneFactory> = factory.clone();
-    let sharded = shard_on::<B, M>(module, config, lanes, device);
+    let sharded = shard_on::<B, M>(module, config, lanes, device, source);
     if let Err(e) = &sharded {
-        // The others may be waiting in a collective of `shard` for this rank: fail them now
-        // (where the engine can) rather than leave them to their timeouts.
         factory.abort(&format!("rank {rank} failed in shard: {e}"));
     }
     sharded
@@ -233,6 +399,7 @@ fn shard_on<B, M>(
     config: HsdpConfig,
     factory: Arc<dyn crate::comm::LaneFactory>,
     device: &B::Device,
+    source: Option<&dyn ParamSource>,
 ) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
 where
     B: ShardableBackend,
@@ -253,47 +420,86 @@ where
     // What this rank can get wrong on its own is folded into the plan agreement, so that it is
     // an error on every rank in that same call (on MPI too, whose peers would otherwise wait).
     let local = check_backend::<B::Inner>(device, &config)
-        .and_then(|()| local_plan(&module, &config, &*factory));
+        .and_then(|()| local_plan(&module, &config, &*factory))
+        .and_then(|plan| match source {
+            Some(source) => check_source(&plan, source).map(|()| plan),
+            None => Ok(plan),
+        });
     let (replicas, shards) = (config.mesh.replicas(), config.mesh.shards());
     let comm = match factory.connect_mesh(LaneId::Bootstrap, replicas, shards) {
         Ok(comm) => comm,
         Err(e) => return Err(local.err().unwrap_or(e.into())),
     };
-    let (params, plan) = agree_on_plan(&*comm, local)?;
+    let plan = agree_on_plan(&*comm, local)?;
 
-    let values: HashMap<&str, &[f32]> = params
-        .iter()
-        .map(|p| (p.path.as_str(), p.values.as_slice()))
-        .collect();
     let rank = comm.world_rank();
     let shard_index = plan.runtime_shard_of(rank)?;
-    let mut shards = Vec::with_capacity(plan.buckets().len());
     let codecs: Vec<BucketCodec> = (0..plan.buckets().len())
         .map(|b| BucketCodec::new(&plan, b))
         .collect();
-    // The bucket's fp32 element space; the runtime keeps this rank's piece as its fp32 master
-    // weights and encodes its runtime shard from it.
-    for (bucket, codec) in plan.buckets().iter().zip(&codecs) {
-        let mut full = vec![0f32; codec.bucket_elems()];
-        for (k, p) in plan.params()[bucket.params.clone()].iter().enumerate() {
-            codec.place(k, values[p.spec.path.as_str()], &mut full);
-        }
-        comm.broadcast_world(&mut full)?;
-        let shard_len = full.len() / plan.runtime_shards();
-        shards.push(full[shard_index * shard_len..(shard_index + 1) * shard_len].to_vec());
-    }
     let index: HashMap<String, usize> = plan
         .params()
         .iter()
         .enumerate()
         .map(|(i, p)| (p.spec.path.clone(), i))
         .collect();
+    // Bucket by bucket. From the module: rank 0 reads the bucket's parameters into its fp32
+    // element space and broadcasts it (with a trailing flag: whether rank 0 could read them),
+    // every rank keeps its runtime shard. From a source: every rank reads its runtime shard
+    // and the ranks agree that all could. The runtime encodes each shard and keeps its piece
+    // as the fp32 master before asking for the next.
+    let mut module = Some(module);
+    let shard_of = |plan: &Plan, b: usize, codec: &BucketCodec| match source {
+        Some(source) => {
+            let read = read_shard(plan, b, shard_index, source);
+            let mut flags = vec![0u8; comm.world_size()];
+            comm.all_gather_bytes(&[u8::from(read.is_err())], &mut flags)?;
+            match (read, flags.iter().position(|&f| f != 0)) {
+                (Err(e), _) => Err(HsdpError::Unsupported(e)),
+                (Ok(_), Some(r)) => Err(HsdpError::Failed(format!(
+                    "rank {r} could not read its shard of bucket {b}"
+                ))),
+                (Ok(shard), None) => Ok(shard),
+            }
+        }
+        None => {
+            let elems = codec.bucket_elems();
+            let mut full = vec![0f32; elems + 1];
+            let mut read_error = None;
+            if rank == 0 {
+                let members = plan.params()[plan.buckets()[b].params.clone()]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, p)| (p.spec.path.as_str(), k))
+                    .collect();
+                let mut reader = BucketReader {
+                    paths: PathTracker::default(),
+                    members,
+                    codec,
+                    full: &mut full[..elems],
+                    error: None,
+                };
+                module = module.take().map(|m| m.map(&mut reader));
+                read_error = reader.error;
+                full[elems] = f32::from(read_error.is_some());
+            }
+            comm.broadcast_world(&mut full)?;
+            if full[elems] != 0.0 {
+                return Err(HsdpError::Unsupported(read_error.unwrap_or_else(|| {
+                    format!("rank 0 could not read the parameters of bucket {b}")
+                })));
+            }
+            let shard_len = elems / plan.runtime_shards();
+            full.truncate((shard_index + 1) * shard_len);
+            Ok(full.split_off(shard_index * shard_len))
+        }
+    };
     let runtime = Arc::new(Runtime::new(
         plan,
         device.clone(),
         factory,
         codecs,
-        shards,
+        shard_of,
         &config,
     )?);
     runtime.set_ids(registry::register(&runtime));
@@ -302,8 +508,50 @@ where
         runtime: runtime.clone(),
         index,
     };
-    let module = module.map(&mut swapper);
+    let module = module
+        .expect("the module is put back after each bucket")
+        .map(&mut swapper);
     Ok((module, HsdpRuntime::new(runtime)))
+}
+
+/// Every planned parameter is in `source` with its shape (the first that is not, named).
+fn check_source(plan: &Plan, source: &dyn ParamSource) -> Result<(), HsdpError> {
+    for p in plan.params() {
+        source
+            .check(&p.spec.path, &p.spec.shape)
+            .map_err(HsdpError::Unsupported)?;
+    }
+    Ok(())
+}
+
+/// Runtime shard `shard` of bucket `b` (its pieces' fp32 elements, padding zero) read from
+/// `source`: each piece's update views say which elements of which parameter sit where.
+fn read_shard(
+    plan: &Plan,
+    b: usize,
+    shard: usize,
+    source: &dyn ParamSource,
+) -> Result<Vec<f32>, String> {
+    let bucket = &plan.buckets()[b];
+    let piece_elems = bucket.piece_elements as usize;
+    let pieces = plan.pieces_per_shard();
+    let mut out = vec![0f32; pieces * piece_elems];
+    for (i, views) in bucket.views[shard * pieces..(shard + 1) * pieces]
+        .iter()
+        .enumerate()
+    {
+        for view in views {
+            let at = i * piece_elems + view.master_offset as usize;
+            let range = view.elements.start as usize..view.elements.end as usize;
+            let len = range.len();
+            source.read(
+                &plan.params()[view.param].spec.path,
+                range,
+                &mut out[at..at + len],
+            )?;
+        }
+    }
+    Ok(out)
 }
 
 /// Refuses inner backends whose tensors cannot be views of a gathered bucket: burn-fusion's
@@ -344,13 +592,14 @@ fn is_fusion(name: &str) -> bool {
     name.starts_with("fusion<")
 }
 
-/// This rank's parameters and plan, or why it cannot shard (a local error: bad config, world
-/// size, factory, parameters, or an injected fault).
+/// This rank's plan (from the module's parameter shapes, without initialising them), or why it
+/// cannot shard (a local error: bad config, world size, factory, parameters, or an injected
+/// fault).
 fn local_plan<B: ShardableBackend, M: Module<B>>(
     module: &M,
     config: &HsdpConfig,
     factory: &dyn crate::comm::LaneFactory,
-) -> Result<(Vec<NamedParam>, Plan), HsdpError> {
+) -> Result<Plan, HsdpError> {
     sshsdp_comm::faults::inject("sshsdp::shard", factory.world_rank())
         .map_err(HsdpError::Failed)?;
     config.validate()?;
@@ -361,38 +610,30 @@ fn local_plan<B: ShardableBackend, M: Module<B>>(
             factory.lanes()
         )));
     }
-    let params = named_params(module)?;
-    let specs: Vec<ParamSpec> = params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            ParamSpec::new(p.path.clone(), p.shape.clone(), DType::F32).with_order(i as u64)
-        })
-        .collect();
-    let plan = Plan::build(specs, config.mesh, config.plan.clone())?;
-    Ok((params, plan))
+    Ok(Plan::build(
+        param_specs(module),
+        config.mesh,
+        config.plan.clone(),
+    )?)
 }
 
 /// Every rank learns whether every rank could plan, and that all planned the same: one
 /// all-gather of a failure flag and the plan's fingerprint. A local error is returned as is on
 /// its rank and names the failed rank on the others.
-fn agree_on_plan<T>(
-    comm: &dyn MeshComm,
-    local: Result<(T, Plan), HsdpError>,
-) -> Result<(T, Plan), HsdpError> {
+fn agree_on_plan(comm: &dyn MeshComm, local: Result<Plan, HsdpError>) -> Result<Plan, HsdpError> {
     let mut ours = [0u8; 33];
     match &local {
-        Ok((_, plan)) => ours[1..].copy_from_slice(&plan.fingerprint().0),
+        Ok(plan) => ours[1..].copy_from_slice(&plan.fingerprint().0),
         Err(_) => ours[0] = 1,
     }
     let mut all = vec![0u8; 33 * comm.world_size()];
     comm.all_gather_bytes(&ours, &mut all)?;
-    let (params, plan) = local?;
+    let plan = local?;
     if let Some(r) = all.chunks(33).position(|x| x[0] != 0) {
         return Err(HsdpError::Failed(format!("rank {r} failed in shard")));
     }
     if all.chunks(33).all(|x| x == ours) {
-        Ok((params, plan))
+        Ok(plan)
     } else {
         Err(HsdpError::PlanMismatch {
             ours: plan.fingerprint().to_string(),

@@ -69,6 +69,7 @@
 
 mod agree;
 mod commit;
+mod consolidated;
 mod export;
 mod format;
 mod layout;
@@ -83,6 +84,7 @@ mod state_codec;
 use std::path::PathBuf;
 
 pub use commit::{save, save_with, SaveOptions};
+pub use consolidated::{export_safetensors, SafetensorsSource};
 pub use export::apply_full;
 pub use format::{
     checkpoint_dir_files, read_all, shard_file_name, ShardFile, SliceEntry, FORMAT_VERSION,

@@ -3,6 +3,11 @@
 
 mod common;
 
+// Consolidated safetensors files: export from and import into a sharded model at any world
+// size (in this binary rather than its own: one link less in CI).
+#[path = "reshard/consolidated.rs"]
+mod consolidated;
+
 use std::collections::BTreeMap;
 
 use sshsdp_checkpoint::{

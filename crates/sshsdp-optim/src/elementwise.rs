@@ -84,6 +84,33 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         Ok(module)
     }
 
+    /// [`Self::step`] for a model on another backend than the optimizer's: the runtime hands
+    /// host views of every piece (host masters as they are; device masters staged), and the
+    /// optimizer steps them on `B` — with a CPU backend (burn-flex, NdArray) under a GPU model
+    /// its state never touches the device: FSDP2's CPU offload policy. Keep the masters on the
+    /// host too (`Placement::Host`, the default) so nothing is staged.
+    pub fn step_offloaded<AB, M>(
+        &mut self,
+        lr: f64,
+        module: M,
+        runtime: &HsdpRuntime<AB::Inner>,
+    ) -> Result<M, HsdpError>
+    where
+        AB: ShardableBackend,
+        M: Module<AB>,
+    {
+        runtime.update_pieces(Views::Host, |pieces, group| {
+            let scale = self.clip.factor(group);
+            for piece in pieces.iter_mut() {
+                let bucket = piece.bucket;
+                let (master, grad) = piece.host()?;
+                self.step_piece(lr, scale, bucket, master, grad)?;
+            }
+            Ok(())
+        })?;
+        Ok(module)
+    }
+
     fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {
         runtime.update_pieces(Views::AsStored, |pieces, group| {
             let scale = self.clip.factor(group);

@@ -174,6 +174,29 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         AB: ShardableBackend<Inner = B>,
         M: Module<AB>,
     {
+        self.step_on(lr, runtime)?;
+        Ok(module)
+    }
+
+    /// [`Self::step`] for a model on another backend than the optimizer's: with a CPU backend
+    /// (burn-flex, NdArray) as `B` under a GPU model, the optimizer state and Newton–Schulz
+    /// stay on the host (FSDP2's CPU offload; the runtime hands host views of every piece).
+    pub fn step_offloaded<AB, M>(
+        &mut self,
+        lr: f64,
+        module: M,
+        runtime: &HsdpRuntime<AB::Inner>,
+    ) -> Result<M, HsdpError>
+    where
+        AB: ShardableBackend,
+        M: Module<AB>,
+    {
+        self.step_on(lr, runtime)?;
+        Ok(module)
+    }
+
+    /// One step on `runtime`'s pieces, as host views, whatever its backend.
+    fn step_on<R: Backend>(&mut self, lr: f64, runtime: &HsdpRuntime<R>) -> Result<(), HsdpError> {
         runtime.update_pieces(Views::Host, |pieces, group| {
             let units = units_of(runtime, pieces.iter().map(|p| (p.bucket, p.start, p.len())));
             // Host slices (device masters are staged by the runtime for `Views::Host`).
@@ -241,16 +264,15 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             }
             self.last = stats;
             Ok(())
-        })?;
-        Ok(module)
+        })
     }
 
     /// First half of the exchange of split matrices: this rank's slices `mine` (sorted by
     /// parameter) go to their Newton–Schulz owners; returns the split matrices this rank owns,
     /// assembled from every holder's rows, in plan order.
-    fn send_to_owners(
+    fn send_to_owners<R: Backend>(
         &self,
-        runtime: &HsdpRuntime<B>,
+        runtime: &HsdpRuntime<R>,
         group: &UpdateGroup<'_>,
         mine: &[(UpdateUnit, Vec<f32>)],
         stats: &mut MuonStepStats,
@@ -316,9 +338,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     /// Second half: the owned split matrices' results `owned` (plan order, as
     /// [`Self::send_to_owners`] returned them) go back to their holders; returns this rank's rows of
     /// each slice in `mine`.
-    fn return_to_holders(
+    fn return_to_holders<R: Backend>(
         &self,
-        runtime: &HsdpRuntime<B>,
+        runtime: &HsdpRuntime<R>,
         group: &UpdateGroup<'_>,
         mine: &[(UpdateUnit, Vec<f32>)],
         owned: Vec<(usize, Vec<f32>)>,
@@ -377,9 +399,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
 
     /// Newton–Schulz of whole matrices' updates `(param, values)`, in order: same-shape
     /// matrices in one batched Newton–Schulz each ([`Self::with_megabatches`]), or one by one.
-    fn orthogonalize_all(
+    fn orthogonalize_all<R: Backend>(
         &self,
-        runtime: &HsdpRuntime<B>,
+        runtime: &HsdpRuntime<R>,
         matrices: Vec<(usize, Vec<f32>)>,
     ) -> Result<Vec<(usize, Vec<f32>)>, HsdpError> {
         let shape = |param: usize| {
@@ -467,9 +489,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     }
 
     /// Newton–Schulz of a whole matrix's update.
-    fn orthogonalize(
+    fn orthogonalize<R: Backend>(
         &self,
-        runtime: &HsdpRuntime<B>,
+        runtime: &HsdpRuntime<R>,
         param: usize,
         u: Vec<f32>,
     ) -> Result<Vec<f32>, HsdpError> {
@@ -479,10 +501,10 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     }
 
     /// `W ← W·(1 − lr·wd) − lr·scale·O` on one slice.
-    fn apply(
+    fn apply<R: Backend>(
         &self,
         lr: f64,
-        runtime: &HsdpRuntime<B>,
+        runtime: &HsdpRuntime<R>,
         param: usize,
         master: &mut [f32],
         o: &[f32],

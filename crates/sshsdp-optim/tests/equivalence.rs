@@ -8,6 +8,13 @@
 
 mod common;
 
+// More of "trains like": activation checkpointing, and registration that streams (in this
+// binary rather than their own: one link less in CI).
+#[path = "equivalence/activation_checkpointing.rs"]
+mod activation_checkpointing;
+#[path = "equivalence/streaming_shard.rs"]
+mod streaming_shard;
+
 use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};

@@ -103,15 +103,17 @@ pub struct Runtime<B: Backend> {
 }
 
 impl<B: Backend> Runtime<B> {
-    /// The runtime of `plan` on this rank: `shards` are this rank's runtime shards of every
-    /// bucket as fp32 elements (encoded here); the communication lanes connect their
-    /// communicators from `lanes`, each on its own thread.
+    /// The runtime of `plan` on this rank. `shard_of(plan, b, codec)` returns this rank's
+    /// runtime shard of bucket `b` as fp32 elements; it is called once per bucket in plan
+    /// order and each shard is encoded (and its master split off) before the next is asked
+    /// for, so registration holds one bucket's fp32 shard at a time. The communication lanes
+    /// connect their communicators from `lanes`, each on its own thread.
     pub(crate) fn new(
         plan: Plan,
         device: B::Device,
         lanes: Arc<dyn LaneFactory>,
         codecs: Vec<BucketCodec>,
-        shards: Vec<Vec<f32>>,
+        mut shard_of: impl FnMut(&Plan, usize, &BucketCodec) -> Result<Vec<f32>, HsdpError>,
         config: &HsdpConfig,
     ) -> Result<Self, HsdpError> {
         let rank = lanes.world_rank();
@@ -121,10 +123,11 @@ impl<B: Backend> Runtime<B> {
         // master is kept apart, where the config places it.
         let separate_masters = plan.config().runtime_format != sshsdp_plan::RuntimeFormat::F32
             || config.masters != Placement::Host;
-        let storage = shards
-            .into_iter()
-            .zip(&codecs)
-            .map(|(shard, codec)| {
+        let storage = codecs
+            .iter()
+            .enumerate()
+            .map(|(b, codec)| {
+                let shard = shard_of(&plan, b, codec)?;
                 let pe = codec.piece_elems();
                 let master = separate_masters.then(|| {
                     let values = shard[piece_in_shard * pe..(piece_in_shard + 1) * pe].to_vec();

@@ -117,6 +117,17 @@ impl UpdateGroup<'_> {
         send: Vec<Vec<f32>>,
         recv_counts: &[usize],
     ) -> Result<Vec<Vec<f32>>, HsdpError> {
+        let (recv, ranges) = self.exchange_flat(send, recv_counts)?;
+        Ok(ranges.into_iter().map(|r| recv[r].to_vec()).collect())
+    }
+
+    /// [`Self::exchange`] without splitting what arrives: one buffer and, per piece `p`, the
+    /// range of it that piece `p`'s holder sent (no second copy of the received elements).
+    pub fn exchange_flat(
+        &self,
+        send: Vec<Vec<f32>>,
+        recv_counts: &[usize],
+    ) -> Result<(Vec<f32>, Vec<std::ops::Range<usize>>), HsdpError> {
         let pieces = self.piece_ranks.len();
         if send.len() != pieces || recv_counts.len() != pieces {
             return Err(HsdpError::Failed(format!(
@@ -136,19 +147,20 @@ impl UpdateGroup<'_> {
         for &p in &by_rank {
             flat.extend_from_slice(&send[p]);
         }
+        drop(send);
         let reply = self.worker.all_to_all_v(flat, send_counts, rank_recv);
         let recv = self
             .timeline
             .span(Track::Model, "wait optimizer all-to-all", None, || {
                 reply.wait()
             })?;
-        let mut out = vec![Vec::new(); pieces];
+        let mut ranges = vec![0..0; pieces];
         let mut at = 0;
         for &p in &by_rank {
-            out[p] = recv[at..at + recv_counts[p]].to_vec();
+            ranges[p] = at..at + recv_counts[p];
             at += recv_counts[p];
         }
-        Ok(out)
+        Ok((recv, ranges))
     }
 
     /// Number of pieces in the update group (one per rank of it).
