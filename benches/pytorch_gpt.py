@@ -34,7 +34,8 @@ Differences that could not be avoided:
   * Initial weights (other RNG), hence slightly different loss curves.
   * Attention uses F.scaled_dot_product_attention(is_causal=True) by default (PyTorch's
     normal path); `--attn manual` instead computes softmax(QK^T/sqrt(d) masked with -1e4) V
-    explicitly, the way burn's MultiHeadAttention does. The math is the same.
+    explicitly, the way burn's MultiHeadAttention does (src/models/attention.rs adds the same
+    -1e4 as a bias instead: bit-identical results). The math is the same.
   * Throughput here excludes `--warmup` steps; the Rust summary's tokens/s averages all steps.
     Both count global tokens (batch * seq) per step.
 

@@ -1,14 +1,13 @@
 //! A GPT-style decoder-only transformer over byte or small-vocabulary tokens.
 
 use burn::module::Module;
-use burn::nn::attention::{
-    generate_autoregressive_mask, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
-};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+
+use super::attention::{causal_bias, CausalSelfAttention};
 
 /// Sizes of a [`Gpt`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,7 +28,7 @@ pub struct GptConfig {
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
     norm_attn: LayerNorm<B>,
-    attn: MultiHeadAttention<B>,
+    attn: CausalSelfAttention<B>,
     norm_mlp: LayerNorm<B>,
     up: Linear<B>,
     down: Linear<B>,
@@ -55,9 +54,7 @@ impl GptConfig {
             blocks: (0..self.layers)
                 .map(|_| Block {
                     norm_attn: LayerNormConfig::new(d).init(device),
-                    attn: MultiHeadAttentionConfig::new(d, self.heads)
-                        .with_dropout(0.0)
-                        .init(device),
+                    attn: CausalSelfAttention::new(d, self.heads, device),
                     norm_mlp: LayerNormConfig::new(d).init(device),
                     up: LinearConfig::new(d, 4 * d).init(device),
                     down: LinearConfig::new(4 * d, d).init(device),
@@ -84,13 +81,10 @@ impl<B: Backend> Gpt<B> {
             .reshape([1, seq])
             .repeat_dim(0, batch);
         let mut x = self.embed.forward(input) + self.pos.forward(positions);
-        let mask = generate_autoregressive_mask::<B>(batch, seq, &device);
+        let bias = causal_bias::<B>(seq, &device);
         for b in &self.blocks {
             let h = b.norm_attn.forward(x.clone());
-            x = x + b
-                .attn
-                .forward(MhaInput::self_attn(h).mask_attn(mask.clone()))
-                .context;
+            x = x + b.attn.forward(h, bias.clone());
             let h = b.norm_mlp.forward(x.clone());
             x = x.clone() + b.down.forward(gelu(b.up.forward(h)));
         }

@@ -4,8 +4,10 @@
 //! - [`Dit`]: a diffusion transformer over patchified video clips (spatio-temporal tokens,
 //!   adaLN-Zero timestep conditioning, noise prediction).
 
+mod attention;
 mod dit;
 mod gpt;
 
+pub use attention::{causal_bias, CausalSelfAttention};
 pub use dit::{Dit, DitBlock, DitConfig};
 pub use gpt::{Block, Gpt, GptConfig};
