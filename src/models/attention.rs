@@ -75,7 +75,8 @@ impl<B: Backend> CausalSelfAttention<B> {
             .matmul(k.transpose())
             .div_scalar((d_head as f32).sqrt())
             .reshape([batch, self.heads, seq * seq]);
-        // The bias in the scores' dtype (bf16 or f16 under 16-bit compute; a no-op in f32).
+        // The bias in the scores' dtype (bf16 or f16 under 16-bit compute); a no-op when the
+        // caller already made it so, as `Gpt` does once per forward.
         let dtype = scores.dtype();
         let scores = scores + bias.cast(dtype);
         let context = softmax(scores.reshape([batch, self.heads, seq, seq]), 3)

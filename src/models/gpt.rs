@@ -81,7 +81,8 @@ impl<B: Backend> Gpt<B> {
             .reshape([1, seq])
             .repeat_dim(0, batch);
         let mut x = self.embed.forward(input) + self.pos.forward(positions);
-        let bias = causal_bias::<B>(seq, &device);
+        // In the compute dtype once, not per block (the blocks' casts are then no-ops).
+        let bias = causal_bias::<B>(seq, &device).cast(x.dtype());
         for b in &self.blocks {
             let h = b.norm_attn.forward(x.clone());
             x = x + b.attn.forward(h, bias.clone());
