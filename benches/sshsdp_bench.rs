@@ -53,6 +53,7 @@ use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use sshsdp::backend::{named_params, shard, CopyMode, Hsdp, HsdpConfig, Placement};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
+use sshsdp::kernels::FusedOps;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::optim::ShardedOptimizer;
 use sshsdp::plan::projection::{StepTraffic, TrafficOptions};
@@ -308,7 +309,7 @@ fn plain(init: &Gpt<B>, steps: usize) -> Row {
 }
 
 /// `mode` at `world` over `Hsdp<I>` on `device` (every rank drives it), from `init`.
-fn sharded<I: Backend, C: CheckpointStrategy>(
+fn sharded<I: FusedOps, C: CheckpointStrategy>(
     init: &Gpt<Autodiff<Hsdp<I>, C>>,
     world: usize,
     mode: &Mode,

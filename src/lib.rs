@@ -11,11 +11,13 @@
 //!   (`ShardedOptimizer`), clipping, Muon (single-device and distributed owner-compute);
 //! - [`checkpoint`]: sharded checkpoints, re-sharding to any world size or mesh;
 //! - [`models`]: a GPT-style model for the examples and benchmarks;
+//! - [`kernels`]: the fused GELU and softmax those models call (vectorised on burn-flex);
 //! - [`comm`]: collectives (the `Collective` trait, threads/MPI/NCCL engines, hierarchical
 //!   gradient paths).
 
 #![deny(missing_docs)]
 
+pub mod kernels;
 pub mod models;
 
 pub use sshsdp_backend as backend;

@@ -25,14 +25,14 @@ pub use task::*;
 use train::*;
 
 use burn::backend::Autodiff;
-use burn::tensor::backend::Backend;
 use sshsdp::backend::Hsdp;
+use sshsdp::kernels::FusedOps;
 
 /// A backend the examples compute on (`--backend`): any Burn backend whose default device is
-/// where a rank trains.
-pub trait Compute: Backend<Device: Default> {}
+/// where a rank trains, with the fused ops the models call (`sshsdp::kernels`).
+pub trait Compute: FusedOps<Device: Default> {}
 
-impl<I: Backend<Device: Default>> Compute for I {}
+impl<I: FusedOps<Device: Default>> Compute for I {}
 
 /// The CPU backend of `--backend flex` (the default): burn-flex with SIMD ran the GPT
 /// example's training step 1.3× faster than NdArray at 2 ranks and 2.1× at 1 rank (see

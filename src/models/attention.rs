@@ -18,9 +18,10 @@
 
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig};
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Tensor};
+
+use crate::kernels::{softmax, FusedOps};
 
 /// The score Burn's `MultiHeadAttention` gives masked positions (its `min_float` default).
 const MASKED_SCORE: f32 = -1.0e4;
@@ -58,7 +59,9 @@ impl<B: Backend> CausalSelfAttention<B> {
             heads,
         }
     }
+}
 
+impl<B: FusedOps> CausalSelfAttention<B> {
     /// Attends `x` `[batch, seq, d_model]` to itself under `bias` (from [`causal_bias`]), giving
     /// `[batch, seq, d_model]`.
     pub fn forward(&self, x: Tensor<B, 3>, bias: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -79,7 +82,7 @@ impl<B: Backend> CausalSelfAttention<B> {
         // caller already made it so, as `Gpt` does once per forward.
         let dtype = scores.dtype();
         let scores = scores + bias.cast(dtype);
-        let context = softmax(scores.reshape([batch, self.heads, seq, seq]), 3)
+        let context = softmax(scores.reshape([batch, self.heads, seq, seq]))
             .matmul(v)
             .swap_dims(1, 2)
             .reshape([batch, seq, d_model]);

@@ -3,9 +3,10 @@
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+
+use crate::kernels::{gelu, FusedOps};
 
 use super::attention::{causal_bias, CausalSelfAttention};
 
@@ -71,7 +72,9 @@ impl<B: Backend> Gpt<B> {
     pub fn max_seq(&self) -> usize {
         self.pos.weight.dims()[0]
     }
+}
 
+impl<B: FusedOps> Gpt<B> {
     /// Next-token logits `[batch, seq, vocab]` of `input` `[batch, seq]` (`seq` at most
     /// [`Gpt::max_seq`]).
     pub fn logits(&self, input: Tensor<B, 2, Int>) -> Tensor<B, 3> {

@@ -1,0 +1,288 @@
+//! The fused activation ops the example models call: GELU and the softmax over the last
+//! dimension, each with its own backward, as a Burn backend extension ([`FusedOps`]).
+//!
+//! Burn's autodiff records softmax as five ops (max, sub, exp, sum, div) and differentiates
+//! each; burn-flex computes GELU with a scalar libm `erff` per element, forward and backward.
+//! On burn-flex these were about a quarter of `train_gpt`'s step (docs/BENCHMARKS.md). Here a
+//! backend with its own kernels ([`FusedOps::FUSED`]: burn-flex, through `Hsdp<Flex>` and
+//! `Autodiff<…>`) runs one vectorised pass for each forward and each backward
+//! ([`host`]); every other backend records exactly Burn's own ops, so its numerics do not
+//! change.
+//!
+//! Use [`gelu`] and [`softmax`] in a model generic over `B: FusedOps`; every backend this
+//! workspace trains on implements it.
+
+pub mod host;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{ActivationOps, FloatTensor};
+use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
+use burn_flex::{Flex, FlexTensor, Layout};
+use sshsdp_backend::{Hsdp, HsdpFloat};
+
+/// GELU and the last-dimension softmax with their backwards, as ops of the backend.
+///
+/// The defaults are Burn's own ops; a backend with faster kernels overrides them and sets
+/// [`FusedOps::FUSED`], which makes `Autodiff` record one node per op (differentiated by the
+/// `*_backward` methods) instead of Burn's composite.
+pub trait FusedOps: Backend {
+    /// Whether this backend has its own kernels for these ops (then `Autodiff` records them as
+    /// single nodes); `false` keeps Burn's ops and their gradients exactly.
+    const FUSED: bool = false;
+
+    /// GELU (exact, erf form).
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::gelu(x)
+    }
+
+    /// `grad · gelu'(x)`.
+    fn fused_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::gelu_backward(x, grad)
+    }
+
+    /// Softmax over the last dimension.
+    fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let last = x.shape().num_dims() - 1;
+        <Self as ActivationOps<Self>>::softmax(x, last)
+    }
+
+    /// The softmax's input gradient from its output `y` and output gradient `grad`:
+    /// `y · (grad − Σ_last grad·y)`.
+    fn fused_softmax_backward(y: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        softmax_backward_composite::<Self>(y, grad)
+    }
+}
+
+/// [`FusedOps::fused_softmax_backward`] from `B`'s element-wise ops and a sum.
+fn softmax_backward_composite<B: Backend>(
+    y: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let last = y.shape().num_dims() - 1;
+    let weighted = B::float_mul(grad, y.clone());
+    let total = B::float_sum_dim(weighted.clone(), last);
+    B::float_sub(weighted, B::float_mul(y, total))
+}
+
+/// GELU of `x` through the backend's [`FusedOps`].
+pub fn gelu<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::fused_gelu(
+        x.into_primitive().tensor(),
+    )))
+}
+
+/// Softmax of `x` over its last dimension through the backend's [`FusedOps`].
+pub fn softmax<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::fused_softmax(
+        x.into_primitive().tensor(),
+    )))
+}
+
+impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    const FUSED: bool = B::FUSED;
+
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !B::FUSED {
+            return Self::gelu(x);
+        }
+
+        /// Backward of the fused GELU: keeps the input.
+        #[derive(Debug)]
+        struct GeluBackward;
+
+        impl<B: FusedOps> Backward<B, 1> for GeluBackward {
+            type State = NodeId;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                checkpointer: &mut Checkpointer,
+            ) {
+                let [parent] = ops.parents;
+                let grad = grads.consume::<B>(&ops.node);
+                let x: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state);
+                if let Some(parent) = parent {
+                    grads.register::<B>(parent.id, B::fused_gelu_backward(x, grad));
+                }
+            }
+        }
+
+        match GeluBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = prep.checkpoint(&x);
+                prep.finish(state, B::fused_gelu(x.primitive))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fused_gelu(x.primitive)),
+        }
+    }
+
+    fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !B::FUSED {
+            let last = x.shape().num_dims() - 1;
+            return <Self as ActivationOps<Self>>::softmax(x, last);
+        }
+
+        /// Backward of the fused softmax: keeps the output.
+        #[derive(Debug)]
+        struct SoftmaxBackward;
+
+        impl<B: FusedOps> Backward<B, 1> for SoftmaxBackward {
+            type State = FloatTensor<B>;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _checkpointer: &mut Checkpointer,
+            ) {
+                let [parent] = ops.parents;
+                let grad = grads.consume::<B>(&ops.node);
+                if let Some(parent) = parent {
+                    grads.register::<B>(parent.id, B::fused_softmax_backward(ops.state, grad));
+                }
+            }
+        }
+
+        match SoftmaxBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::fused_softmax(x.primitive);
+                prep.finish(y.clone(), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fused_softmax(x.primitive)),
+        }
+    }
+}
+
+/// `Hsdp<B>` runs `B`'s kernels (a parameter resolves to its view first).
+impl<B: FusedOps> FusedOps for Hsdp<B> {
+    const FUSED: bool = B::FUSED;
+
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        HsdpFloat::Local(B::fused_gelu(x.resolve()))
+    }
+
+    fn fused_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        HsdpFloat::Local(B::fused_gelu_backward(x.resolve(), grad.resolve()))
+    }
+
+    fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        HsdpFloat::Local(B::fused_softmax(x.resolve()))
+    }
+
+    fn fused_softmax_backward(y: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        HsdpFloat::Local(B::fused_softmax_backward(y.resolve(), grad.resolve()))
+    }
+}
+
+/// burn-flex: the [`host`] kernels for f32 tensors; Flex's own ops for other dtypes.
+impl FusedOps for Flex {
+    const FUSED: bool = true;
+
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if x.dtype() != DType::F32 {
+            return Self::gelu(x);
+        }
+        let x = contiguous(x);
+        map_f32(&x, host::gelu)
+    }
+
+    fn fused_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if x.dtype() != DType::F32 || grad.dtype() != DType::F32 || x.shape() != grad.shape() {
+            return Self::gelu_backward(x, grad);
+        }
+        let (x, grad) = (contiguous(x), contiguous(grad));
+        let grad = f32s(&grad);
+        map_f32(&x, |x, out| host::gelu_backward(x, grad, out))
+    }
+
+    fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let row = last_dim(&x);
+        if x.dtype() != DType::F32 || row == 0 {
+            let last = x.shape().num_dims() - 1;
+            return <Self as ActivationOps<Self>>::softmax(x, last);
+        }
+        let x = contiguous(x);
+        map_f32(&x, |x, out| host::softmax_rows(x, row, out))
+    }
+
+    fn fused_softmax_backward(y: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let row = last_dim(&y);
+        if y.dtype() != DType::F32 || grad.dtype() != DType::F32 || y.shape() != grad.shape() {
+            return softmax_backward_composite::<Self>(y, grad);
+        }
+        if row == 0 {
+            return y;
+        }
+        let (y, grad) = (contiguous(y), contiguous(grad));
+        let grad = f32s(&grad);
+        map_f32(&y, |y, out| host::softmax_rows_backward(y, grad, row, out))
+    }
+}
+
+/// Length of the last dimension (0 for a rank-0 tensor).
+fn last_dim(x: &FlexTensor) -> usize {
+    x.shape().last().copied().unwrap_or(0)
+}
+
+/// `x`, made contiguous if it is a strided view.
+fn contiguous(x: FlexTensor) -> FlexTensor {
+    if x.as_slice::<f32>().is_some() {
+        x
+    } else {
+        x.to_contiguous()
+    }
+}
+
+/// The elements of a contiguous f32 tensor.
+fn f32s(x: &FlexTensor) -> &[f32] {
+    x.as_slice::<f32>()
+        .expect("made contiguous f32 by the caller")
+}
+
+/// A new f32 tensor of `x`'s shape whose elements `kernel` writes from `x`'s.
+fn map_f32(x: &FlexTensor, kernel: impl FnOnce(&[f32], &mut [f32])) -> FlexTensor {
+    let input = f32s(x);
+    let mut out = vec![0.0f32; input.len()];
+    kernel(input, &mut out);
+    FlexTensor::new(
+        burn::tensor::Bytes::from_elems(out),
+        Layout::contiguous(x.shape()),
+        DType::F32,
+    )
+}
+
+/// NdArray: Burn's ops (the workspace's test backend; its numerics are the reference).
+impl FusedOps for burn::backend::NdArray {}
+
+#[cfg(feature = "wgpu")]
+impl<F, I, BT> FusedOps for burn_wgpu::Wgpu<F, I, BT>
+where
+    F: burn_wgpu::FloatElement,
+    I: burn_wgpu::IntElement,
+    BT: burn_wgpu::BoolElement,
+{
+}
+
+#[cfg(feature = "cuda")]
+impl<F, I, BT> FusedOps for burn_cuda::Cuda<F, I, BT>
+where
+    F: burn_cuda::FloatElement,
+    I: burn_cuda::IntElement,
+    BT: burn_cuda::BoolElement,
+{
+}
