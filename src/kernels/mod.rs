@@ -286,3 +286,140 @@ where
     BT: burn_cuda::BoolElement,
 {
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::activation;
+    use burn::tensor::Distribution;
+
+    /// `Autodiff<Hsdp<B>>`: with this workspace's `distributed` feature of burn, Autodiff
+    /// differentiates only distributed backends.
+    type Ad<B> = Autodiff<Hsdp<B>>;
+
+    /// `(f(x), d Σ f(x)·w / dx)` on `Autodiff<Hsdp<B>>`, `x` `[2, 3, 4, 37]` (a transposed view when `strided`).
+    fn value_and_grad<B: FusedOps<FloatElem = f32>>(
+        x: &Tensor<NdArray, 4>,
+        w: &Tensor<NdArray, 4>,
+        strided: bool,
+        f: impl Fn(Tensor<Ad<B>, 4>) -> Tensor<Ad<B>, 4>,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let device = Default::default();
+        // Strided: the leaf is stored transposed and the op sees a transposed view of it.
+        let leaf = if strided {
+            x.clone().swap_dims(2, 3)
+        } else {
+            x.clone()
+        };
+        let x = Tensor::<Ad<B>, 4>::from_data(leaf.to_data(), &device).require_grad();
+        let w = Tensor::<Ad<B>, 4>::from_data(w.to_data(), &device);
+        let input = if strided {
+            x.clone().swap_dims(2, 3)
+        } else {
+            x.clone()
+        };
+        let y = f(input);
+        let grads = (y.clone() * w).sum().backward();
+        let dx = x.grad(&grads).expect("x has a gradient");
+        (
+            y.into_data().to_vec().unwrap(),
+            dx.into_data().to_vec().unwrap(),
+        )
+    }
+
+    fn inputs() -> (Tensor<NdArray, 4>, Tensor<NdArray, 4>) {
+        let device = Default::default();
+        let shape = [2, 3, 4, 37];
+        let x = Tensor::<NdArray, 4>::random(shape, Distribution::Normal(0.0, 3.0), &device);
+        // Masked scores, as the causal bias makes them.
+        let x = x.clone().mask_fill(x.clone().greater_elem(4.0), -1e4);
+        let w = Tensor::<NdArray, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+        (x, w)
+    }
+
+    fn assert_close(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            let tol = 2e-6 * (1.0 + w.abs());
+            assert!((g - w).abs() <= tol, "{what}[{i}]: {g} vs Burn's {w}");
+        }
+    }
+
+    #[test]
+    fn flex_fused_ops_match_burns_ops_forward_and_backward() {
+        let (x, w) = inputs();
+        for strided in [false, true] {
+            let fused = value_and_grad::<Flex>(&x, &w, strided, gelu);
+            let burn = value_and_grad::<Flex>(&x, &w, strided, activation::gelu);
+            assert_close(&fused.0, &burn.0, "gelu");
+            assert_close(&fused.1, &burn.1, "gelu'");
+
+            let fused = value_and_grad::<Flex>(&x, &w, strided, softmax);
+            let burn = value_and_grad::<Flex>(&x, &w, strided, |x| activation::softmax(x, 3));
+            assert_close(&fused.0, &burn.0, "softmax");
+            assert_close(&fused.1, &burn.1, "softmax'");
+        }
+    }
+
+    #[test]
+    fn backends_without_kernels_record_burns_ops_bit_for_bit() {
+        assert!(!<Ad<NdArray> as FusedOps>::FUSED);
+        assert!(<Ad<Hsdp<Flex>> as FusedOps>::FUSED);
+        let (x, w) = inputs();
+        assert_eq!(
+            value_and_grad::<NdArray>(&x, &w, false, gelu),
+            value_and_grad::<NdArray>(&x, &w, false, activation::gelu)
+        );
+        assert_eq!(
+            value_and_grad::<NdArray>(&x, &w, false, softmax),
+            value_and_grad::<NdArray>(&x, &w, false, |x| activation::softmax(x, 3))
+        );
+    }
+
+    #[test]
+    fn the_decorator_runs_the_inner_kernels() {
+        let (x, g) = inputs();
+        let device = Default::default();
+        let flex = |t: &Tensor<NdArray, 4>| Tensor::<Flex, 4>::from_data(t.to_data(), &device);
+        let hsdp =
+            |t: &Tensor<NdArray, 4>| Tensor::<Hsdp<Flex>, 4>::from_data(t.to_data(), &device);
+        let prim_f = |t: &Tensor<NdArray, 4>| flex(t).into_primitive().tensor();
+        let prim_h = |t: &Tensor<NdArray, 4>| hsdp(t).into_primitive().tensor();
+        let out_f = |p: FloatTensor<Flex>| {
+            Tensor::<Flex, 4>::from_primitive(TensorPrimitive::Float(p)).into_data()
+        };
+        let out_h = |p: FloatTensor<Hsdp<Flex>>| {
+            Tensor::<Hsdp<Flex>, 4>::from_primitive(TensorPrimitive::Float(p)).into_data()
+        };
+        assert_eq!(
+            out_h(Hsdp::<Flex>::fused_gelu(prim_h(&x))),
+            out_f(Flex::fused_gelu(prim_f(&x)))
+        );
+        assert_eq!(
+            out_h(Hsdp::<Flex>::fused_gelu_backward(prim_h(&x), prim_h(&g))),
+            out_f(Flex::fused_gelu_backward(prim_f(&x), prim_f(&g)))
+        );
+        assert_eq!(
+            out_h(Hsdp::<Flex>::fused_softmax(prim_h(&x))),
+            out_f(Flex::fused_softmax(prim_f(&x)))
+        );
+        assert_eq!(
+            out_h(Hsdp::<Flex>::fused_softmax_backward(prim_h(&x), prim_h(&g))),
+            out_f(Flex::fused_softmax_backward(prim_f(&x), prim_f(&g)))
+        );
+    }
+
+    #[test]
+    fn other_dtypes_fall_back_to_flexs_own_ops() {
+        let device = Default::default();
+        let x = Tensor::<Flex, 2>::random([4, 33], Distribution::Normal(0.0, 2.0), &device)
+            .cast(DType::BF16);
+        let same = |a: Tensor<Flex, 2>, b: Tensor<Flex, 2>| {
+            assert_eq!(a.dtype(), DType::BF16);
+            assert_eq!(a.into_data(), b.into_data());
+        };
+        same(gelu(x.clone()), activation::gelu(x.clone()));
+        same(softmax(x.clone()), activation::softmax(x, 1));
+    }
+}
