@@ -16,9 +16,11 @@ use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig
 use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
 };
-use burn::tensor::activation::{gelu, silu};
+use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
+
+use crate::kernels::{gelu, FusedOps};
 
 /// Offset `s` of the cosine noise schedule.
 const SCHEDULE_OFFSET: f64 = 0.008;
@@ -199,7 +201,7 @@ fn modulate<B: Backend>(x: Tensor<B, 3>, shift: Tensor<B, 2>, scale: Tensor<B, 2
     x * (scale.unsqueeze_dim::<3>(1) + 1.0) + shift.unsqueeze_dim(1)
 }
 
-impl<B: Backend> Dit<B> {
+impl<B: FusedOps> Dit<B> {
     /// Sinusoidal features `[batch, d]` of `t` `[batch]` (scaled to 0..1000 as in DDPM).
     fn time_features(&self, t: Tensor<B, 1>) -> Tensor<B, 2> {
         let d = self.time_in.weight.dims()[0];
