@@ -47,6 +47,7 @@ use burn::train::{
 use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpRuntime};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
+use sshsdp::kernels::FusedOps;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::optim::ShardedOptimizer;
 use sshsdp::plan::Mesh;
@@ -88,7 +89,7 @@ impl<B: Backend> Adaptor<LossInput<B>> for LmOutput<B> {
     }
 }
 
-impl<AB: AutodiffBackend> TrainStep for Lm<AB> {
+impl<AB: AutodiffBackend + FusedOps> TrainStep for Lm<AB> {
     type Input = Tensor<AB, 2, Int>;
     type Output = LmOutput<AB>;
 
@@ -100,7 +101,7 @@ impl<AB: AutodiffBackend> TrainStep for Lm<AB> {
     }
 }
 
-impl<IB: Backend> InferenceStep for Lm<IB> {
+impl<IB: FusedOps> InferenceStep for Lm<IB> {
     type Input = Tensor<IB, 2, Int>;
     type Output = LmOutput<IB>;
 

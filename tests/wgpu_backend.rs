@@ -30,6 +30,7 @@ use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpRuntime, MixedPrecision, Plac
 use sshsdp::checkpoint::{self, PieceStates};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
+use sshsdp::kernels::FusedOps;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::optim::{MuonConfig, ShardedMuon, ShardedOptimizer, UpdateScale};
 use sshsdp::plan::{Mesh, RuntimeFormat};
@@ -114,7 +115,7 @@ enum Optimizer<I: Backend> {
 }
 
 /// Losses of every rank's local batch, averaged, at each step.
-fn train<I: Backend>(format: RuntimeFormat, device: I::Device) -> Vec<f32>
+fn train<I: FusedOps>(format: RuntimeFormat, device: I::Device) -> Vec<f32>
 where
     I::Device: Default,
 {
@@ -150,7 +151,7 @@ fn weights<I: Backend>(runtime: &HsdpRuntime<I>) -> Vec<Vec<f32>> {
 
 /// Trains `case` over `steps` (the step numbers pick the batches: [`GLOBAL`] sequences split
 /// over the ranks), with `checkpoints`.
-fn run<I: Backend>(
+fn run<I: FusedOps>(
     case: Case,
     steps: std::ops::Range<usize>,
     checkpoints: Checkpoints<'_>,
@@ -258,7 +259,7 @@ where
 }
 
 /// [`Case::new`] with the fp32 masters and gradients placed by `placement`, over [`STEPS`].
-fn train_placed<I: Backend>(
+fn train_placed<I: FusedOps>(
     format: RuntimeFormat,
     placement: (Placement, Placement),
     device: I::Device,

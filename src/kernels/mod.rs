@@ -269,23 +269,13 @@ fn map_f32(x: &FlexTensor, kernel: impl FnOnce(&[f32], &mut [f32])) -> FlexTenso
 /// NdArray: Burn's ops (the workspace's test backend; its numerics are the reference).
 impl FusedOps for burn::backend::NdArray {}
 
+/// CubeCL's wgpu runtime (as the examples build it: f32, no fusion): Burn's ops.
 #[cfg(feature = "wgpu")]
-impl<F, I, BT> FusedOps for burn_wgpu::Wgpu<F, I, BT>
-where
-    F: burn_wgpu::FloatElement,
-    I: burn_wgpu::IntElement,
-    BT: burn_wgpu::BoolElement,
-{
-}
+impl FusedOps for burn_wgpu::Wgpu {}
 
+/// CubeCL's CUDA runtime (as the examples build it: f32, no fusion): Burn's ops.
 #[cfg(feature = "cuda")]
-impl<F, I, BT> FusedOps for burn_cuda::Cuda<F, I, BT>
-where
-    F: burn_cuda::FloatElement,
-    I: burn_cuda::IntElement,
-    BT: burn_cuda::BoolElement,
-{
-}
+impl FusedOps for burn_cuda::Cuda {}
 
 #[cfg(test)]
 mod tests {
