@@ -42,7 +42,9 @@ const LANES: usize = 8;
 fn exp(x: f32) -> f32 {
     let clamped = if x > EXP_MAX { EXP_MAX } else { x };
     let clamped = if clamped < EXP_MIN { EXP_MIN } else { clamped };
-    let k = (clamped * LOG2_E + ROUND) - ROUND;
+    // `shifted` holds k = round(x·log2 e) in its low mantissa bits; `k` is it as an f32.
+    let shifted = clamped * LOG2_E + ROUND;
+    let k = shifted - ROUND;
     let r = clamped - k * LN2_HI - k * LN2_LO;
     let p = 1.0 / 5040.0;
     let p = p * r + 1.0 / 720.0;
@@ -52,7 +54,15 @@ fn exp(x: f32) -> f32 {
     let p = p * r + 0.5;
     let p = p * r + 1.0;
     let p = p * r + 1.0;
-    let scale = f32::from_bits(((k as i32 + 127) as u32) << 23);
+    // 2^k from its exponent bits, with integer ops only (a float-to-int cast would saturate,
+    // which LLVM does not vectorise).
+    let scale = f32::from_bits(
+        shifted
+            .to_bits()
+            .wrapping_sub(ROUND.to_bits())
+            .wrapping_add(127)
+            << 23,
+    );
     if x < EXP_MIN {
         0.0
     } else {
