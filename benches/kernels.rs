@@ -84,6 +84,9 @@ fn row(
     }
 }
 
+/// A host kernel writing its output slice.
+type Kernel<'a> = dyn Fn(&mut [f32]) + 'a;
+
 /// The host kernels on slices against a `copy_from_slice` of the same bytes.
 fn raw_rows() {
     let n = 8 * 128 * 512;
@@ -95,7 +98,7 @@ fn raw_rows() {
         .collect();
     let mut out = vec![0.0f32; n];
     let copy = median(|| out.copy_from_slice(black_box(&x)));
-    let kernels: [(&str, &dyn Fn(&mut [f32])); 4] = [
+    let kernels: [(&str, &Kernel); 4] = [
         ("gelu", &|o| kernels::host::gelu(&x, o)),
         ("gelu_backward", &|o| {
             kernels::host::gelu_backward(&x, &g, o)
