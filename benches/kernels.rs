@@ -8,7 +8,9 @@
 //! "×" is Burn's time over the fused op's, and GB/s counts the f32 input bytes read once.
 
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod common;
 
 use burn::backend::Autodiff;
 use burn::tensor::{activation, Distribution, Tensor};
@@ -21,19 +23,9 @@ type Train = Autodiff<Hsdp<Flex>>;
 
 const REPS: usize = 15;
 
-/// Median wall time of `REPS` runs of `f` (after two warm-up runs).
-fn median(mut f: impl FnMut()) -> Duration {
-    f();
-    f();
-    let mut t: Vec<Duration> = (0..REPS)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed()
-        })
-        .collect();
-    t.sort();
-    t[REPS / 2]
+/// Median wall time of `REPS` runs of `f` (after one warm-up run).
+fn median(f: impl FnMut()) -> Duration {
+    common::median_time(REPS, f)
 }
 
 /// Time of `op` on `x`, forward only (`backward: false`) or forward and backward of
@@ -126,6 +118,7 @@ fn raw_rows() {
 }
 
 fn main() {
+    let ticks = common::cpu_ticks();
     let device = Default::default();
     println!(
         "Fused ops (`sshsdp::kernels`) against Burn's on `Autodiff<Hsdp<Flex>>`, one thread.\n"
@@ -144,4 +137,5 @@ fn main() {
         activation::softmax(x, 3)
     });
     raw_rows();
+    println!("\nMeanwhile {}.", common::others_share(ticks));
 }

@@ -12,24 +12,17 @@ use sshsdp::mx::par::{
 };
 use sshsdp::mx::{ElemFormat, MxInput, MxShape, Plane, ScaleRule};
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod common;
 
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
 const REPS: usize = 9;
 
 /// Median wall time of `REPS` runs of `f` (after one warm-up run).
-fn median(mut f: impl FnMut()) -> Duration {
-    f();
-    let mut t: Vec<Duration> = (0..REPS)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed()
-        })
-        .collect();
-    t.sort();
-    t[REPS / 2]
+fn median(f: impl FnMut()) -> Duration {
+    common::median_time(REPS, f)
 }
 
 /// `dst.copy_from_slice(src)` split over `threads` threads.
@@ -119,6 +112,7 @@ fn bench<T: MxInput + Default>(x: &[T], name: &str, threads: usize, b: &mut Bufs
 }
 
 fn main() {
+    let ticks = common::cpu_ticks();
     let s = MxShape::new(ROWS, COLS);
     let all = std::thread::available_parallelism().map_or(1, |n| n.get());
     let x = input();
@@ -144,4 +138,5 @@ fn main() {
         bench(&x, "f32", threads, &mut b);
         bench(&xb, "bf16", threads, &mut b);
     }
+    println!("\nMeanwhile {}.", common::others_share(ticks));
 }

@@ -40,6 +40,20 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The median wall time of `reps` runs of `f`, after one warm-up run.
+#[allow(dead_code)] // not every bench times closures
+pub fn median_time(reps: usize, mut f: impl FnMut()) -> std::time::Duration {
+    f();
+    let times = (0..reps)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    std::time::Duration::from_secs_f64(median(times))
+}
+
 /// CPU clock ticks since boot: (all cores' total, all cores' busy, this process's own).
 pub fn cpu_ticks() -> Option<(u64, u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
