@@ -26,6 +26,8 @@
 //! `Hsdp<NdArray>` (1.33×), at 1 rank 1.17 against 2.50 (2.1×), and at width 192 and 2 ranks
 //! 2.27 against 2.97 (1.31×), although the decorator's zero-copy parameter views are specific
 //! to NdArray. (Measured on a 2-core VM while other builds ran: absolute times are inflated.)
+//! The model's GELU and softmax run `sshsdp::kernels`' vectorised fused ops on burn-flex
+//! (+45–53 % tokens/s on top of that; docs/BENCHMARKS.md, "Against PyTorch").
 
 mod common;
 
