@@ -21,7 +21,7 @@ use std::time::Instant;
 use half::bf16;
 use sshsdp_comm::conformance::{self, Outcome};
 use sshsdp_comm::nccl::{self, Bf16Bits, CudaSlice, DeviceElement, NcclComm};
-use sshsdp_comm::{Collective, CommResult, ReduceOp};
+use sshsdp_comm::{Collective, CommError, CommResult, ReduceOp};
 
 /// Test input `i` of rank `rank`: a small integer, exact in every element type.
 fn value(rank: usize, i: usize) -> f32 {
@@ -312,6 +312,59 @@ struct RankReport {
     timings: CommResult<Vec<Timing>>,
 }
 
+/// The failure semantics on a real communicator (last: it aborts `c`). A stream blocked by
+/// `cuStreamWaitValue32` on a flag nobody writes stands in for a peer that never arrives: the
+/// bounded wait must time out near its limit and abort the communicator, and a later call must
+/// fail before it enqueues. The flag is then written from the host so the stream drains.
+fn fault_checks(mut c: NcclComm, out: &mut Vec<(String, Outcome)>) {
+    use cudarc::driver::sys as cu;
+    let limit = std::time::Duration::from_millis(500);
+    c.set_timeout(limit);
+    let flag = match zeros::<u8>(&c, 4) {
+        Ok(f) => f,
+        Err(e) => {
+            out.push(("fault: stuck stream times out".into(), Err(e.to_string())));
+            return;
+        }
+    };
+    let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&flag, c.stream());
+    // SAFETY: `flag` is a live 4-byte device allocation; the wait blocks only this stream.
+    let queued = unsafe {
+        cu::cuStreamWaitValue32_v2(
+            c.stream().cu_stream(),
+            ptr,
+            1,
+            cu::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
+        )
+    };
+    let start = std::time::Instant::now();
+    let waited = c.synchronize();
+    let took = start.elapsed();
+    let timed_out = match (&queued, &waited) {
+        (cu::cudaError_enum::CUDA_SUCCESS, Err(CommError::Timeout { .. }))
+            if took >= limit && took < limit * 10 =>
+        {
+            Ok(())
+        }
+        _ => Err(format!(
+            "queue {queued:?}, wait {waited:?} after {took:?} (limit {limit:?})"
+        )),
+    };
+    out.push(("fault: stuck stream times out".into(), timed_out));
+    let mut one = vec![0f32; 4];
+    let later = match c.all_reduce(&mut one, ReduceOp::Sum) {
+        Err(CommError::PeerFailed(_)) => Ok(()),
+        other => Err(format!("after the abort a call returned {other:?}")),
+    };
+    out.push(("fault: calls after abort fail".into(), later));
+    let released = 1u32.to_le_bytes();
+    // SAFETY: a synchronous 4-byte copy from host memory into the live flag (the null stream
+    // does not wait for the non-blocking one), which releases the blocked stream.
+    let _ = unsafe { cu::cuMemcpyHtoD_v2(ptr, released.as_ptr().cast(), 4) };
+    drop(_sync);
+    let _ = c.stream().synchronize();
+}
+
 fn run_rank(c: NcclComm) -> RankReport {
     let mut checks: Vec<(String, Outcome)> = conformance::run_all(&c)
         .into_iter()
@@ -321,6 +374,7 @@ fn run_rank(c: NcclComm) -> RankReport {
     device_checks_typed::<Bf16Bits>(&c, &mut checks);
     device_checks_typed::<u8>(&c, &mut checks);
     let timings = timings(&c);
+    fault_checks(c, &mut checks);
     RankReport { checks, timings }
 }
 

@@ -1,14 +1,18 @@
 //! [`NcclComm`]: one rank's NCCL communicator, its bootstrap and its device-buffer collectives.
 
+use std::cell::Cell;
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{result, sys};
 
+use super::watch::{timeout_from_env, wait_until, Liveness, Progress};
 use super::{cuda_error, nccl_dtype, nccl_error, probe, DeviceElement};
 use crate::collective::{check_chunks, check_counts, check_root, counts_mismatch, equal_chunks};
 use crate::{Collective, CommError, CommResult, ElementKind, ReduceOp};
@@ -79,6 +83,12 @@ pub struct NcclComm {
     stream: Arc<CudaStream>,
     rank: usize,
     size: usize,
+    /// Whether this rank's communicators may still be used (shared with its other lanes).
+    live: Arc<Liveness>,
+    /// The watchdog timeout of every wait.
+    timeout: Duration,
+    /// Set once `ncclCommAbort` has freed the communicator.
+    aborted: Cell<bool>,
     /// An NCCL communicator is driven from one thread; keeps the type `!Send` and `!Sync`.
     _not_send: PhantomData<*mut ()>,
 }
@@ -95,8 +105,20 @@ impl std::fmt::Debug for NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        // Errors cannot be reported from drop; never panic here. Let queued work finish, then
-        // free the communicator (ncclCommDestroy waits for this rank's outstanding operations).
+        // Errors cannot be reported from drop; never panic here. An aborted communicator was
+        // freed by ncclCommAbort, and waiting on its stream could hang behind a dead peer.
+        if self.aborted.get() {
+            return;
+        }
+        if self.live.failure().is_some() {
+            // The rank failed while this communicator may have work queued behind a dead
+            // peer: abort instead of waiting for it.
+            // SAFETY: `raw` is owned by this value and not used after this call.
+            let _ = unsafe { result::comm_abort(self.raw) };
+            return;
+        }
+        // Let queued work finish, then free the communicator (ncclCommDestroy waits for this
+        // rank's outstanding operations).
         let _ = self.stream.context().bind_to_thread();
         let _ = self.stream.synchronize();
         // SAFETY: `raw` is a communicator this value owns, created by ncclCommInitRank or
@@ -146,11 +168,22 @@ impl NcclComm {
                 .map_err(|e| nccl_error("ncclCommInitRank", e, None))?;
             raw.assume_init()
         };
+        let timeout = match timeout_from_env() {
+            Ok(t) => t,
+            Err(e) => {
+                // SAFETY: `raw` was just created and is not used afterwards.
+                let _ = unsafe { result::comm_destroy(raw) };
+                return Err(e);
+            }
+        };
         Ok(Self {
             raw,
             stream,
             rank,
             size,
+            live: Arc::default(),
+            timeout,
+            aborted: Cell::new(false),
             _not_send: PhantomData,
         })
     }
@@ -248,14 +281,94 @@ impl NcclComm {
 
     /// Waits until everything enqueued on the stream (collectives included) has finished, and
     /// reports an asynchronous CUDA error if one was recorded.
+    ///
+    /// A bounded wait (see `watch.rs`): it polls the stream, NCCL's asynchronous error and this
+    /// rank's liveness, and gives up after the watchdog timeout ([`NcclComm::timeout`]). On an
+    /// error, an abort or a timeout the communicator is aborted (`ncclCommAbort`), the rank's
+    /// other lanes fail their next call, and this call returns the error.
     pub fn synchronize(&self) -> CommResult<()> {
-        bind(&self.stream)?;
-        self.stream
-            .synchronize()
-            .map_err(|e| cuda_error("stream synchronize", e))?;
+        const OP: &str = "synchronize";
+        self.enter(OP)?;
+        if let Err(failure) = wait_until(|| self.progress(), &self.live, self.timeout) {
+            let e = failure.into_error(OP);
+            self.abort_comm(&e.to_string());
+            return Err(e);
+        }
         self.context()
             .check_err()
             .map_err(|e| cuda_error("asynchronous CUDA error", e))
+    }
+
+    /// The watchdog timeout of [`NcclComm::synchronize`] (default
+    /// [`DEFAULT_NCCL_TIMEOUT`](super::DEFAULT_NCCL_TIMEOUT), or
+    /// [`NCCL_TIMEOUT_ENV`](super::NCCL_TIMEOUT_ENV) seconds).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sets the watchdog timeout of this communicator's waits.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// Shares `live` with other communicators of this rank (e.g. its lanes): a failure or abort
+    /// of one fails the next call of every other.
+    pub fn with_liveness(mut self, live: Arc<Liveness>) -> Self {
+        self.live = live;
+        self
+    }
+
+    /// The liveness this communicator shares with the rank's others.
+    pub fn liveness(&self) -> Arc<Liveness> {
+        self.live.clone()
+    }
+
+    /// Fails this rank's communicators: waits in progress end with an error and later calls fail
+    /// before they enqueue. The communicator itself is aborted by the wait that notices.
+    pub fn fail(&self, reason: &str) {
+        self.live.fail(reason);
+    }
+
+    /// The check before any call: `Err` once the rank has failed; then binds the stream's
+    /// context to this thread.
+    fn enter(&self, op: &str) -> CommResult<()> {
+        self.live.check(op)?;
+        bind(&self.stream)
+    }
+
+    /// One look at the work queued on this communicator's stream.
+    fn progress(&self) -> Progress {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `self.raw` is live (not aborted: `enter` checked the liveness, which an abort
+        // sets first); `state` is a valid out-pointer. The symbol was checked by the probe.
+        let got = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut state) };
+        if got != sys::ncclResult_t::ncclSuccess {
+            return Progress::Failed(
+                nccl_error("ncclCommGetAsyncError", NcclError(got), None).to_string(),
+            );
+        }
+        if state != sys::ncclResult_t::ncclSuccess && state != sys::ncclResult_t::ncclInProgress {
+            return Progress::Failed(
+                nccl_error("asynchronous NCCL error", NcclError(state), Some(self.raw)).to_string(),
+            );
+        }
+        // SAFETY: the stream is live for as long as `self` holds it.
+        match unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) } {
+            cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS => Progress::Done,
+            cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_READY => Progress::Pending,
+            e => Progress::Failed(format!("cuStreamQuery: {e:?}")),
+        }
+    }
+
+    /// Marks the rank failed and aborts this communicator (once): `ncclCommAbort` stops its
+    /// kernels and frees it, so the stream drains and nothing waits on a dead peer.
+    fn abort_comm(&self, reason: &str) {
+        self.live.fail(reason);
+        if !self.aborted.replace(true) {
+            // SAFETY: `self.raw` is live and not used again (`aborted` is set; every call
+            // checks the liveness, failed above, before touching it).
+            let _ = unsafe { result::comm_abort(self.raw) };
+        }
     }
 
     fn check_buffer<D: DeviceElement, B: DeviceSlice<D>>(&self, op: &str, b: &B) -> CommResult<()> {
@@ -301,7 +414,7 @@ impl NcclComm {
         if chunk == 0 {
             return Ok(());
         }
-        bind(&self.stream)?;
+        self.enter(OP)?;
         let (ptr, _write) = buf.device_ptr_mut(&self.stream);
         let send = ptr + (self.rank * chunk * std::mem::size_of::<D>()) as CUdeviceptr;
         // SAFETY: `ptr` is a live device allocation of `size · chunk` elements of D on this
@@ -336,7 +449,7 @@ impl NcclComm {
         if send.is_empty() {
             return Ok(());
         }
-        bind(&self.stream)?;
+        self.enter(OP)?;
         let (src, _read) = send.device_ptr(&self.stream);
         let (dst, _write) = recv.device_ptr_mut(&self.stream);
         // SAFETY: `src` holds send.len() elements and `dst` size · send.len(), both live device
@@ -372,7 +485,7 @@ impl NcclComm {
         if count == 0 {
             return Ok(());
         }
-        bind(&self.stream)?;
+        self.enter(OP)?;
         let (src, _read) = send.device_ptr(&self.stream);
         let (dst, _write) = recv.device_ptr_mut(&self.stream);
         // SAFETY: `src` holds size · recv.len() elements and `dst` recv.len(), both live device
@@ -429,7 +542,7 @@ impl NcclComm {
         if let Some(msg) = counts_mismatch(OP, &sends, &recvs) {
             return Err(CommError::Mismatch(msg));
         }
-        bind(&self.stream)?;
+        self.enter(OP)?;
         let elem = std::mem::size_of::<D>() as u64;
         let (src, _read) = send.device_ptr(&self.stream);
         let (dst, _write) = recv.device_ptr_mut(&self.stream);
@@ -494,7 +607,7 @@ impl NcclComm {
         if chunk == 0 {
             return Ok(());
         }
-        bind(&self.stream)?;
+        self.enter(OP)?;
         let (ptr, _write) = buf.device_ptr_mut(&self.stream);
         let recv = ptr + (self.rank * chunk * std::mem::size_of::<D>()) as CUdeviceptr;
         // SAFETY: `ptr` is a live device allocation of size · chunk elements on this GPU,
@@ -527,7 +640,7 @@ impl NcclComm {
             return Ok(());
         }
         let count = buf.len();
-        bind(&self.stream)?;
+        self.enter(OP)?;
         let (ptr, _write) = buf.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` is a live device allocation of `count` elements on this GPU, borrowed
         // mutably; NCCL supports sendbuff == recvbuff for all-reduce.
@@ -559,7 +672,7 @@ impl NcclComm {
             return Ok(());
         }
         let count = buf.len();
-        bind(&self.stream)?;
+        self.enter(OP)?;
         let (ptr, _write) = buf.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` is a live device allocation of `count` elements on this GPU, borrowed
         // mutably; NCCL supports sendbuff == recvbuff for broadcast. root < size fits i32.
@@ -584,7 +697,7 @@ impl NcclComm {
     pub fn split_comm(&self, color: usize, key: usize) -> CommResult<Self> {
         const OP: &str = "ncclCommSplit";
         let (c, k) = (to_i32("split color", color)?, to_i32("split key", key)?);
-        bind(&self.stream)?;
+        self.enter(OP)?;
         let mut child = MaybeUninit::<sys::ncclComm_t>::uninit();
         // SAFETY: `self.raw` is live; `child` is written by NCCL on success and read only then;
         // a null config makes the child inherit the parent's configuration. The symbol was
@@ -615,6 +728,9 @@ impl NcclComm {
             stream: self.stream.clone(),
             rank,
             size,
+            live: self.live.clone(),
+            timeout: self.timeout,
+            aborted: Cell::new(false),
             _not_send: PhantomData,
         })
     }

@@ -36,8 +36,11 @@ impl NcclComm {
             .map_err(|e| cuda_error("device alloc", e))
     }
 
-    /// Copies `dev` into `host` (same length) and waits for the stream.
+    /// Waits (bounded, see `watch.rs`) for the queued collective, then copies `dev` into
+    /// `host` (same length). The wait comes first: cudarc's copy to pageable memory blocks on
+    /// the stream with no timeout, which behind a dead peer would never return.
     fn download<D: DeviceElement>(&self, dev: &CudaSlice<D>, host: &mut [D]) -> CommResult<()> {
+        self.synchronize()?;
         self.stream()
             .memcpy_dtoh(dev, host)
             .map_err(|e| cuda_error("copy to host", e))?;
@@ -222,5 +225,12 @@ impl Collective for NcclComm {
 
     fn split(&self, color: usize, key: usize) -> CommResult<Self> {
         self.split_comm(color, key)
+    }
+
+    /// Fails this rank's communicators (its lanes and splits): a wait in progress aborts its
+    /// communicator and returns the error, and later calls fail before they enqueue.
+    fn abort_handle(&self) -> Option<crate::AbortHandle> {
+        let live = self.liveness();
+        Some(std::sync::Arc::new(move |reason: &str| live.fail(reason)))
     }
 }

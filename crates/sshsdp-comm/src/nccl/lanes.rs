@@ -4,7 +4,7 @@
 use crate::{Collective, CommError, CommFactory, CommResult};
 
 use super::comm::agree_ids;
-use super::{NcclComm, NcclUniqueId};
+use super::{Liveness, NcclComm, NcclUniqueId};
 
 /// One NCCL unique id per lane, agreed by every rank; [`CommFactory::connect`] creates lane
 /// `i`'s communicator from id `i` on the calling thread, on GPU `device`.
@@ -14,6 +14,8 @@ pub struct NcclLanes {
     rank: usize,
     size: usize,
     device: usize,
+    /// Shared by every lane's communicator: an abort or a failed wait on one fails them all.
+    live: std::sync::Arc<Liveness>,
 }
 
 impl NcclLanes {
@@ -36,6 +38,7 @@ impl NcclLanes {
             rank: boot.rank(),
             size: boot.size(),
             device,
+            live: Default::default(),
         })
     }
 }
@@ -70,6 +73,14 @@ impl CommFactory for NcclLanes {
                 )));
             }
         }
-        NcclComm::from_id(&id, self.rank, self.size, self.device)
+        Ok(NcclComm::from_id(&id, self.rank, self.size, self.device)?
+            .with_liveness(self.live.clone()))
+    }
+
+    /// Fails every lane of this rank: a lane waiting on a collective aborts its communicator
+    /// (`ncclCommAbort`) within a poll and returns the error; later calls fail at once. Peers
+    /// in other processes meet it as NCCL's asynchronous error or their own watchdog timeout.
+    fn abort(&self, reason: &str) {
+        self.live.fail(reason);
     }
 }

@@ -56,6 +56,17 @@
 //! [`NcclComm`] is neither `Send` nor `Sync` (it owns a raw `ncclComm_t`): create it on the thread
 //! that uses it. `ncclCommInitRank` blocks until every rank has joined.
 //!
+//! # Failures
+//!
+//! Waits never block without a bound ([`NcclComm::synchronize`], and every host-path call,
+//! which waits before it copies back): they poll the stream, NCCL's asynchronous error, the
+//! rank's [`Liveness`] and a watchdog deadline ([`NCCL_TIMEOUT_ENV`], default
+//! [`DEFAULT_NCCL_TIMEOUT`]), and on an error, an abort or a timeout call `ncclCommAbort` and
+//! return the error. [`NcclLanes`] shares one liveness among a rank's lanes, and its
+//! [`CommFactory::abort`](crate::CommFactory::abort) fails them all; once failed, every call
+//! returns `Err` before it enqueues, so the rank stays in step with peers that fail the same
+//! calls. See `watch.rs`.
+//!
 //! # Availability
 //!
 //! cudarc loads `libcuda` and `libnccl` at run time and *panics* when one is missing. [`probe`]
@@ -79,6 +90,7 @@ mod comm;
 mod host;
 mod lanes;
 mod probe;
+mod watch;
 
 use std::any::TypeId;
 use std::ffi::CStr;
@@ -92,6 +104,7 @@ pub use comm::{NcclComm, NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView};
 pub use lanes::NcclLanes;
 pub use probe::{device_count, is_available, nccl_version, probe};
+pub use watch::{timeout_from_env, Liveness, DEFAULT_NCCL_TIMEOUT, NCCL_TIMEOUT_ENV};
 
 use crate::{CommError, Element, ElementKind};
 

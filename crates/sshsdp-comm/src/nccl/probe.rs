@@ -27,6 +27,8 @@ const NCCL_SYMBOLS: &[&str] = &[
     "ncclCommCount",
     "ncclCommUserRank",
     "ncclCommDestroy",
+    "ncclCommAbort",
+    "ncclCommGetAsyncError",
     "ncclAllGather",
     "ncclReduceScatter",
     "ncclAllReduce",

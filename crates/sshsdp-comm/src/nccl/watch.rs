@@ -1,0 +1,238 @@
+//! Bounded waits on NCCL work: what turns a dead or stuck peer into an error instead of a hang.
+//!
+//! NCCL kernels spin on the GPU until their peers' data arrives; a blocking
+//! `cudaStreamSynchronize` behind one never returns if a peer died. So, as PyTorch's
+//! ProcessGroupNCCL does, a wait here *polls*: the stream (`cuStreamQuery`), NCCL's
+//! asynchronous error (`ncclCommGetAsyncError`: a peer's abort, a network failure), this
+//! rank's [`Liveness`] (set by [`CommFactory::abort`](crate::CommFactory::abort) or an earlier
+//! failure of any lane of the rank) and a watchdog deadline. Any of the last three aborts the
+//! communicator (`ncclCommAbort`, which stops its kernels so the stream drains) and fails the
+//! call; every later call on a communicator sharing the liveness then fails at once, so the
+//! rank stays in step with peers that fail the same calls.
+//!
+//! The poll loop is [`wait_until`], apart from the CUDA calls so its rules are tested on any
+//! machine.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::CommError;
+
+/// Default watchdog timeout of an NCCL wait (PyTorch's ProcessGroupNCCL default too).
+pub const DEFAULT_NCCL_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The environment variable that overrides [`DEFAULT_NCCL_TIMEOUT`], in seconds (e.g. `30`).
+pub const NCCL_TIMEOUT_ENV: &str = "SSHSDP_NCCL_TIMEOUT_S";
+
+/// The watchdog timeout: [`NCCL_TIMEOUT_ENV`] if set to a positive number of seconds, else
+/// [`DEFAULT_NCCL_TIMEOUT`]. A malformed value is an error, not silently the default.
+pub fn timeout_from_env() -> Result<Duration, CommError> {
+    match std::env::var(NCCL_TIMEOUT_ENV) {
+        Err(_) => Ok(DEFAULT_NCCL_TIMEOUT),
+        Ok(s) => match s.trim().parse::<f64>() {
+            Ok(secs) if secs > 0.0 && secs.is_finite() => Ok(Duration::from_secs_f64(secs)),
+            _ => Err(CommError::InvalidArgument(format!(
+                "{NCCL_TIMEOUT_ENV}={s:?}: expected a positive number of seconds"
+            ))),
+        },
+    }
+}
+
+/// Whether a rank's NCCL communicators may still be used: shared by every lane of a rank
+/// (and the communicators split from them). The first failure's reason is kept.
+#[derive(Debug, Default)]
+pub struct Liveness {
+    failed: Mutex<Option<String>>,
+}
+
+impl Liveness {
+    /// Marks the rank failed (the first reason wins).
+    pub fn fail(&self, reason: &str) {
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        failed.get_or_insert_with(|| reason.to_string());
+    }
+
+    /// The failure, if any.
+    pub fn failure(&self) -> Option<String> {
+        self.failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// `Err` at once when the rank has failed: what every call checks before it enqueues.
+    pub fn check(&self, op: &str) -> Result<(), CommError> {
+        match self.failure() {
+            Some(reason) => Err(CommError::PeerFailed(format!(
+                "{op}: the communicator was aborted earlier ({reason})"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// One look at queued work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Progress {
+    /// Everything queued has finished.
+    Done,
+    /// Still running.
+    Pending,
+    /// The engine reported an error (asynchronous NCCL error, CUDA error).
+    Failed(String),
+}
+
+/// Why [`wait_until`] gave up; the caller aborts the communicator for each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaitFailure {
+    /// The engine reported an error.
+    Engine(String),
+    /// The rank's [`Liveness`] was failed while waiting (another lane, or an abort).
+    Aborted(String),
+    /// The watchdog deadline passed.
+    TimedOut(Duration),
+}
+
+impl WaitFailure {
+    /// The error a call reports, naming `op`.
+    pub fn into_error(self, op: &'static str) -> CommError {
+        match self {
+            WaitFailure::Engine(e) => CommError::Engine(format!("{op}: {e}")),
+            WaitFailure::Aborted(reason) => {
+                CommError::PeerFailed(format!("{op}: aborted while waiting ({reason})"))
+            }
+            WaitFailure::TimedOut(after) => CommError::Timeout {
+                op,
+                after,
+                // NCCL does not say which peer is missing.
+                missing: Vec::new(),
+            },
+        }
+    }
+}
+
+/// Polls `poll` until it reports [`Progress::Done`], or fails on an engine error, a failed
+/// `live`, or after `limit`. Spins briefly (collectives of small buffers finish in
+/// microseconds), then sleeps between polls with a back-off capped at 1 ms.
+pub fn wait_until(
+    mut poll: impl FnMut() -> Progress,
+    live: &Liveness,
+    limit: Duration,
+) -> Result<(), WaitFailure> {
+    const SPINS: u32 = 64;
+    const MAX_SLEEP: Duration = Duration::from_millis(1);
+    let start = Instant::now();
+    let mut sleep = Duration::from_micros(10);
+    let mut polls = 0u32;
+    loop {
+        match poll() {
+            Progress::Done => return Ok(()),
+            Progress::Failed(e) => return Err(WaitFailure::Engine(e)),
+            Progress::Pending => {}
+        }
+        if let Some(reason) = live.failure() {
+            return Err(WaitFailure::Aborted(reason));
+        }
+        let waited = start.elapsed();
+        if waited >= limit {
+            return Err(WaitFailure::TimedOut(waited));
+        }
+        polls += 1;
+        if polls < SPINS {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(sleep.min(limit - waited));
+            sleep = (sleep * 2).min(MAX_SLEEP);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn finished_work_returns_ok() {
+        let live = Liveness::default();
+        let mut left = 200;
+        let r = wait_until(
+            || {
+                left -= 1;
+                if left == 0 {
+                    Progress::Done
+                } else {
+                    Progress::Pending
+                }
+            },
+            &live,
+            Duration::from_secs(10),
+        );
+        assert_eq!(r, Ok(()));
+        assert_eq!(left, 0, "polled until done, not beyond");
+    }
+
+    #[test]
+    fn an_engine_error_fails_at_once() {
+        let live = Liveness::default();
+        let r = wait_until(
+            || Progress::Failed("ncclRemoteError".into()),
+            &live,
+            Duration::from_secs(10),
+        );
+        assert_eq!(r, Err(WaitFailure::Engine("ncclRemoteError".into())));
+    }
+
+    #[test]
+    fn stuck_work_times_out_near_the_limit() {
+        let live = Liveness::default();
+        let limit = Duration::from_millis(50);
+        let start = Instant::now();
+        let r = wait_until(|| Progress::Pending, &live, limit);
+        let took = start.elapsed();
+        assert!(matches!(r, Err(WaitFailure::TimedOut(after)) if after >= limit));
+        assert!(took < limit + Duration::from_secs(2), "took {took:?}");
+        let e = r.unwrap_err().into_error("all_gather");
+        assert!(matches!(
+            e,
+            CommError::Timeout {
+                op: "all_gather",
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn an_abort_from_another_thread_ends_a_wait() {
+        let live = Arc::new(Liveness::default());
+        let other = live.clone();
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            other.fail("rank 3 raised an error");
+        });
+        let r = wait_until(|| Progress::Pending, &live, Duration::from_secs(30));
+        aborter.join().unwrap();
+        assert_eq!(
+            r,
+            Err(WaitFailure::Aborted("rank 3 raised an error".into()))
+        );
+        // Later calls fail before they enqueue, with the first reason.
+        live.fail("a second reason");
+        let e = live.check("reduce_scatter").unwrap_err();
+        assert!(matches!(&e, CommError::PeerFailed(m) if m.contains("rank 3 raised an error")));
+    }
+
+    #[test]
+    fn the_timeout_comes_from_the_environment_or_the_default() {
+        // One test touches the variable, so no other test races it.
+        std::env::remove_var(NCCL_TIMEOUT_ENV);
+        assert_eq!(timeout_from_env(), Ok(DEFAULT_NCCL_TIMEOUT));
+        std::env::set_var(NCCL_TIMEOUT_ENV, "2.5");
+        assert_eq!(timeout_from_env(), Ok(Duration::from_millis(2500)));
+        for bad in ["0", "-1", "soon", "inf"] {
+            std::env::set_var(NCCL_TIMEOUT_ENV, bad);
+            assert!(timeout_from_env().is_err(), "{bad}");
+        }
+        std::env::remove_var(NCCL_TIMEOUT_ENV);
+    }
+}
