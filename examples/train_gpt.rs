@@ -429,6 +429,30 @@ mod tests {
         );
     }
 
+    /// `--nccl` where NCCL or a GPU is missing (CI, this machine): an error naming `--nccl`
+    /// and the reason, on every rank, before any training — not a panic or a hang.
+    #[cfg(feature = "nccl")]
+    #[test]
+    fn nccl_without_a_gpu_is_a_clear_error() {
+        if sshsdp::comm::nccl::is_available() {
+            return; // a GPU machine: h200.sh runs --nccl for real
+        }
+        let dir = std::env::temp_dir().join(format!("train_gpt_nccl_{}", std::process::id()));
+        let task = tiny_task();
+        let out = dir.join("out").display().to_string();
+        let args = ["--ranks", "2", "--nccl", "--steps", "1", "--out", &out];
+        let args = parse_args(
+            args.iter().map(|s| s.to_string()),
+            &tiny_defaults(),
+            |_, _| Ok(false),
+        )
+        .unwrap()
+        .unwrap();
+        let e = common::run(&task, &args).unwrap_err();
+        assert!(e.contains("--nccl") && e.contains("unavailable"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Trained weights exported from 2 ranks start a 1-rank run (`--init-from`): its first
     /// loss, on the first run's first batch, is the trained model's, below the untrained one;
     /// and the file it exports in turn opens as a safetensors file of every parameter.
@@ -515,6 +539,14 @@ mod tests {
         } else {
             let e = wgpu.unwrap_err();
             assert!(e.contains("--features wgpu"), "{e}");
+        }
+        // `--nccl` names its feature when it is missing.
+        let nccl = parse(&["--nccl"]);
+        if cfg!(feature = "nccl") {
+            assert!(nccl.unwrap().unwrap().nccl);
+        } else {
+            let e = nccl.unwrap_err();
+            assert!(e.contains("`nccl` feature"), "{e}");
         }
         assert!(parse(&["--help"]).unwrap().is_none());
         let args = parse(&["--mesh", "2x2", "--format", "f32", "--clip", "0"])

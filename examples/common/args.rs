@@ -56,6 +56,8 @@ pub struct Args {
     pub storage: Placement,
     /// `--compute f32|bf16|f16` and `--reduce f32|bf16`: the mixed-precision policy.
     pub precision: MixedPrecision,
+    /// `--nccl`: the runtime's collectives on NCCL lanes, bootstrapped over the launch engine.
+    pub nccl: bool,
 }
 
 /// Parses a `--compute`/`--reduce` dtype.
@@ -137,12 +139,16 @@ Backend:
                        on the default adapter, each rank on it (build with --features wgpu; on
                        a machine without a GPU it runs on Mesa's lavapipe, slowly); cuda:
                        CubeCL's CUDA runtime, every in-process rank on GPU 0 (--features cuda;
-                       collectives through the host: NCCL is not wired into the examples yet)
+                       collectives through the host engine unless --nccl)
   --storage host|device  where fp32 masters, optimizer state and gradient buckets live
                        (default: device on wgpu and cuda, host on flex)
   --compute f32|bf16|f16  dtype parameters and activations compute in (default f32; fp32
                        masters either way; bf16 on flex and cuda, f16 where bf16 is missing)
   --reduce f32|bf16    dtype gradients are reduced in (default f32)
+  --nccl               the runtime's collectives (gathers, reductions, rebuilds, Muon's
+                       exchanges) over NCCL, one communicator per lane, bootstrapped over the
+                       threads engine or MPI (--features nccl; one GPU per rank, the rank's
+                       node-local index; host buffers staged through the GPU for now)
 Output:
   --out DIR            metrics.csv, loss.svg, loss.png and samples (default runs/<example>/)
   --eval-every N       steps between held-out evaluations (0: at the end only)
@@ -194,6 +200,7 @@ pub fn parse_args(
         backend: BackendKind::Flex,
         storage: Placement::Host,
         precision: MixedPrecision::default(),
+        nccl: false,
     };
     let mut storage = None;
     let mut args = args.into_iter();
@@ -284,6 +291,14 @@ pub fn parse_args(
                     "device" => Placement::Device,
                     s => return Err(format!("--storage is host or device, not `{s}`")),
                 })
+            }
+            "--nccl" if cfg!(feature = "nccl") => out.nccl = true,
+            "--nccl" => {
+                return Err(
+                    "--nccl needs the `nccl` feature: cargo build --release --features \
+                            cuda,nccl --example <name>"
+                        .into(),
+                )
             }
             "--compute" => out.precision.compute = parse_precision(&flag, &value()?)?,
             "--reduce" => out.precision.reduce = parse_precision(&flag, &value()?)?,

@@ -6,9 +6,9 @@ use std::time::Instant;
 
 use burn::tensor::ElementConversion;
 use indicatif::{ProgressBar, ProgressStyle};
-use sshsdp::backend::{shard, shard_from, HsdpConfig};
+use sshsdp::backend::{shard_with_source, HsdpConfig, HsdpRuntime, RUNTIME_LANES};
 use sshsdp::checkpoint::{export_safetensors, SafetensorsSource};
-use sshsdp::comm::{Collective, ReduceOp};
+use sshsdp::comm::{Collective, ReduceOp, SplitLanes};
 use sshsdp::plan::Mesh;
 
 use super::*;
@@ -33,12 +33,18 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         .with_grad_placement(args.storage)
         .with_mixed_precision(args.precision)
         .with_trace(args.trace.is_some());
-    let sharded = match &args.init_from {
-        Some(file) => {
-            let source = SafetensorsSource::open(file).map_err(|e| e.to_string())?;
-            shard_from::<Train<I>, _, _>(init.clone(), config, comm, &device, &source)
-        }
-        None => shard::<Train<I>, _, _>(init.clone(), config, comm, &device),
+    let source = match &args.init_from {
+        Some(file) => Some(SafetensorsSource::open(file).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let source = source
+        .as_ref()
+        .map(|s| s as &dyn sshsdp::backend::ParamSource);
+    let sharded = if args.nccl {
+        shard_over_nccl::<I, T>(init.clone(), config, &comm, &device, source)?
+    } else {
+        let lanes = SplitLanes::new(comm, RUNTIME_LANES).map_err(|e| e.to_string())?;
+        shard_with_source::<Train<I>, _, _>(init.clone(), config, lanes, &device, source)
     };
     let (mut model, runtime) =
         sharded.map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;
@@ -277,4 +283,55 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         png,
         finish,
     }))
+}
+
+/// What `shard` returns: the sharded model and its runtime, or why not.
+type Sharded<M, I> = Result<(M, HsdpRuntime<I>), sshsdp::backend::HsdpError>;
+
+/// The runtime over NCCL lanes agreed over `boot` (the launch engine: threads or MPI), rank r on
+/// its node-local GPU (one GPU per rank). `boot` stays the examples' metrics communicator.
+#[cfg(feature = "nccl")]
+fn shard_over_nccl<I: Compute, T: Task<I>>(
+    init: T::Model,
+    config: HsdpConfig,
+    boot: &impl Collective,
+    device: &I::Device,
+    source: Option<&dyn sshsdp::backend::ParamSource>,
+) -> Result<Sharded<T::Model, I>, String> {
+    use sshsdp::comm::nccl::{device_count, NcclLanes};
+    let gpus = device_count().map_err(|e| format!("--nccl: {e}"))?.max(1);
+    // This rank's index on its node: the launcher's local rank under MPI/Slurm, the rank itself
+    // for in-process ranks. NCCL refuses two ranks of one communicator on one GPU.
+    let local = [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "SLURM_LOCALID",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+    .unwrap_or(boot.rank());
+    if local >= gpus {
+        return Err(format!(
+            "--nccl needs one GPU per rank: rank {} is number {local} on its node, which has \
+             {gpus} GPU(s)",
+            boot.rank()
+        ));
+    }
+    let lanes = NcclLanes::from_collective(boot, local, RUNTIME_LANES)
+        .map_err(|e| format!("--nccl: {e}"))?;
+    Ok(shard_with_source::<Train<I>, _, _>(
+        init, config, lanes, device, source,
+    ))
+}
+
+/// Without the `nccl` feature `--nccl` is refused by the parser.
+#[cfg(not(feature = "nccl"))]
+fn shard_over_nccl<I: Compute, T: Task<I>>(
+    _init: T::Model,
+    _config: HsdpConfig,
+    _boot: &impl Collective,
+    _device: &I::Device,
+    _source: Option<&dyn sshsdp::backend::ParamSource>,
+) -> Result<Sharded<T::Model, I>, String> {
+    Err("--nccl needs the `nccl` feature".into())
 }

@@ -16,7 +16,7 @@
 # Build the binaries on the x86-64 build machine, then carry the folder:
 #   cargo build --release -p sshsdp-kernels --features cuda --bin gpu_check
 #   cargo build --release -p sshsdp-comm --features nccl --example nccl_conformance
-#   cargo build --release --features cuda --example train_gpt
+#   cargo build --release --features cuda,nccl --example train_gpt
 #   scripts/device/h200.sh --stage device-bin      # the three binaries there, stripped, gzipped
 # On the GPU machine (device tool: carry ["device-bin"]):
 #   scripts/device/h200.sh --bin device-bin
@@ -130,8 +130,9 @@ fi
 
 # --- 2. NCCL ------------------------------------------------------------------------------------
 if [ "$MODE" = cuda ]; then
-    check "NCCL conformance, world 1" nccl_check.log 15 \
-        env OUT="" NCCL_CHECK_TIMEOUT=120 scripts/device/nccl_check.sh "$NCCL"
+    check "NCCL conformance, world 1 (with the fault checks)" nccl_check.log 18 \
+        env OUT="" NCCL_CHECK_TIMEOUT=120 NCCL_LIBDIR_OUT="$OUT_DIR/nccl_libdir" \
+        scripts/device/nccl_check.sh "$NCCL"
 else
     row "NCCL conformance, world 1" "skipped (--cpu)" "needs a GPU"
 fi
@@ -180,6 +181,31 @@ for compute in f32 "$HALF"; do
     fi
 done
 
+# --- 3b. NCCL carrying the training step (world 1: the runtime's lanes on NCCL communicators;
+# host buffers staged through the GPU). Same seed, data and model as the bf16/bf16 run above, so
+# the losses must agree.
+if [ "$MODE" = cuda ] && [ -s "$OUT_DIR/nccl_libdir" ]; then
+    key=bf16_bf16_nccl
+    log="$OUT_DIR/train_$key.log"
+    echo "== train_gpt --backend cuda --nccl --format bf16 --compute bf16"
+    LD_LIBRARY_PATH="$(cat "$OUT_DIR/nccl_libdir")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" --backend cuda --nccl --ranks 1 \
+        --optim adamw --format bf16 --compute bf16 --steps "$STEPS" --eval-every 0 --sample-len 0 \
+        --out "$OUT_DIR/run_$key" "${MODEL[@]}" >"$log" 2>&1
+    rc=$?
+    grep -E "^(train loss|throughput) " "$log"
+    mine="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
+    host="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$OUT_DIR/train_bf16_bf16.log" 2>/dev/null)"
+    if [ "$rc" = 0 ] && [ -n "$mine" ] && [ "$mine" = "$host" ]; then
+        row "NCCL carries the GPT step (--nccl, world 1)" "$(rate_of "$log") tokens/s" "loss $mine, equal to the threads-engine run; train_$key.log"
+    else
+        row "NCCL carries the GPT step (--nccl, world 1)" "FAIL (exit $rc; loss ${mine:-?} vs ${host:-?})" "train_$key.log"
+        STATUS=1
+    fi
+else
+    row "NCCL carries the GPT step (--nccl, world 1)" "skipped" "needs a GPU and libnccl (step 2)"
+fi
+
 # --- 4. PyTorch ---------------------------------------------------------------------------------
 TORCH_ARGS=(--mode single --device "$TORCH_DEVICE" --steps "$STEPS" --warmup "$WARM" --width "$WIDTH"
     --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH")
@@ -222,6 +248,6 @@ done
     printf '%s\n' "${ROWS[@]}"
     echo
     echo "Not in this table yet: the same GPT unsharded on plain Burn (the decorator's overhead),"
-    echo "NCCL carrying a step (collectives go through the host; world 1 here)."
+    echo "and NCCL on device-resident runtime shards (--nccl stages host buffers through the GPU)."
 } | tee "$OUT_DIR/h200.md"
 exit "$STATUS"

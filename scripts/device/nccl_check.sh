@@ -89,6 +89,8 @@ say "libnccl.so.2: $NCCL_SO"
 LIBDIR="$(mktemp -d -t nccl_lib.XXXXXX)"
 ln -sf "$(readlink -f "$NCCL_SO")" "$LIBDIR/libnccl.so"
 export LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# For callers that run other NCCL binaries afterwards (h200.sh's --nccl training step).
+[ -n "${NCCL_LIBDIR_OUT:-}" ] && echo "$LIBDIR" >"$NCCL_LIBDIR_OUT"
 say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 

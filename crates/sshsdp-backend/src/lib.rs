@@ -52,8 +52,8 @@ pub use error::HsdpError;
 pub use handle::HsdpRuntime;
 pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};
 pub use shard::{
-    named_params, param_shapes, refresh_leaves, shard, shard_from, shard_with, NamedParam,
-    ParamSource,
+    named_params, param_shapes, refresh_leaves, shard, shard_from, shard_with, shard_with_source,
+    NamedParam, ParamSource,
 };
 pub use storage::{DeviceMemory, Placement};
 pub use tensor::{HsdpFloat, ParamHandle};
