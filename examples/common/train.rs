@@ -290,7 +290,7 @@ type Sharded<M, I> = Result<(M, HsdpRuntime<I>), sshsdp::backend::HsdpError>;
 
 /// The runtime over NCCL lanes agreed over `boot` (the launch engine: threads or MPI), rank r on
 /// its node-local GPU (one GPU per rank). `boot` stays the examples' metrics communicator.
-#[cfg(feature = "nccl")]
+/// Without the `nccl` feature the parser refuses `--nccl` before this is reached.
 fn shard_over_nccl<I: Compute, T: Task<I>>(
     init: T::Model,
     config: HsdpConfig,
@@ -298,40 +298,36 @@ fn shard_over_nccl<I: Compute, T: Task<I>>(
     device: &I::Device,
     source: Option<&dyn sshsdp::backend::ParamSource>,
 ) -> Result<Sharded<T::Model, I>, String> {
-    use sshsdp::comm::nccl::{device_count, NcclLanes};
-    let gpus = device_count().map_err(|e| format!("--nccl: {e}"))?.max(1);
-    // This rank's index on its node: the launcher's local rank under MPI/Slurm, the rank itself
-    // for in-process ranks. NCCL refuses two ranks of one communicator on one GPU.
-    let local = [
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "MPI_LOCALRANKID",
-        "SLURM_LOCALID",
-    ]
-    .iter()
-    .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-    .unwrap_or(boot.rank());
-    if local >= gpus {
-        return Err(format!(
-            "--nccl needs one GPU per rank: rank {} is number {local} on its node, which has \
-             {gpus} GPU(s)",
-            boot.rank()
-        ));
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = (init, config, boot, device, source);
+        Err("--nccl needs the `nccl` feature".into())
     }
-    let lanes = NcclLanes::from_collective(boot, local, RUNTIME_LANES)
-        .map_err(|e| format!("--nccl: {e}"))?;
-    Ok(shard_with_source::<Train<I>, _, _>(
-        init, config, lanes, device, source,
-    ))
-}
-
-/// Without the `nccl` feature `--nccl` is refused by the parser.
-#[cfg(not(feature = "nccl"))]
-fn shard_over_nccl<I: Compute, T: Task<I>>(
-    _init: T::Model,
-    _config: HsdpConfig,
-    _boot: &impl Collective,
-    _device: &I::Device,
-    _source: Option<&dyn sshsdp::backend::ParamSource>,
-) -> Result<Sharded<T::Model, I>, String> {
-    Err("--nccl needs the `nccl` feature".into())
+    #[cfg(feature = "nccl")]
+    {
+        use sshsdp::comm::nccl::{device_count, NcclLanes};
+        let gpus = device_count().map_err(|e| format!("--nccl: {e}"))?.max(1);
+        // This rank's index on its node: the launcher's local rank under MPI/Slurm, the rank
+        // itself for in-process ranks. NCCL refuses two ranks of one communicator on one GPU.
+        let local = [
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "MPI_LOCALRANKID",
+            "SLURM_LOCALID",
+        ]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(boot.rank());
+        if local >= gpus {
+            return Err(format!(
+                "--nccl needs one GPU per rank: rank {} is number {local} on its node, which \
+                 has {gpus} GPU(s)",
+                boot.rank()
+            ));
+        }
+        let lanes = NcclLanes::from_collective(boot, local, RUNTIME_LANES)
+            .map_err(|e| format!("--nccl: {e}"))?;
+        Ok(shard_with_source::<Train<I>, _, _>(
+            init, config, lanes, device, source,
+        ))
+    }
 }

@@ -344,7 +344,7 @@ where
     M: Module<B>,
     F: CommFactory,
 {
-    shard_aborting::<B, M, F>(module, config, factory, device, None)
+    shard_with_source::<B, M, F>(module, config, factory, device, None)
 }
 
 /// [`shard`] with the initial values read from `source` instead of the module: the module gives
@@ -365,30 +365,14 @@ where
     C: Collective + Send + 'static,
 {
     let factory = SplitLanes::new(comm, RUNTIME_LANES)?;
-    shard_aborting::<B, M, _>(module, config, factory, device, Some(source))
+    shard_with_source::<B, M, _>(module, config, factory, device, Some(source))
 }
 
 /// [`shard_with`] when `source` is `None`; otherwise [`shard_from`]'s initial values from
-/// `source`, over a factory of communicators (e.g. NCCL lanes).
+/// `source`, over a factory of communicators (e.g. NCCL lanes). On a local error it aborts the
+/// factory's communicators: the others may be waiting in a collective of `shard` for this rank,
+/// so they fail now (where the engine can) rather than at their timeouts.
 pub fn shard_with_source<B, M, F>(
-    module: M,
-    config: HsdpConfig,
-    factory: F,
-    device: &B::Device,
-    source: Option<&dyn ParamSource>,
-) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
-where
-    B: ShardableBackend,
-    M: Module<B>,
-    F: CommFactory,
-{
-    shard_aborting::<B, M, F>(module, config, factory, device, source)
-}
-
-/// [`shard_on`] over `factory`; on a local error, aborts the factory's communicators: the
-/// others may be waiting in a collective of `shard` for this rank, so they fail now (where the
-/// engine can) rather than at their timeouts.
-fn shard_aborting<B, M, F>(
     module: M,
     config: HsdpConfig,
     factory: F,

@@ -159,6 +159,8 @@ impl NcclComm {
             )));
         }
         let (nranks, r) = (to_i32("world size", size)?, to_i32("rank", rank)?);
+        // Before joining: a malformed setting fails every rank alike, with nothing to free.
+        let timeout = timeout_from_env()?;
         bind(&stream)?;
         let mut raw = MaybeUninit::uninit();
         // SAFETY: `raw` is written by NCCL on success and read only then; the id is a valid
@@ -167,14 +169,6 @@ impl NcclComm {
             result::comm_init_rank(raw.as_mut_ptr(), nranks, id.raw(), r)
                 .map_err(|e| nccl_error("ncclCommInitRank", e, None))?;
             raw.assume_init()
-        };
-        let timeout = match timeout_from_env() {
-            Ok(t) => t,
-            Err(e) => {
-                // SAFETY: `raw` was just created and is not used afterwards.
-                let _ = unsafe { result::comm_destroy(raw) };
-                return Err(e);
-            }
         };
         Ok(Self {
             raw,
@@ -318,15 +312,10 @@ impl NcclComm {
         self
     }
 
-    /// The liveness this communicator shares with the rank's others.
+    /// The liveness this communicator shares with the rank's others; [`Liveness::fail`] on it
+    /// ends waits in progress with an error and fails later calls before they enqueue.
     pub fn liveness(&self) -> Arc<Liveness> {
         self.live.clone()
-    }
-
-    /// Fails this rank's communicators: waits in progress end with an error and later calls fail
-    /// before they enqueue. The communicator itself is aborted by the wait that notices.
-    pub fn fail(&self, reason: &str) {
-        self.live.fail(reason);
     }
 
     /// The check before any call: `Err` once the rank has failed; then binds the stream's
