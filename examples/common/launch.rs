@@ -147,14 +147,16 @@ pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Re
     }
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
-    let device = I::Device::default();
-    let init = || {
+    // The initial model, on the device of the rank that makes it (every MPI process makes its
+    // own: on its own GPU under `--nccl`).
+    let init = |rank: usize| {
+        let device = rank_device::<I>(args, rank);
         Train::<I>::seed(&device, args.seed);
         task.init(&device)
     };
     match engine {
         Engine::Threads => {
-            let init = init();
+            let init = init(0);
             println!(
                 "{}: {:.2}M parameters, {world} in-process ranks (mesh {mesh}), {} runtime \
                  parameters, {} steps",
@@ -191,7 +193,7 @@ pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Re
         Engine::Mpi => {
             let mpi = sshsdp::comm::mpi::MpiSession::init().map_err(|e| e.to_string())?;
             let comm = mpi.world().map_err(|e| e.to_string())?;
-            let init = init();
+            let init = init(comm.rank());
             if comm.rank() == 0 {
                 println!(
                     "{}: {:.2}M parameters, {world} MPI processes (mesh {mesh}), {} runtime \

@@ -120,6 +120,9 @@ pub struct Report {
     /// On CubeCL backends: the device's bytes in use and reserved (the most seen after a step,
     /// all ranks on the device), and rank 0's host↔device bytes (up, down) of the last step.
     pub device: Option<(u64, u64, (u64, u64))>,
+    /// Whether rank 0's engine gathered and reduced device memory itself (NCCL on the
+    /// backend's GPU).
+    pub collectives_on_device: bool,
     /// Where the metrics, the plot and the samples went.
     pub csv: PathBuf,
     /// The loss curve as SVG.
@@ -238,11 +241,16 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
     if let Some((in_use, reserved, (up, down))) = report.device {
         println!(
             "device      {:.0} MiB in use / {:.0} MiB reserved (most seen after a step); \
-             host<->device per step {:.2} MiB up, {:.2} MiB down (rank 0)",
+             host<->device per step {:.2} MiB up, {:.2} MiB down (rank 0); collectives {}",
             mib(in_use),
             mib(reserved),
             mib(up),
-            mib(down)
+            mib(down),
+            if report.collectives_on_device {
+                "on device memory (the engine's)"
+            } else {
+                "staged through the host"
+            }
         );
     }
     let dir = report.csv.parent().unwrap_or(Path::new("."));

@@ -26,7 +26,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     let lead = rank == 0;
     // A second communicator for the metrics (the first moves into the runtime).
     let stats = comm.split(0, rank).map_err(|e| e.to_string())?;
-    let device = I::Device::default();
+    let device = rank_device::<I>(args, rank);
     let config = HsdpConfig::new(mesh)
         .with_format(args.format)
         .with_master_placement(args.storage)
@@ -278,11 +278,39 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         master_bytes,
         peak_gathered,
         device,
+        collectives_on_device: runtime.collectives_on_device(),
         csv,
         svg,
         png,
         finish,
     }))
+}
+
+/// This rank's index on its node: the launcher's local rank under MPI or Slurm, the rank itself
+/// for in-process ranks.
+fn node_local_rank(rank: usize) -> usize {
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "SLURM_LOCALID",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+    .unwrap_or(rank)
+}
+
+/// The device rank `rank` computes on: with `--nccl` on `--backend cuda`, the GPU of its
+/// node-local index, the one its NCCL communicators use (so gathers land in that GPU's memory
+/// directly); otherwise the backend's default device.
+pub(crate) fn rank_device<I: Compute>(args: &Args, rank: usize) -> I::Device {
+    use burn::tensor::backend::{Device as _, DeviceId};
+    let default = I::Device::default();
+    if !args.nccl || args.backend != BackendKind::Cuda {
+        return default;
+    }
+    let id = default.to_id();
+    let index = u16::try_from(node_local_rank(rank)).unwrap_or(u16::MAX);
+    I::Device::from_id(DeviceId::new(id.type_id, index))
 }
 
 /// What `shard` returns: the sharded model and its runtime, or why not.
@@ -307,16 +335,8 @@ fn shard_over_nccl<I: Compute, T: Task<I>>(
     {
         use sshsdp::comm::nccl::{device_count, NcclLanes};
         let gpus = device_count().map_err(|e| format!("--nccl: {e}"))?.max(1);
-        // This rank's index on its node: the launcher's local rank under MPI/Slurm, the rank
-        // itself for in-process ranks. NCCL refuses two ranks of one communicator on one GPU.
-        let local = [
-            "OMPI_COMM_WORLD_LOCAL_RANK",
-            "MPI_LOCALRANKID",
-            "SLURM_LOCALID",
-        ]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-        .unwrap_or(boot.rank());
+        // NCCL refuses two ranks of one communicator on one GPU.
+        let local = node_local_rank(boot.rank());
         if local >= gpus {
             return Err(format!(
                 "--nccl needs one GPU per rank: rank {} is number {local} on its node, which \

@@ -7,6 +7,8 @@
 #   3. a GPT training step on `Autodiff<Hsdp<Cuda>>` (train_gpt --backend cuda: one rank, device
 #      storage, AdamW) with bf16 and with MXFP8 runtime parameters, computing in f32 and in bf16
 #      (the mixed-precision policy: `--compute bf16`);
+#   3b. two of those runs again with `--nccl` (the runtime's lanes on NCCL; all-gathers and
+#      gradient reductions on CubeCL's device buffers): their losses must equal step 3's;
 #   4. the same GPT, data and AdamW in PyTorch on the same GPU, eager and torch.compile, in the
 #      same compute dtypes (f32; bf16 through torch.autocast);
 #
@@ -182,29 +184,37 @@ for compute in f32 "$HALF"; do
 done
 
 # --- 3b. NCCL carrying the training step (world 1: the runtime's lanes on NCCL communicators;
-# host buffers staged through the GPU). Same seed, data and model as the bf16/bf16 run above, so
-# the losses must agree.
-if [ "$MODE" = cuda ] && [ -s "$OUT_DIR/nccl_libdir" ]; then
-    key=bf16_bf16_nccl
+# bucket all-gathers write straight into CubeCL's device buffers, which are decoded in place, and
+# device gradients are reduce-scattered where they are). Same seed, data and model as the
+# threads-engine runs above, so the losses must agree; the device line must say the collectives
+# ran on device memory.
+for pair in "bf16 bf16" "mxfp8 f32"; do
+    read -r format compute <<<"$pair"
+    label="NCCL carries the GPT step (--nccl, world 1), $format runtime, $compute compute"
+    if [ "$MODE" != cuda ] || [ ! -s "$OUT_DIR/nccl_libdir" ]; then
+        row "$label" "skipped" "needs a GPU and libnccl (step 2)"
+        continue
+    fi
+    key="${format}_${compute}_nccl"
     log="$OUT_DIR/train_$key.log"
-    echo "== train_gpt --backend cuda --nccl --format bf16 --compute bf16"
+    echo "== train_gpt --backend cuda --nccl --format $format --compute $compute"
     LD_LIBRARY_PATH="$(cat "$OUT_DIR/nccl_libdir")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
         OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" --backend cuda --nccl --ranks 1 \
-        --optim adamw --format bf16 --compute bf16 --steps "$STEPS" --eval-every 0 --sample-len 0 \
-        --out "$OUT_DIR/run_$key" "${MODEL[@]}" >"$log" 2>&1
+        --optim adamw --format "$format" --compute "$compute" --steps "$STEPS" --eval-every 0 \
+        --sample-len 0 --out "$OUT_DIR/run_$key" "${MODEL[@]}" >"$log" 2>&1
     rc=$?
-    grep -E "^(train loss|throughput) " "$log"
+    grep -E "^(train loss|throughput|device) " "$log"
     mine="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
-    host="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$OUT_DIR/train_bf16_bf16.log" 2>/dev/null)"
-    if [ "$rc" = 0 ] && [ -n "$mine" ] && [ "$mine" = "$host" ]; then
-        row "NCCL carries the GPT step (--nccl, world 1)" "$(rate_of "$log") tokens/s" "loss $mine, equal to the threads-engine run; train_$key.log"
+    host="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$OUT_DIR/train_${format}_$compute.log" 2>/dev/null)"
+    device="$(sed -n 's/^device *//p' "$log")"
+    if [ "$rc" = 0 ] && [ -n "$mine" ] && [ "$mine" = "$host" ] &&
+        grep -q "collectives on device memory" <<<"$device"; then
+        row "$label" "$(rate_of "$log") tokens/s" "loss $mine, equal to the threads-engine run; $device; train_$key.log"
     else
-        row "NCCL carries the GPT step (--nccl, world 1)" "FAIL (exit $rc; loss ${mine:-?} vs ${host:-?})" "train_$key.log"
+        row "$label" "FAIL (exit $rc; loss ${mine:-?} vs ${host:-?}; ${device:-no device line})" "train_$key.log"
         STATUS=1
     fi
-else
-    row "NCCL carries the GPT step (--nccl, world 1)" "skipped" "needs a GPU and libnccl (step 2)"
-fi
+done
 
 # --- 4. PyTorch ---------------------------------------------------------------------------------
 TORCH_ARGS=(--mode single --device "$TORCH_DEVICE" --steps "$STEPS" --warmup "$WARM" --width "$WIDTH"
@@ -248,6 +258,6 @@ done
     printf '%s\n' "${ROWS[@]}"
     echo
     echo "Not in this table yet: the same GPT unsharded on plain Burn (the decorator's overhead),"
-    echo "and NCCL on device-resident runtime shards (--nccl stages host buffers through the GPU)."
+    echo "and device-resident runtime shards (under --nccl each gather uploads this rank's shard part)."
 } | tee "$OUT_DIR/h200.md"
 exit "$STATUS"

@@ -236,6 +236,16 @@ impl BucketCodec {
         }
     }
 
+    /// Member `k`'s runs in the bucket element space, in order: `(first element in the bucket,
+    /// first element in the parameter (row-major), length)`.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub fn segments(&self, k: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        self.members[k]
+            .segments
+            .iter()
+            .map(|s| (s.bucket, s.param, s.len))
+    }
+
     /// Adds member `k`'s gradient `values` (row-major) into the bucket element space `dst`.
     pub fn accumulate(&self, k: usize, values: &[f32], dst: &mut [f32]) {
         for s in &self.members[k].segments {

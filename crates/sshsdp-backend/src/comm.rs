@@ -10,7 +10,8 @@
 
 use sshsdp_comm::hierarchy::{self, MeshComms};
 use sshsdp_comm::{
-    CallTag, Collective, CommError, CommFactory, CommResult, Element, ReduceOp, Reducible,
+    CallTag, Collective, CommError, CommFactory, CommResult, Element, ElementKind, ReduceOp,
+    Reducible,
 };
 use sshsdp_plan::Sharding;
 use std::ops::Range;
@@ -99,6 +100,56 @@ pub(crate) trait MeshComm {
         part: Range<usize>,
         full: &mut Elems,
     ) -> CommResult<()>;
+    /// The GPU the shard group's communicator moves device memory on, where the engine moves
+    /// device memory itself (NCCL); `None` for host engines, whose gathers stage through the
+    /// host.
+    fn device_ordinal(&self) -> Option<usize>;
+    /// Shard lane. The bucket all-gather of [`MeshComm::gather_bucket`] on device memory:
+    /// `count` units of `kind` at `send` from every rank of the shard group into `recv`, in
+    /// rank order (under DDP the group is this rank alone: a copy). Returns once done.
+    ///
+    /// # Safety
+    /// As [`sshsdp_comm::DeviceCollective`]: live, ready, non-overlapping buffers on
+    /// [`MeshComm::device_ordinal`]'s GPU.
+    unsafe fn gather_bucket_device(
+        &self,
+        kind: ElementKind,
+        send: u64,
+        recv: u64,
+        count: usize,
+    ) -> CommResult<()>;
+    /// Shard lane. The first stage of a gradient reduction ([`MeshComm::reduce_within_shard_group`])
+    /// on device memory: the full-bucket gradient at `full` (`S · shard_len` units of `kind`)
+    /// becomes the shard group's average of this rank's shard at `shard` (`shard_len`). Under
+    /// DDP nothing moves (the caller passes the full gradient on as the shard).
+    ///
+    /// # Safety
+    /// As [`MeshComm::gather_bucket_device`].
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    unsafe fn reduce_within_shard_group_device(
+        &self,
+        sharding: Sharding,
+        kind: ElementKind,
+        full: u64,
+        shard: u64,
+        shard_len: usize,
+    ) -> CommResult<()>;
+    /// Replica lane. The second stage ([`MeshComm::reduce_across_replicas`]) on device
+    /// memory: the shard at `shard` becomes the world-averaged piece at `piece` (`piece_len`
+    /// units): a reduce-scatter across replicas when hierarchical; in place (`piece == shard`)
+    /// across replicas under HSDP and over the world under DDP.
+    ///
+    /// # Safety
+    /// As [`MeshComm::gather_bucket_device`].
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    unsafe fn reduce_across_replicas_device(
+        &self,
+        sharding: Sharding,
+        kind: ElementKind,
+        shard: u64,
+        piece: u64,
+        piece_len: usize,
+    ) -> CommResult<()>;
     /// Shard lane. First stage of a gradient reduction: a full-bucket gradient (f32 or bf16,
     /// the reduction dtype) becomes the shard group's average of this rank's 1/S shard (under
     /// DDP the whole bucket, unchanged).
@@ -170,6 +221,72 @@ impl<C: Collective> MeshComm for MeshComms<C> {
             (Elems::Bf16(s), Elems::Bf16(f)) => gather_typed(self, sharding, &s[part], f),
             (Elems::U8(s), Elems::U8(f)) => gather_typed(self, sharding, &s[part], f),
             _ => Err(mixed_formats()),
+        }
+    }
+
+    fn device_ordinal(&self) -> Option<usize> {
+        self.shard_group.device().map(|d| d.device_ordinal())
+    }
+
+    unsafe fn gather_bucket_device(
+        &self,
+        kind: ElementKind,
+        send: u64,
+        recv: u64,
+        count: usize,
+    ) -> CommResult<()> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { device_of(&self.shard_group)?.all_gather_raw(kind, send, recv, count) }
+    }
+
+    unsafe fn reduce_within_shard_group_device(
+        &self,
+        sharding: Sharding,
+        kind: ElementKind,
+        full: u64,
+        shard: u64,
+        shard_len: usize,
+    ) -> CommResult<()> {
+        match sharding {
+            Sharding::Ddp => Ok(()),
+            Sharding::Hierarchical | Sharding::Hsdp => {
+                let device = device_of(&self.shard_group)?;
+                // SAFETY: the caller's guarantee, passed on.
+                unsafe { device.reduce_scatter_raw(kind, full, shard, shard_len, ReduceOp::Avg) }
+            }
+        }
+    }
+
+    unsafe fn reduce_across_replicas_device(
+        &self,
+        sharding: Sharding,
+        kind: ElementKind,
+        shard: u64,
+        piece: u64,
+        piece_len: usize,
+    ) -> CommResult<()> {
+        // SAFETY (each arm): the caller's guarantee, passed on.
+        match sharding {
+            Sharding::Hierarchical => unsafe {
+                device_of(&self.replica_group)?.reduce_scatter_raw(
+                    kind,
+                    shard,
+                    piece,
+                    piece_len,
+                    ReduceOp::Avg,
+                )
+            },
+            Sharding::Hsdp => unsafe {
+                device_of(&self.replica_group)?.all_reduce_raw(
+                    kind,
+                    piece,
+                    piece_len,
+                    ReduceOp::Avg,
+                )
+            },
+            Sharding::Ddp => unsafe {
+                device_of(&self.world)?.all_reduce_raw(kind, piece, piece_len, ReduceOp::Avg)
+            },
         }
     }
 
@@ -274,6 +391,13 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()> {
         self.world.all_gather(send, recv)
     }
+}
+
+/// `comm`'s collectives on device memory, or why there are none.
+fn device_of<C: Collective>(comm: &C) -> CommResult<&dyn sshsdp_comm::DeviceCollective> {
+    comm.device().ok_or_else(|| {
+        CommError::Unavailable("this engine has no collectives on device memory".into())
+    })
 }
 
 /// The bucket all-gather for one element type.

@@ -27,46 +27,72 @@ use sshsdp_plan::Part;
 use crate::codec::{BucketCodec, CodecOp, Phase, MX_FORMAT};
 use crate::config::Precision;
 use crate::cube_views::{for_each_runtime, is_cube, member_views};
-use crate::storage::Elems;
-use crate::views::Member;
+use crate::storage::{DeviceUnits, Elems};
+use crate::views::{ComputeBuf, Member};
+use crate::worker::StageUnits;
 use crate::HsdpError;
 
-/// The parameters `members` of the gathered runtime units `gathered` (MXFP8 bytes or bf16; the
-/// part `which` of every piece) decoded for `phase` on `device` into `compute` (a 16-bit compute
-/// buffer is cast from the f32 one by Burn's cast kernel; exact in bf16, since MXFP8 and bf16
-/// values are bf16 values): views of one compute buffer — if `B` is a CubeCL backend this build supports
-/// and the units need decoding (`None` otherwise: f32 units are the compute buffer as they are).
-pub(crate) fn decode_views_if_cube<B: Backend>(
-    codec: &BucketCodec,
-    gathered: &Elems,
-    which: Part,
-    phase: Phase,
-    members: &[Member],
+/// Uploads gathered host units into a CubeCL buffer of `device` on the shard lane, if `B` is a
+/// CubeCL backend this build supports (`None` otherwise). f32 units are narrowed on the host to
+/// a 16-bit `compute` dtype first (half the bytes to upload; the same rounding as Burn's cast).
+pub(crate) fn stager_if_cube<B: Backend>(
     device: &B::Device,
     compute: Precision,
-) -> Option<Result<Vec<B::FloatTensorPrimitive>, HsdpError>> {
-    let bytes = match gathered {
-        Elems::U8(bytes) => bytes.clone(),
-        Elems::Bf16(values) => values
-            .iter()
-            .flat_map(|v| v.to_bits().to_le_bytes())
-            .collect(),
-        Elems::F32(_) => return None,
-    };
+) -> Option<Box<dyn StageUnits>> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            let bucket = decode::<B, R>(codec, bytes, which, phase, device).map(|bucket| {
-                match compute {
-                    Precision::F32 => bucket,
-                    Precision::Bf16 | Precision::F16 => B::float_cast(bucket, compute.dtype()),
-                }
-            });
-            return Some(bucket.map(|bucket| member_views::<B, R>(bucket, members)));
+            let any: &dyn Any = device;
+            let device: &<R as cubecl::Runtime>::Device =
+                any.downcast_ref().expect("the type was checked");
+            let client = <R as cubecl::Runtime>::client(device);
+            let narrow = (compute != Precision::F32).then_some(compute);
+            return Some(Box::new(CubeStager::<R> { client, narrow }));
         }
     });
     None
 }
 
+/// [`StageUnits`] on a CubeCL client.
+struct CubeStager<R: CubeRuntime> {
+    client: ComputeClient<R>,
+    /// The 16-bit compute dtype f32 units are narrowed to, if any.
+    narrow: Option<Precision>,
+}
+
+impl<R: CubeRuntime> StageUnits for CubeStager<R> {
+    fn stage(self: Box<Self>, units: Elems) -> DeviceUnits {
+        let len = units.len();
+        let (handle, uploaded, narrowed, kind) = match (units, self.narrow) {
+            (Elems::F32(values), Some(compute)) => {
+                let data = ComputeBuf::new(values, compute).into_data();
+                let mut bytes = data.bytes.to_vec();
+                let uploaded = bytes.len() as u64;
+                bytes.resize(bytes.len().next_multiple_of(4).max(4), 0);
+                let handle = self.client.create_from_slice(&bytes);
+                (handle, uploaded, Some(compute), Elems::F32(Vec::new()))
+            }
+            (units, _) => {
+                let handle = self.client.create_from_slice(&units.word_bytes());
+                (handle, units.bytes(), None, units.zeros_like(0))
+            }
+        };
+        DeviceUnits {
+            len,
+            kind,
+            narrowed,
+            uploaded,
+            downloaded: 0,
+            buffer: Box::new(CubeUnits::<R> {
+                client: self.client,
+                handle,
+            }),
+        }
+    }
+}
+
+/// The f32 compute buffer of gathered runtime bytes uploaded from the host (the tests' entry to
+/// [`decode_buffer`]).
+#[cfg(test)]
 fn decode<B: Backend, R: CubeRuntime>(
     codec: &BucketCodec,
     bytes: Vec<u8>,
@@ -74,23 +100,107 @@ fn decode<B: Backend, R: CubeRuntime>(
     phase: Phase,
     device: &B::Device,
 ) -> Result<B::FloatTensorPrimitive, HsdpError> {
-    let ops = codec.decode_ops(bytes.len(), which, phase)?;
     let any: &dyn Any = device;
-    let device: &R::Device = any.downcast_ref().expect("the type was checked");
-    let client = R::client(device);
+    let cube_device: &R::Device = any.downcast_ref().expect("the type was checked");
+    let client = R::client(cube_device);
+    let len = bytes.len();
     // Whole words: the kernels read the buffer as u32.
     let mut padded = bytes;
     padded.resize(padded.len().next_multiple_of(4), 0);
-    let src = client.create_from_slice(&padded);
+    let units = CubeUnits::<R> {
+        handle: client.create_from_slice(&padded),
+        client,
+    };
+    decode_buffer::<B, R>(codec, &units, len, which, phase, device)
+}
+
+/// A CubeCL buffer of runtime units and the client that owns it (what
+/// [`DeviceUnits`](crate::storage::DeviceUnits) holds where an engine gathered into device
+/// memory).
+pub(crate) struct CubeUnits<R: CubeRuntime> {
+    /// The client of the buffer's device.
+    pub client: ComputeClient<R>,
+    /// The buffer: its length is a whole number of 4-byte words (the codec kernels read words).
+    pub handle: Handle,
+}
+
+/// The f32 compute buffer of the gathered runtime bytes in `units` (`len` of them).
+fn decode_buffer<B: Backend, R: CubeRuntime>(
+    codec: &BucketCodec,
+    units: &CubeUnits<R>,
+    len: usize,
+    which: Part,
+    phase: Phase,
+    device: &B::Device,
+) -> Result<B::FloatTensorPrimitive, HsdpError> {
+    let ops = codec.decode_ops(len, which, phase)?;
     let n = codec.compute_elems();
-    let out = client.empty(4 * n.max(1));
-    run(&client, &ops, Direction::Decode, &out, &src)?;
-    let tensor =
-        CubeTensor::<R>::new_contiguous(client, device.clone(), Shape::from([n]), out, DType::F32);
+    let out = units.client.empty(4 * n.max(1));
+    run(&units.client, &ops, Direction::Decode, &out, &units.handle)?;
+    Ok(float_tensor::<B, R>(units, out, n, DType::F32, device))
+}
+
+/// `handle` (`n` values of `dtype`, on `units`' client) as `B`'s float primitive.
+pub(crate) fn float_tensor<B: Backend, R: CubeRuntime>(
+    units: &CubeUnits<R>,
+    handle: Handle,
+    n: usize,
+    dtype: DType,
+    device: &B::Device,
+) -> B::FloatTensorPrimitive {
+    let any: &dyn Any = device;
+    let device: &R::Device = any.downcast_ref().expect("the type was checked");
+    let tensor = CubeTensor::<R>::new_contiguous(
+        units.client.clone(),
+        device.clone(),
+        Shape::from([n]),
+        handle,
+        dtype,
+    );
     let any: Box<dyn Any> = Box::new(tensor);
-    Ok(*any
-        .downcast::<B::FloatTensorPrimitive>()
-        .expect("the type was checked"))
+    *any.downcast::<B::FloatTensorPrimitive>()
+        .expect("the type was checked")
+}
+
+/// The parameters `members` of runtime units an engine gathered into device memory (`units`:
+/// the part `which` of every piece), decoded for `phase` into `compute` on the device: f32
+/// units and bf16 units computed in bf16 are the compute buffer as they are (the views share
+/// the engine's receive buffer); others are decoded as in [`decode_views_if_cube`].
+pub(crate) fn device_units_views<B: Backend>(
+    codec: &BucketCodec,
+    units: &DeviceUnits,
+    which: Part,
+    phase: Phase,
+    members: &[Member],
+    device: &B::Device,
+    compute: Precision,
+) -> Result<Vec<B::FloatTensorPrimitive>, HsdpError> {
+    for_each_runtime!(R => {
+        if let (true, Some(cube)) = (is_cube::<B, R>(), units.buffer.downcast_ref::<CubeUnits<R>>()) {
+            let n = codec.compute_elems();
+            let tensor = |dtype| float_tensor::<B, R>(cube, cube.handle.clone(), n, dtype, device);
+            // The bucket, and whether it is in the compute dtype already.
+            let (bucket, is_compute) = match (&units.kind, compute) {
+                _ if units.narrowed == Some(compute) => (tensor(compute.dtype().into()), true),
+                (Elems::Bf16(_), Precision::Bf16) => (tensor(DType::BF16), true),
+                (Elems::F32(_), _) => (tensor(DType::F32), compute == Precision::F32),
+                _ => {
+                    let len = units.bytes() as usize;
+                    let f32s = decode_buffer::<B, R>(codec, cube, len, which, phase, device)?;
+                    (f32s, compute == Precision::F32)
+                }
+            };
+            let bucket = if is_compute {
+                bucket
+            } else {
+                B::float_cast(bucket, compute.dtype())
+            };
+            return Ok(member_views::<B, R>(bucket, members));
+        }
+    });
+    Err(HsdpError::Failed(
+        "a gathered bucket in device memory of a runtime this build does not support".into(),
+    ))
 }
 
 /// Piece `piece`'s runtime bytes (every section) encoded on the device from its fp32 elements

@@ -148,4 +148,15 @@ impl<B: Backend> HsdpRuntime<B> {
     pub fn device_memory(&self) -> Option<crate::DeviceMemory> {
         self.runtime.device_memory()
     }
+
+    /// Whether the engine moves device memory itself: bucket all-gathers write straight into
+    /// the decorated backend's buffers and device gradients are reduced where they are. True
+    /// for NCCL when the decorated backend is `CubeBackend<CudaRuntime, …>` (the `cuda`
+    /// feature, fusion off) on the communicators' GPU and parameters are views (zero-copy):
+    /// then no gathered bucket and no gradient crosses to the host. Elsewhere device buffers are
+    /// staged through the host on the communication lanes (counted in
+    /// [`crate::Counters::uploaded_bytes`] and `downloaded_bytes`).
+    pub fn collectives_on_device(&self) -> bool {
+        self.runtime.collectives_on_device()
+    }
 }

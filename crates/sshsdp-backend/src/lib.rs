@@ -30,6 +30,10 @@ mod comm;
 mod config;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube_codec;
+#[cfg(feature = "cuda")]
+mod cube_gather;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube_reduce;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube_views;
 mod error;

@@ -5,9 +5,9 @@
 //!
 //! | role | placement |
 //! |---|---|
-//! | runtime shard | host ([`Elems`]): what the host collectives read and write |
-//! | gathered bucket | `B`'s device: decoded into one `B` tensor that parameters are views of (on CubeCL backends the MXFP8/bf16 units are uploaded and decoded by kernels) |
-//! | gradient bucket | [`HsdpConfig::with_grad_placement`](crate::HsdpConfig::with_grad_placement): host (default; each gradient read back as it arrives) or `B`'s device (summed there, read back once per bucket for the host reduction) |
+//! | runtime shard | host ([`Elems`]): what the host collectives read and write (under NCCL each gather uploads this rank's part) |
+//! | gathered bucket | `B`'s device: on CubeCL backends the gathered units land in a device buffer ([`DeviceUnits`]: written by NCCL itself, `cube_gather.rs`, or gathered on the host and uploaded by the shard lane) and are decoded there by kernels; elsewhere decoded on the host into one `B` tensor; parameters are views of it |
+//! | gradient bucket | [`HsdpConfig::with_grad_placement`](crate::HsdpConfig::with_grad_placement): host (default; each gradient read back as it arrives) or `B`'s device (summed there; on CubeCL backends reduced from the device, `cube_reduce.rs`; elsewhere read back once per bucket for the host reduction) |
 //! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`MasterBuf`]) |
 //! | optimizer state | with the masters: the optimizer's tensors on its device |
 //!
@@ -121,6 +121,56 @@ pub(crate) fn download<B: Backend>(tensor: B::FloatTensorPrimitive) -> Result<Ve
         .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))
 }
 
+/// Runtime units in a device buffer of the decorated backend (a CubeCL buffer: written by the
+/// engine itself, `cube_gather.rs`, or uploaded by the shard lane after a host gather,
+/// `cube_codec.rs`), opaque to the backend-generic runtime.
+// Made and read only on CubeCL backends.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) struct DeviceUnits {
+    /// The buffer and its client, as `cube_gather` made them.
+    pub buffer: Box<dyn std::any::Any + Send>,
+    /// Number of runtime units it holds.
+    pub len: usize,
+    /// An empty run of the units' type.
+    pub kind: Elems,
+    /// Where f32 units were narrowed on the host to a 16-bit compute dtype before the upload
+    /// (the staged path of an f32 bucket computed in 16 bits: half the bytes), that dtype: the
+    /// buffer holds the compute values then.
+    pub narrowed: Option<crate::config::Precision>,
+    /// Bytes copied from the host to make it (the staged path uploads the whole bucket; an
+    /// engine that gathers into device memory, none).
+    pub uploaded: u64,
+    /// Bytes read back to the host on the way (a staged gradient reduction reads the bucket's
+    /// gradient back for the host collectives).
+    pub downloaded: u64,
+}
+
+impl DeviceUnits {
+    /// Bytes of the units.
+    pub fn bytes(&self) -> u64 {
+        self.kind.unit_bytes() * self.len as u64
+    }
+}
+
+/// A gathered bucket's runtime units: in host memory (host backends, the FSDP2-style baseline)
+/// or in device memory (CubeCL backends: NCCL on CubeCL's buffers, or staged by the lane).
+pub(crate) enum Gathered {
+    /// Host memory.
+    Host(Elems),
+    /// The decorated backend's device memory.
+    Device(DeviceUnits),
+}
+
+impl Gathered {
+    /// Bytes of the units.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Gathered::Host(e) => e.bytes(),
+            Gathered::Device(d) => d.bytes(),
+        }
+    }
+}
+
 /// A run of runtime units.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Elems {
@@ -153,10 +203,52 @@ impl Elems {
 
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
+        self.unit_bytes() * self.len() as u64
+    }
+
+    /// Bytes of one unit.
+    pub fn unit_bytes(&self) -> u64 {
         match self {
-            Elems::F32(v) => 4 * v.len() as u64,
-            Elems::Bf16(v) => 2 * v.len() as u64,
-            Elems::U8(v) => v.len() as u64,
+            Elems::F32(_) => 4,
+            Elems::Bf16(_) => 2,
+            Elems::U8(_) => 1,
+        }
+    }
+
+    /// The units' element type for the engines.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn kind(&self) -> sshsdp_comm::ElementKind {
+        match self {
+            Elems::F32(_) => sshsdp_comm::ElementKind::F32,
+            Elems::Bf16(_) => sshsdp_comm::ElementKind::Bf16,
+            Elems::U8(_) => sshsdp_comm::ElementKind::U8,
+        }
+    }
+
+    /// Every unit as little-endian bytes, zero-padded to whole 4-byte words (what a device
+    /// buffer the codec kernels read holds); borrowed where nothing needs changing.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub fn word_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self {
+            Elems::U8(v) if v.len() % 4 == 0 && !v.is_empty() => std::borrow::Cow::Borrowed(v),
+            _ => {
+                let mut bytes = self.le_bytes(0..self.len());
+                bytes.resize(bytes.len().next_multiple_of(4).max(4), 0);
+                std::borrow::Cow::Owned(bytes)
+            }
+        }
+    }
+
+    /// Units `range` as little-endian bytes (a copy).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub fn le_bytes(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        match self {
+            Elems::F32(v) => v[range].iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Elems::Bf16(v) => v[range]
+                .iter()
+                .flat_map(|x| x.to_bits().to_le_bytes())
+                .collect(),
+            Elems::U8(v) => v[range].to_vec(),
         }
     }
 

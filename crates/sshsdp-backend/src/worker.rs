@@ -60,7 +60,7 @@ use half::bf16;
 
 use crate::comm::{LaneFactory, LaneId, MeshComm};
 use crate::config::Precision;
-use crate::storage::Elems;
+use crate::storage::{DeviceUnits, Elems, Gathered};
 use crate::timeline::{Timeline, Track};
 
 /// A request of the model thread; it enters the shard lane.
@@ -70,7 +70,15 @@ enum Request {
         shard: Arc<Elems>,
         part: Range<usize>,
         full_len: usize,
-        reply: Sender<CommResult<Elems>>,
+        stage: Option<Box<dyn StageUnits>>,
+        reply: Sender<CommResult<Gathered>>,
+    },
+    // Made only on `CubeBackend<CudaRuntime>` (`cube_gather.rs`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    GatherOnDevice {
+        tag: CallTag,
+        job: Box<dyn DeviceGatherJob>,
+        reply: Sender<CommResult<Gathered>>,
     },
     Reduce {
         tag: CallTag,
@@ -79,8 +87,49 @@ enum Request {
         piece_len: usize,
         reply: Sender<CommResult<Vec<f32>>>,
     },
+    ReduceOnDevice {
+        tag: CallTag,
+        job: Box<dyn DeviceReduceJob>,
+        reply: Sender<CommResult<DeviceUnits>>,
+    },
     /// Work of the replica lane, forwarded in order.
     Replica(ReplicaRequest),
+}
+
+/// The buffers of an all-gather on device memory (`cube_gather.rs`), made by the model thread
+/// and handed to the shard lane, which keeps them alive until the engine is done.
+pub(crate) trait DeviceGatherJob: Send {
+    /// The element type moved.
+    fn kind(&self) -> sshsdp_comm::ElementKind;
+    /// Units each rank sends.
+    fn count(&self) -> usize;
+    /// Called on the lane's thread: waits until the device work queued before the buffers
+    /// (their writes, earlier reads of recycled memory) is done, then returns the send and
+    /// receive addresses, valid while `self` lives.
+    fn ready(&mut self) -> CommResult<(u64, u64)>;
+    /// The receive buffer, once the engine is done with it (the resources pinned for the
+    /// engine are let go).
+    fn into_units(self: Box<Self>) -> DeviceUnits;
+}
+
+/// A gradient reduction of a full-bucket gradient held in device memory of the decorated
+/// backend (`cube_reduce.rs`): its two stages run on the two lanes in turn, as host reductions
+/// do, either by the engine on device memory (NCCL) or staged through the host.
+pub(crate) trait DeviceReduceJob: Send {
+    /// Shard lane: the shard-group stage.
+    fn within_shard_group(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()>;
+    /// Replica lane: the replica stage.
+    fn across_replicas(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()>;
+    /// The world-averaged gradient piece, in device memory.
+    fn into_piece(self: Box<Self>) -> DeviceUnits;
+}
+
+/// Uploads gathered host units into a device buffer of the decorated backend, on the shard
+/// lane (the staged path of engines without device collectives: the upload overlaps the model
+/// thread's compute, as the gather does).
+pub(crate) trait StageUnits: Send {
+    /// `units` in a new device buffer.
+    fn stage(self: Box<Self>, units: Elems) -> DeviceUnits;
 }
 
 /// Work of the replica lane.
@@ -91,6 +140,12 @@ enum ReplicaRequest {
         shard: CommResult<Elems>,
         piece_len: usize,
         reply: Sender<CommResult<Vec<f32>>>,
+    },
+    FinishReduceOnDevice {
+        tag: CallTag,
+        job: Box<dyn DeviceReduceJob>,
+        first: CommResult<()>,
+        reply: Sender<CommResult<DeviceUnits>>,
     },
     Rebuild {
         tag: CallTag,
@@ -141,6 +196,8 @@ type Failure = Arc<Mutex<Option<CommError>>>;
 /// Handle to the two communication lanes.
 pub(crate) struct Worker {
     tx: Option<Sender<Request>>,
+    /// The GPU the shard lane's engine moves device memory on (NCCL), if it can.
+    device_ordinal: Option<usize>,
     threads: Vec<JoinHandle<()>>,
     /// The optimizer step the requests belong to, for their [`CallTag`]s.
     step: AtomicU64,
@@ -160,14 +217,15 @@ impl Worker {
         let failure = Failure::default();
         let (tx, rx) = channel::<Request>();
         let (replica_tx, replica_rx) = channel::<ReplicaRequest>();
-        let (ready_tx, ready_rx) = channel::<CommResult<()>>();
+        // Each lane reports its connection and the GPU its engine moves device memory on.
+        let (ready_tx, ready_rx) = channel::<CommResult<(LaneId, Option<usize>)>>();
         // What a lane thread runs first: connect, report, and hand back the lane to serve.
         let connect = |id: LaneId, track: Track| {
             let (factory, failure, timeline) = (factory.clone(), failure.clone(), timeline.clone());
             let ready = ready_tx.clone();
             move || match factory.connect_mesh(id, replicas, shards) {
                 Ok(comm) => {
-                    let _ = ready.send(Ok(()));
+                    let _ = ready.send(Ok((id, comm.device_ordinal())));
                     Some(Lane {
                         comm,
                         sharding,
@@ -201,6 +259,7 @@ impl Worker {
         )?;
         let mut worker = Self {
             tx: Some(tx),
+            device_ordinal: None,
             threads: vec![shard_lane],
             step: AtomicU64::new(0),
         };
@@ -214,7 +273,8 @@ impl Worker {
         )?);
         for _ in 0..2 {
             match ready_rx.recv() {
-                Ok(Ok(())) => {}
+                Ok(Ok((LaneId::Shard, ordinal))) => worker.device_ordinal = ordinal,
+                Ok(Ok(_)) => {}
                 // Dropping the worker stops the lanes that did connect.
                 Ok(Err(e)) => return Err(e),
                 Err(_) => {
@@ -247,22 +307,43 @@ impl Worker {
     }
 
     /// All-gather of part `part` of every rank's runtime shard of `bucket` (the whole shard, or
-    /// the sections one pass decodes) into a new buffer of `full_len` units.
+    /// the sections one pass decodes) into a new buffer of `full_len` units: in host memory,
+    /// then uploaded by `stage` on the lane where given.
     pub fn gather(
         &self,
         bucket: usize,
         shard: Arc<Elems>,
         part: Range<usize>,
         full_len: usize,
-    ) -> Reply<Elems> {
+        stage: Option<Box<dyn StageUnits>>,
+    ) -> Reply<Gathered> {
         let tag = self.tag(Some(bucket), "gather");
         self.send(|reply| Request::Gather {
             tag,
             shard,
             part,
             full_len,
+            stage,
             reply,
         })
+    }
+
+    /// The GPU the shard lane's engine moves device memory on, where it can (NCCL).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn device_ordinal(&self) -> Option<usize> {
+        self.device_ordinal
+    }
+
+    /// The all-gather of [`Worker::gather`] on device memory: `job`'s buffers, filled by the
+    /// engine itself (only where [`Worker::device_ordinal`] is `Some`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn gather_on_device(
+        &self,
+        bucket: usize,
+        job: Box<dyn DeviceGatherJob>,
+    ) -> Reply<Gathered> {
+        let tag = self.tag(Some(bucket), "gather");
+        self.send(|reply| Request::GatherOnDevice { tag, job, reply })
     }
 
     /// World-averaged gradient piece of `bucket`'s full-bucket gradient, reduced in `dtype`
@@ -282,6 +363,18 @@ impl Worker {
             piece_len,
             reply,
         })
+    }
+
+    /// The reduction of [`Worker::reduce`] on a full-bucket gradient in device memory (`job`);
+    /// the reply is the world-averaged piece, in device memory.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub fn reduce_on_device(
+        &self,
+        bucket: usize,
+        job: Box<dyn DeviceReduceJob>,
+    ) -> Reply<DeviceUnits> {
+        let tag = self.tag(Some(bucket), "reduce");
+        self.send(|reply| Request::ReduceOnDevice { tag, job, reply })
     }
 
     /// Sum of `buf` over the update group (the optimizer's exchanges, e.g. Muon's split
@@ -374,6 +467,7 @@ fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sender<ReplicaRe
                 shard,
                 part,
                 full_len,
+                stage,
                 reply,
             } => {
                 let r = lane.run("all-gather", tag, || {
@@ -384,7 +478,30 @@ fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sender<ReplicaRe
                 // Release our reference before replying, so the runtime owns the shard alone
                 // again (an update then modifies it in place instead of copying it).
                 drop(shard);
+                let r = r.map(|full| match stage {
+                    Some(stage) => Gathered::Device(lane.timeline.span(
+                        lane.track,
+                        "upload gathered",
+                        tag.bucket.map(|b| b as usize),
+                        || stage.stage(full),
+                    )),
+                    None => Gathered::Host(full),
+                });
                 let _ = reply.send(r);
+            }
+            Request::GatherOnDevice {
+                tag,
+                mut job,
+                reply,
+            } => {
+                let r = lane.run("all-gather (device)", tag, || {
+                    let (send, recv) = job.ready()?;
+                    // SAFETY: `job` holds both buffers (live, on the engine's GPU: checked when
+                    // the runtime chose this path) until after the call; `ready` waited for the
+                    // device work before them; the receive buffer is a fresh allocation.
+                    unsafe { comm.gather_bucket_device(job.kind(), send, recv, job.count()) }
+                });
+                let _ = reply.send(r.map(|()| Gathered::Device(job.into_units())));
             }
             Request::Reduce {
                 tag,
@@ -412,6 +529,21 @@ fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sender<ReplicaRe
                     tag,
                     shard,
                     piece_len,
+                    reply,
+                });
+            }
+            Request::ReduceOnDevice {
+                tag,
+                mut job,
+                reply,
+            } => {
+                let first = lane.run("reduce (shard group)", tag, || {
+                    job.within_shard_group(&**comm, sharding)
+                });
+                let _ = replica.send(ReplicaRequest::FinishReduceOnDevice {
+                    tag,
+                    job,
+                    first,
                     reply,
                 });
             }
@@ -444,6 +576,19 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                     })
                 });
                 let _ = reply.send(r);
+            }
+            ReplicaRequest::FinishReduceOnDevice {
+                tag,
+                mut job,
+                first,
+                reply,
+            } => {
+                let r = first.and_then(|()| {
+                    lane.run("reduce (replicas)", tag, || {
+                        job.across_replicas(&**comm, sharding)
+                    })
+                });
+                let _ = reply.send(r.map(|()| job.into_piece()));
             }
             ReplicaRequest::AllReduce {
                 tag,

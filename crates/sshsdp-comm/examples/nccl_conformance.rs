@@ -228,7 +228,67 @@ fn dev_broadcast<T: TestElem>(c: &NcclComm) -> Outcome {
     Ok(())
 }
 
+/// The raw-address path ([`Collective::device`], what the SS-HSDP runtime calls on CubeCL's
+/// buffers): all-gather, reduce-scatter and all-reduce on addresses of cudarc buffers.
+fn dev_raw<T: TestElem>(c: &NcclComm) -> Outcome {
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    let (rank, size) = (c.rank(), c.size());
+    let e = |e: sshsdp_comm::CommError| e.to_string();
+    let raw = Collective::device(c).ok_or("NcclComm offers no raw device collectives")?;
+    ensure!(
+        raw.device_ordinal() == c.device(),
+        "raw path on GPU {}, communicator on GPU {}",
+        raw.device_ordinal(),
+        c.device()
+    );
+    let stream = c.stream().clone();
+    // All-gather.
+    let send = upload(c, &host::<T>(rank, 0, N)).map_err(e)?;
+    let mut recv = zeros::<T>(c, N * size).map_err(e)?;
+    c.synchronize().map_err(e)?;
+    {
+        let (s, _r) = send.device_ptr(&stream);
+        let (d, _w) = recv.device_ptr_mut(&stream);
+        // SAFETY: live cudarc allocations of N and N·size elements on the communicator's GPU,
+        // their uploads and zeroing finished (synchronize above); distinct buffers.
+        unsafe { raw.all_gather_raw(T::KIND, s, d, N) }.map_err(e)?;
+    }
+    let out = download(c, &recv).map_err(e)?;
+    for q in 0..size {
+        ensure!(
+            out[q * N..(q + 1) * N] == host::<T>(q, 0, N)[..],
+            "raw all-gather chunk {q} wrong"
+        );
+    }
+    for op in ops::<T>() {
+        // Reduce-scatter.
+        let send = upload(c, &host::<T>(rank, 0, N * size)).map_err(e)?;
+        let mut recv = zeros::<T>(c, N).map_err(e)?;
+        c.synchronize().map_err(e)?;
+        {
+            let (s, _r) = send.device_ptr(&stream);
+            let (d, _w) = recv.device_ptr_mut(&stream);
+            // SAFETY: as above, N·size and N elements.
+            unsafe { raw.reduce_scatter_raw(T::KIND, s, d, N, op) }.map_err(e)?;
+        }
+        let got = download(c, &recv).map_err(e)?;
+        check_reduced("raw reduce-scatter", &got, size, rank * N, op)?;
+        // All-reduce.
+        let mut buf = upload(c, &host::<T>(rank, 0, N)).map_err(e)?;
+        c.synchronize().map_err(e)?;
+        {
+            let (b, _w) = buf.device_ptr_mut(&stream);
+            // SAFETY: as above, N elements, in place.
+            unsafe { raw.all_reduce_raw(T::KIND, b, N, op) }.map_err(e)?;
+        }
+        let got = download(c, &buf).map_err(e)?;
+        check_reduced("raw all-reduce", &got, size, 0, op)?;
+    }
+    Ok(())
+}
+
 fn device_checks_typed<T: TestElem>(c: &NcclComm, out: &mut Vec<(String, Outcome)>) {
+    out.push((format!("raw-address {}", T::NAME), dev_raw::<T>(c)));
     out.push((
         format!("dev all_gather {}", T::NAME),
         dev_all_gather::<T>(c),

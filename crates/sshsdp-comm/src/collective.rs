@@ -9,7 +9,7 @@
 
 use std::sync::mpsc;
 
-use crate::{CallTag, CommError, CommResult, Element, ReduceOp, Reducible};
+use crate::{CallTag, CommError, CommResult, DeviceCollective, Element, ReduceOp, Reducible};
 
 /// Fails every communicator of a rank's world, on every rank: each call in progress or to come
 /// returns an error. Called with the reason; can be called from any thread.
@@ -76,6 +76,13 @@ pub trait Collective: Sized {
     /// once rather than a wait for a timeout. `None` where the engine has no such mechanism (its
     /// peers then fail by their own timeouts or watchdogs).
     fn abort_handle(&self) -> Option<AbortHandle> {
+        None
+    }
+
+    /// The same communicator's collectives on device memory named by address, where the engine
+    /// moves device memory itself (NCCL); `None` for host engines (threads, MPI), whose callers
+    /// stage device buffers through the host.
+    fn device(&self) -> Option<&dyn DeviceCollective> {
         None
     }
 

@@ -17,6 +17,7 @@
 mod call;
 mod collective;
 pub mod conformance;
+pub mod device;
 mod element;
 mod error;
 mod factory;
@@ -31,6 +32,7 @@ mod tag;
 pub mod threads;
 
 pub use collective::{check_chunks, check_root, equal_chunks, AbortHandle, Collective, Pending};
+pub use device::DeviceCollective;
 pub use element::{Element, ElementKind, ReduceOp, Reducible};
 pub use error::{CommError, CommResult};
 pub use factory::{CommFactory, SplitLanes};

@@ -7,14 +7,17 @@
 //!
 //! Where a bucket's gradients are accumulated is the gradient role's placement: on the host
 //! (each gradient read back as autodiff hands it over) or on the device (each member's gradient
-//! kept as a `B` tensor, summed there over a backward's contributions, and read back once per
-//! bucket — one concatenation, one transfer — when the bucket is reduced).
+//! kept as a `B` tensor, summed there over a backward's contributions). Device gradients on a
+//! CubeCL backend are assembled into the full-bucket gradient on the device and reduced from
+//! there (`cube_reduce.rs`: by the engine on device memory, or staged through the host on the
+//! lanes), and the piece comes back as a device tensor; on other backends they are read back
+//! once per bucket — one concatenation, one transfer — for the host reduction.
 
 use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
 use crate::codec::BucketCodec;
 use crate::config::Precision;
-use crate::storage::download;
+use crate::storage::{download, DeviceUnits};
 use crate::timeline::{Timeline, Track};
 use crate::worker::{Reply, Worker};
 
@@ -29,10 +32,54 @@ struct BucketGrads<B: Backend> {
     /// Gradients still expected in this backward.
     pending: usize,
     /// Reductions queued on the communication lanes.
-    reductions: Vec<Reply>,
+    reductions: Vec<Reduction>,
     /// This rank's reduced piece, summed over the micro-batches collected so far.
-    piece: Vec<f32>,
+    piece: PieceGrad<B>,
 }
+
+/// A reduction on its way: to a host piece, or to a piece in device memory.
+enum Reduction {
+    Host(Reply),
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    Device(Reply<DeviceUnits>),
+}
+
+/// A reduced gradient piece (world-averaged, f32): on the host, or a 1-D tensor on `B`'s device.
+pub(crate) enum PieceGrad<B: Backend> {
+    /// Host values (empty: no gradient).
+    Host(Vec<f32>),
+    /// On the device.
+    Device(B::FloatTensorPrimitive),
+}
+
+impl<B: Backend> PieceGrad<B> {
+    /// Whether it holds no gradient.
+    pub fn is_empty(&self) -> bool {
+        matches!(self, PieceGrad::Host(v) if v.is_empty())
+    }
+
+    /// `self + other`, on the device if either is there.
+    fn add(self, other: PieceGrad<B>) -> Result<PieceGrad<B>, String> {
+        Ok(match (self, other) {
+            (PieceGrad::Host(a), b) if a.is_empty() => b,
+            (a, PieceGrad::Host(b)) if b.is_empty() => a,
+            (PieceGrad::Host(mut a), PieceGrad::Host(b)) => {
+                a.iter_mut().zip(&b).for_each(|(a, g)| *a += g);
+                PieceGrad::Host(a)
+            }
+            (PieceGrad::Device(a), PieceGrad::Device(b)) => PieceGrad::Device(B::float_add(a, b)),
+            (PieceGrad::Device(d), PieceGrad::Host(h))
+            | (PieceGrad::Host(h), PieceGrad::Device(d)) => {
+                let mut d = download::<B>(d).map_err(|e| e.to_string())?;
+                d.iter_mut().zip(&h).for_each(|(a, g)| *a += g);
+                PieceGrad::Host(d)
+            }
+        })
+    }
+}
+
+/// Host↔device bytes a staged reduction moved (up, down).
+pub(super) type Staged = (u64, u64);
 
 impl<B: Backend> Default for BucketGrads<B> {
     fn default() -> Self {
@@ -41,7 +88,7 @@ impl<B: Backend> Default for BucketGrads<B> {
             on_device: Vec::new(),
             pending: 0,
             reductions: Vec::new(),
-            piece: Vec::new(),
+            piece: PieceGrad::Host(Vec::new()),
         }
     }
 }
@@ -57,7 +104,8 @@ pub(super) struct GradSync<B: Backend> {
 pub(super) struct Reduced {
     /// Bytes of the full-bucket gradient entering the reduction (in the reduction dtype).
     pub bytes: u64,
-    /// Bytes read back from the device first (device gradients).
+    /// Bytes read back from the device first, on the model thread (device gradients on a
+    /// backend without a device reduction).
     pub staged: u64,
 }
 
@@ -132,14 +180,18 @@ impl<B: Backend> GradSync<B> {
             .map(|b| (b, self.buckets[b].pending))
     }
 
-    /// Queues bucket `b`'s reduction; device gradients are read back first, in one transfer,
-    /// into the bucket's element space.
+    /// Queues bucket `b`'s reduction. Device gradients on a CubeCL backend are assembled into
+    /// the full-bucket gradient on the device and reduced from there (by the engine on device
+    /// memory where `engine_on_device`: see `cube_reduce.rs`); elsewhere they are read back
+    /// first, in one transfer, into the bucket's element space.
     pub fn reduce(
         &mut self,
         b: usize,
         codec: &BucketCodec,
         worker: &Worker,
+        (sharding, shards, engine_on_device): (sshsdp_plan::Sharding, usize, bool),
     ) -> Result<Reduced, String> {
+        let reduce = self.reduce;
         let bucket = &mut self.buckets[b];
         let mut staged = 0;
         let members: Vec<(usize, B::FloatTensorPrimitive)> = std::mem::take(&mut bucket.on_device)
@@ -147,6 +199,29 @@ impl<B: Backend> GradSync<B> {
             .enumerate()
             .filter_map(|(k, t)| t.map(|t| (k, t)))
             .collect();
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if !members.is_empty() && bucket.full.is_empty() {
+            use crate::cube_reduce::{reduce_job_if_cube, GradSource};
+            let source = if engine_on_device {
+                let full = full_on_device::<B>(codec, &members);
+                GradSource::Full(match reduce {
+                    Precision::Bf16 => B::float_cast(full, FloatDType::BF16),
+                    _ => full,
+                })
+            } else {
+                members_cat::<B>(codec, &members)
+            };
+            let shape = (shards, codec.piece_elems());
+            if let Some(job) = reduce_job_if_cube::<B>(source, reduce, sharding, shape) {
+                let bytes = reduce.bytes() * codec.bucket_elems() as u64;
+                bucket
+                    .reductions
+                    .push(Reduction::Device(worker.reduce_on_device(b, job)));
+                return Ok(Reduced { bytes, staged });
+            }
+        }
+        #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+        let _ = (sharding, shards, engine_on_device);
         if !members.is_empty() {
             let (ks, tensors): (Vec<usize>, Vec<_>) = members.into_iter().unzip();
             let values = download::<B>(B::float_cat(tensors, 0)).map_err(|e| e.to_string())?;
@@ -163,35 +238,156 @@ impl<B: Backend> GradSync<B> {
             }
         }
         let full = std::mem::take(&mut bucket.full);
-        let bytes = self.reduce.bytes() * full.len() as u64;
-        let reply = worker.reduce(b, full, self.reduce, codec.piece_elems());
-        bucket.reductions.push(reply);
+        let bytes = reduce.bytes() * full.len() as u64;
+        let reply = worker.reduce(b, full, reduce, codec.piece_elems());
+        bucket.reductions.push(Reduction::Host(reply));
         Ok(Reduced { bytes, staged })
     }
 
-    /// Waits for bucket `b`'s queued reductions and adds them into its piece; the first error.
-    pub fn collect(&mut self, b: usize, timeline: &Timeline) -> Result<(), String> {
+    /// Waits for bucket `b`'s queued reductions and adds them into its piece (device pieces
+    /// as tensors on `device`); the host↔device bytes of staged reductions, or the first
+    /// error.
+    pub fn collect(
+        &mut self,
+        b: usize,
+        timeline: &Timeline,
+        device: &B::Device,
+    ) -> Result<Staged, String> {
         let mut first_error = None;
-        for reply in std::mem::take(&mut self.buckets[b].reductions) {
-            match timeline.span(Track::Model, "wait reduction", Some(b), || reply.wait()) {
+        let mut staged = (0, 0);
+        for reduction in std::mem::take(&mut self.buckets[b].reductions) {
+            let wait =
+                |name| timeline.span(Track::Model, name, Some(b), || reduction_wait(reduction));
+            let piece = match wait("wait reduction") {
+                Ok(Arrived::Host(piece)) => Ok(PieceGrad::Host(piece)),
+                Ok(Arrived::Device(units)) => {
+                    staged.0 += units.uploaded;
+                    staged.1 += units.downloaded;
+                    device_piece::<B>(&units, device).map(PieceGrad::Device)
+                }
+                Err(e) => Err(e),
+            };
+            match piece {
                 Ok(piece) => {
-                    let acc = &mut self.buckets[b].piece;
-                    if acc.is_empty() {
-                        *acc = piece;
-                    } else {
-                        acc.iter_mut().zip(&piece).for_each(|(a, g)| *a += g);
+                    let acc =
+                        std::mem::replace(&mut self.buckets[b].piece, PieceGrad::Host(Vec::new()));
+                    match acc.add(piece) {
+                        Ok(sum) => self.buckets[b].piece = sum,
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
                     }
                 }
                 Err(e) => {
-                    first_error.get_or_insert(e.to_string());
+                    first_error.get_or_insert(e);
                 }
             }
         }
-        first_error.map_or(Ok(()), Err)
+        first_error.map_or(Ok(staged), Err)
     }
 
     /// Bucket `b`'s reduced piece, taken (empty when it received no gradient).
-    pub fn take_piece(&mut self, b: usize) -> Vec<f32> {
-        std::mem::take(&mut self.buckets[b].piece)
+    pub fn take_piece(&mut self, b: usize) -> PieceGrad<B> {
+        std::mem::replace(&mut self.buckets[b].piece, PieceGrad::Host(Vec::new()))
     }
+}
+
+/// A completed reduction's piece.
+enum Arrived {
+    Host(Vec<f32>),
+    Device(DeviceUnits),
+}
+
+fn reduction_wait(reduction: Reduction) -> Result<Arrived, String> {
+    match reduction {
+        Reduction::Host(reply) => reply.wait().map(Arrived::Host),
+        Reduction::Device(reply) => reply.wait().map(Arrived::Device),
+    }
+    .map_err(|e| e.to_string())
+}
+
+/// A reduced piece in device memory as an f32 tensor of `B` on `device`.
+fn device_piece<B: Backend>(
+    units: &DeviceUnits,
+    device: &B::Device,
+) -> Result<B::FloatTensorPrimitive, String> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    {
+        crate::cube_reduce::piece_tensor::<B>(units, device).map_err(|e| e.to_string())
+    }
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (units, device);
+        Err("a reduced gradient in device memory without a CubeCL backend".into())
+    }
+}
+
+/// The device gradients `members` (member index, flattened f32 gradient) one after the other,
+/// with where their runs go in the bucket (the staged reduction reads back only these).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn members_cat<B: Backend>(
+    codec: &BucketCodec,
+    members: &[(usize, B::FloatTensorPrimitive)],
+) -> crate::cube_reduce::GradSource<B> {
+    let mut runs = Vec::new();
+    let mut offset = 0;
+    for (k, grad) in members {
+        runs.extend(
+            codec
+                .segments(*k)
+                .map(|(at, from, len)| (at, offset + from, len)),
+        );
+        offset += grad.shape().num_elements();
+    }
+    let tensors = members.iter().map(|(_, t)| t.clone()).collect();
+    crate::cube_reduce::GradSource::Members {
+        cat: B::float_cat(tensors, 0),
+        runs,
+        full_len: codec.bucket_elems(),
+    }
+}
+
+/// The full-bucket gradient (f32, the bucket's element space) of the device gradients
+/// `members` (member index, flattened gradient), assembled on their device: each member's runs
+/// at their places, zeros between (one concatenation).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn full_on_device<B: Backend>(
+    codec: &BucketCodec,
+    members: &[(usize, B::FloatTensorPrimitive)],
+) -> B::FloatTensorPrimitive {
+    use burn_backend::Slice;
+    let device = B::float_device(&members[0].1);
+    let zeros = |n: usize| B::float_zeros([n].into(), &device, FloatDType::F32);
+    // Every run of every member, by its place in the bucket.
+    let mut runs: Vec<(usize, usize, usize, usize)> = members
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (k, _))| {
+            codec
+                .segments(*k)
+                .map(move |(at, from, len)| (at, i, from, len))
+        })
+        .collect();
+    runs.sort_unstable();
+    let mut parts = Vec::with_capacity(2 * runs.len() + 1);
+    let mut next = 0;
+    for (at, i, from, len) in runs {
+        if at > next {
+            parts.push(zeros(at - next));
+        }
+        let grad = &members[i].1;
+        let whole = from == 0 && len == grad.shape().num_elements();
+        parts.push(if whole {
+            grad.clone()
+        } else {
+            let slice = Slice::new(from as isize, Some((from + len) as isize), 1);
+            B::float_slice(grad.clone(), &[slice])
+        });
+        next = at + len;
+    }
+    let total = codec.bucket_elems();
+    if total > next {
+        parts.push(zeros(total - next));
+    }
+    B::float_cat(parts, 0)
 }

@@ -44,11 +44,11 @@ use crate::codec::BucketCodec;
 use crate::comm::LaneFactory;
 use crate::config::{HsdpConfig, NonFinitePolicy};
 use crate::error::HsdpError;
-use crate::storage::{Elems, MasterBuf, Placement};
+use crate::storage::{Gathered, MasterBuf, Placement};
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::timeline::{Span, Timeline, Track};
 use crate::views::with_f32_values;
-use crate::worker::Worker;
+use crate::worker::{Reply, Worker};
 use grad_sync::GradSync;
 use residency::{BucketStorage, Materialiser};
 use retention::Retention;
@@ -86,6 +86,10 @@ pub struct Runtime<B: Backend> {
     world_rank: usize,
     codecs: Vec<BucketCodec>,
     materialiser: Materialiser<B>,
+    /// Whether the engine gathers and reduces device memory itself (NCCL on the same GPU as
+    /// `B`'s CUDA device: `cube_gather.rs`, `cube_reduce.rs`); otherwise device buffers are
+    /// staged through the host.
+    engine_on_device: bool,
     non_finite: NonFinitePolicy,
     /// Where gradients are accumulated.
     grad_placement: Placement,
@@ -148,6 +152,9 @@ impl<B: Backend> Runtime<B> {
             rank,
             timeline.clone(),
         )?;
+        // The FSDP2-style baseline copies parameters out of the bucket: it gathers on the host.
+        let engine_on_device = config.copy_mode == crate::config::CopyMode::ZeroCopy
+            && engine_on_device::<B>(&worker, &device);
         let leaves = Mutex::new(vec![None; plan.params().len()]);
         let retention = Retention::new(plan.params().len());
         let buckets = storage.len();
@@ -161,6 +168,7 @@ impl<B: Backend> Runtime<B> {
                 copy_mode: config.copy_mode,
                 compute: config.precision.compute,
             },
+            engine_on_device,
             non_finite: config.non_finite,
             grad_placement: config.grads,
             lanes,
@@ -341,16 +349,16 @@ impl<B: Backend> Runtime<B> {
             }
             None => self.start_gather(st, b, which),
         };
+        let zeros = |st: &State<B>| {
+            let units = self.codecs[b].gathered_units(which);
+            Gathered::Host(st.storage[b].shard.zeros_like(units))
+        };
         let full = match self.wait(b, "wait gather", reply) {
             Ok(full) if st.failure.is_none() => full,
-            Ok(_) => st.storage[b]
-                .shard
-                .zeros_like(self.codecs[b].gathered_units(which)),
+            Ok(_) => zeros(st),
             Err(e) => {
                 self.record_failure(st, e.to_string());
-                st.storage[b]
-                    .shard
-                    .zeros_like(self.codecs[b].gathered_units(which))
+                zeros(st)
             }
         };
         self.count_gather(st, &full);
@@ -382,33 +390,31 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Queues the all-gather of `part` of bucket `b`'s runtime shards.
-    fn start_gather(&self, st: &mut State<B>, b: usize, part: Part) -> crate::worker::Reply<Elems> {
+    fn start_gather(&self, st: &mut State<B>, b: usize, part: Part) -> Reply<Gathered> {
         let State {
             storage, counters, ..
         } = st;
+        let on_device = self.engine_on_device.then_some(&self.materialiser.device);
         storage[b].start_gather(
             b,
             &self.worker,
             &self.codecs[b],
             self.materialiser.copy_mode,
             part,
+            on_device,
+            self.materialiser.stager(),
             counters,
         )
     }
 
     /// Waits for `reply`, timed as the model thread's wait on bucket `b`.
-    fn wait<T>(
-        &self,
-        b: usize,
-        name: &'static str,
-        reply: crate::worker::Reply<T>,
-    ) -> sshsdp_comm::CommResult<T> {
+    fn wait<T>(&self, b: usize, name: &'static str, reply: Reply<T>) -> sshsdp_comm::CommResult<T> {
         self.timeline
             .span(Track::Model, name, Some(b), || reply.wait())
     }
 
     /// Counts the bytes of a completed gather.
-    fn count_gather(&self, st: &mut State<B>, full: &Elems) {
+    fn count_gather(&self, st: &mut State<B>, full: &Gathered) {
         if self.plan.config().sharding == sshsdp_plan::Sharding::Ddp {
             // Replicated parameters are copied into a fresh tensor after each update.
             st.counters.param_bytes_copied += full.bytes();
@@ -422,7 +428,7 @@ impl<B: Backend> Runtime<B> {
 
     /// Materialises the gathered units `full` as bucket `b`'s parameters for the current pass
     /// (→ `Unsharded`); `false` after recording a failure.
-    fn install(&self, st: &mut State<B>, b: usize, full: Elems, which: Part) -> bool {
+    fn install(&self, st: &mut State<B>, b: usize, full: Gathered, which: Part) -> bool {
         let phase = st.schedule.phase();
         let resident =
             match self
@@ -495,7 +501,12 @@ impl<B: Backend> Runtime<B> {
                 // The reduction is still queued (see `worker::run`): the ranks stay in step.
                 self.record_failure(&mut st, e);
             }
-            match st.grads.reduce(b, &self.codecs[b], &self.worker) {
+            let how = (
+                self.plan.config().sharding,
+                self.plan.runtime_shards(),
+                self.engine_on_device,
+            );
+            match st.grads.reduce(b, &self.codecs[b], &self.worker, how) {
                 Ok(reduced) => {
                     st.counters.reduced_bytes += reduced.bytes;
                     st.counters.staged_bytes += reduced.staged;
@@ -658,5 +669,27 @@ impl<B: Backend> Runtime<B> {
     /// The memory of [`Self::device`] as its allocator reports it (CubeCL backends only).
     pub fn device_memory(&self) -> Option<crate::DeviceMemory> {
         crate::storage::device_memory::<B>(&self.materialiser.device)
+    }
+
+    /// Whether the engine gathers and reduces device memory itself (see `engine_on_device`).
+    pub fn collectives_on_device(&self) -> bool {
+        self.engine_on_device
+    }
+}
+
+/// Whether `worker`'s engine can gather and reduce `B`'s device memory itself: it moves device
+/// memory (NCCL), `B` is `CubeBackend<CudaRuntime, …>` and both are on the same GPU (elsewhere
+/// device buffers are staged through the host; an engine on another GPU than `B`'s is staged
+/// too, correct but slower).
+fn engine_on_device<B: Backend>(worker: &Worker, device: &B::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        let ordinal = crate::cube_gather::cuda_ordinal::<B>(device);
+        ordinal.is_some() && ordinal == worker.device_ordinal()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (worker, device);
+        false
     }
 }

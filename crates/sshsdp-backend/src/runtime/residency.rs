@@ -14,9 +14,9 @@ use sshsdp_plan::Part;
 use super::Counters;
 use crate::codec::{BucketCodec, Phase};
 use crate::config::{CopyMode, Precision};
-use crate::storage::{Elems, MasterBuf};
+use crate::storage::{Elems, Gathered, MasterBuf};
 use crate::views::{bucket_views, ComputeBuf, Member};
-use crate::worker::{Reply, Worker};
+use crate::worker::{Reply, StageUnits, Worker};
 use crate::HsdpError;
 
 /// A gathered bucket: each parameter's tensor — a view into the decoded buffer (zero-copy
@@ -29,7 +29,7 @@ pub(super) struct Resident<B: Backend> {
     /// The pass the parameters were decoded for.
     pub phase: Phase,
     /// The gathered runtime units, kept when the other pass decodes other values (MXFP8).
-    pub gathered: Option<Elems>,
+    pub gathered: Option<Gathered>,
 }
 
 /// Where a bucket stands in a step.
@@ -39,7 +39,7 @@ pub(super) enum Residency<B: Backend> {
     /// An all-gather of `part` of every shard is queued on the communication lanes.
     Gathering {
         /// The gather's result, on its way.
-        reply: Reply<Elems>,
+        reply: Reply<Gathered>,
         /// What it moves.
         part: Part,
     },
@@ -99,7 +99,7 @@ impl<B: Backend> BucketStorage<B> {
     }
 
     /// Takes a queued gather out (→ `Sharded`).
-    pub fn take_gather(&mut self) -> Option<(Reply<Elems>, Part)> {
+    pub fn take_gather(&mut self) -> Option<(Reply<Gathered>, Part)> {
         match std::mem::replace(&mut self.residency, Residency::Sharded) {
             Residency::Gathering { reply, part } => Some((reply, part)),
             other => {
@@ -109,8 +109,11 @@ impl<B: Backend> BucketStorage<B> {
         }
     }
 
-    /// Queues the all-gather of `part` of every rank's shard of bucket `bucket` (the result is returned, not
-    /// stored: the caller waits for it or records it as a prefetch).
+    /// Queues the all-gather of `part` of every rank's shard of bucket `bucket` (the result is
+    /// returned, not stored: the caller waits for it or records it as a prefetch): into device
+    /// memory of `on_device` where given (zero-copy only; the engine moves device memory, see
+    /// `cube_gather.rs`), else into host memory, uploaded on the lane by `stage` where given.
+    #[allow(clippy::too_many_arguments)]
     pub fn start_gather(
         &self,
         bucket: usize,
@@ -118,8 +121,28 @@ impl<B: Backend> BucketStorage<B> {
         codec: &BucketCodec,
         copy_mode: CopyMode,
         part: Part,
+        on_device: Option<&B::Device>,
+        stage: Option<Box<dyn StageUnits>>,
         counters: &mut Counters,
-    ) -> Reply<Elems> {
+    ) -> Reply<Gathered> {
+        // The whole shard (one or more pieces), or one pass's part of its single piece.
+        let range = match part {
+            Part::All => 0..self.shard.len(),
+            _ => codec.part_range(part),
+        };
+        #[cfg(feature = "cuda")]
+        if let Some(device) = on_device {
+            let (job, uploaded) = crate::cube_gather::gather_buffers::<B>(
+                device,
+                &self.shard,
+                range,
+                codec.gathered_units(part),
+            );
+            counters.uploaded_bytes += uploaded;
+            return worker.gather_on_device(bucket, job);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = on_device;
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
         let input = match copy_mode {
@@ -130,12 +153,8 @@ impl<B: Backend> BucketStorage<B> {
                 Arc::new((*self.shard).clone())
             }
         };
-        // The whole shard (one or more pieces), or one pass's part of its single piece.
-        let range = match part {
-            Part::All => 0..input.len(),
-            _ => codec.part_range(part),
-        };
-        worker.gather(bucket, input, range, codec.gathered_units(part))
+        let units = codec.gathered_units(part);
+        worker.gather(bucket, input, range, units, stage)
     }
 }
 
@@ -150,12 +169,23 @@ pub(super) struct Materialiser<B: Backend> {
 }
 
 impl<B: Backend> Materialiser<B> {
+    /// What uploads a host gather's units on the lane, where parameters are views of a CubeCL
+    /// buffer (`None` elsewhere: host backends, and the FSDP2-style baseline, which copies
+    /// each parameter out on the host).
+    pub fn stager(&self) -> Option<Box<dyn StageUnits>> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if self.copy_mode == CopyMode::ZeroCopy {
+            return crate::cube_codec::stager_if_cube::<B>(&self.device, self.compute);
+        }
+        None
+    }
+
     /// The gathered units `full` (the part `which` of every piece) decoded for `phase` and
     /// handed out as one tensor per member.
     pub fn install(
         &self,
         codec: &BucketCodec,
-        full: Elems,
+        full: Gathered,
         which: Part,
         phase: Phase,
         counters: &mut Counters,
@@ -166,36 +196,50 @@ impl<B: Backend> Materialiser<B> {
                 shape: codec.shape(k).to_vec(),
             })
             .collect();
-        // A bf16 bucket computed in bf16 is its own compute buffer (the linear layout's units
-        // are its elements): nothing to decode, on the host or on a device.
-        let is_compute = matches!(full, Elems::Bf16(_)) && self.compute == Precision::Bf16;
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if self.copy_mode == CopyMode::ZeroCopy && !is_compute {
-            // On a CubeCL backend gathered MXFP8 or bf16 units are decoded on the device.
-            let decoded = crate::cube_codec::decode_views_if_cube::<B>(
-                codec,
-                &full,
-                which,
-                phase,
-                &members,
-                &self.device,
-                self.compute,
-            );
-            if let Some(params) = decoded {
-                let params = params?;
+        let full = match full {
+            Gathered::Host(full) => full,
+            #[cfg(any(feature = "wgpu", feature = "cuda"))]
+            Gathered::Device(units) => {
+                // Gathered by the engine into device memory: decoded there (or used as it is).
+                let params = crate::cube_codec::device_units_views::<B>(
+                    codec,
+                    &units,
+                    which,
+                    phase,
+                    &members,
+                    &self.device,
+                    self.compute,
+                )?;
                 let compute_bytes = self.compute.bytes() * codec.compute_elems() as u64;
-                counters.decoded_bytes += compute_bytes;
-                counters.uploaded_bytes += full.bytes();
+                let is_compute = match &units.kind {
+                    // (Narrowed f32 units were rounded on the host: a decode too.)
+                    Elems::F32(_) => self.compute == Precision::F32,
+                    Elems::Bf16(_) => self.compute == Precision::Bf16,
+                    Elems::U8(_) => false,
+                };
+                if !is_compute {
+                    counters.decoded_bytes += compute_bytes;
+                }
+                counters.uploaded_bytes += units.uploaded;
                 let keep = codec.has_planes() && which == Part::All;
-                let gathered = keep.then_some(full);
+                let gathered = keep.then_some(Gathered::Device(units));
                 return Ok(Resident {
                     params,
-                    bytes: compute_bytes + gathered.as_ref().map_or(0, Elems::bytes),
+                    bytes: compute_bytes + gathered.as_ref().map_or(0, Gathered::bytes),
                     phase,
                     gathered,
                 });
             }
-        }
+            #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+            Gathered::Device(_) => {
+                return Err(HsdpError::Failed(
+                    "a gathered bucket in device memory without a CubeCL backend".into(),
+                ))
+            }
+        };
+        // A bf16 bucket computed in bf16 is its own compute buffer (the linear layout's units
+        // are its elements): nothing to decode.
+        let is_compute = matches!(full, Elems::Bf16(_)) && self.compute == Precision::Bf16;
         let (compute, gathered) = match full {
             Elems::Bf16(units) if is_compute => (ComputeBuf::Bf16(units), None),
             full => {
@@ -205,7 +249,7 @@ impl<B: Backend> Materialiser<B> {
                 if decodes {
                     counters.decoded_bytes += compute.bytes();
                 }
-                (compute, gathered)
+                (compute, gathered.map(Gathered::Host))
             }
         };
         if compute.len() != codec.compute_elems() {
@@ -215,7 +259,7 @@ impl<B: Backend> Materialiser<B> {
                 codec.compute_elems()
             )));
         }
-        let bytes = compute.bytes() + gathered.as_ref().map_or(0, Elems::bytes);
+        let bytes = compute.bytes() + gathered.as_ref().map_or(0, Gathered::bytes);
         let params = match self.copy_mode {
             CopyMode::ZeroCopy => {
                 // The compute buffer becomes the bucket's storage (a move, not a copy); each

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use burn_backend::{Backend, TensorMetadata};
 
+use super::grad_sync::PieceGrad;
 use super::{Runtime, State};
 use crate::config::NonFinitePolicy;
 use crate::storage::{download, upload, MasterBuf};
@@ -198,8 +199,15 @@ pub(super) fn run<B: Backend>(
         rt.record_failure(st, failure);
     }
     for b in 0..st.storage.len() {
-        if let Err(e) = st.grads.collect(b, &rt.timeline) {
-            rt.record_failure(st, e);
+        match st.grads.collect(b, &rt.timeline, &rt.materialiser.device) {
+            Ok((up, down)) => {
+                let c = &mut st.counters;
+                c.staged_bytes += up + down;
+                c.uploaded_bytes += up;
+                c.downloaded_bytes += down;
+                c.grad_bytes_copied += down;
+            }
+            Err(e) => rt.record_failure(st, e),
         }
     }
     if let Some(f) = st.failure.clone() {
@@ -217,10 +225,10 @@ pub(super) fn run<B: Backend>(
         }
         return Err(HsdpError::Failed(f));
     }
-    let grads: Vec<(usize, Vec<f32>)> = (0..st.storage.len())
+    let grads: Vec<(usize, PieceGrad<B>)> = (0..st.storage.len())
         .map(|b| {
             let g = if all_buckets {
-                Vec::new()
+                PieceGrad::Host(Vec::new())
             } else {
                 st.grads.take_piece(b)
             };
@@ -265,26 +273,60 @@ pub(super) fn run<B: Backend>(
             }
         }
     }
+    // Each gradient where its master is: on the host for host slices, on the device for
+    // device masters.
+    let grads: Vec<(usize, PieceGrad<B>)> = grads
+        .into_iter()
+        .map(|(b, g)| {
+            let device_master = matches!(st.storage[b].master, Some(MasterBuf::Device(_)));
+            let on_device = device_master && staged[b].is_none();
+            match (g, on_device) {
+                (PieceGrad::Device(t), false) => {
+                    let values =
+                        download::<B>(t).inspect_err(|e| rt.record_failure(st, e.to_string()))?;
+                    st.counters.staged_bytes += 4 * values.len() as u64;
+                    st.counters.downloaded_bytes += 4 * values.len() as u64;
+                    Ok((b, PieceGrad::Host(values)))
+                }
+                (PieceGrad::Host(values), true) => {
+                    st.counters.staged_bytes += 4 * values.len() as u64;
+                    st.counters.uploaded_bytes += 4 * values.len() as u64;
+                    Ok((b, PieceGrad::Device(upload::<B>(values, device))))
+                }
+                (g, _) => Ok((b, g)),
+            }
+        })
+        .collect::<Result<_, HsdpError>>()?;
     let stepped = {
-        let State {
-            storage, counters, ..
-        } = &mut *st;
+        let State { storage, .. } = &mut *st;
         let mut grads_iter = grads.iter().peekable();
         let mut pieces = Vec::with_capacity(grads.len());
         for ((b, bucket), staged) in storage.iter_mut().enumerate().zip(&mut staged) {
             let Some((_, grad)) = grads_iter.next_if(|(gb, _)| *gb == b) else {
                 continue;
             };
-            let values = match (&mut bucket.master, staged) {
-                (_, Some(master)) => PieceValues::Host { master, grad },
-                (Some(MasterBuf::Host(master)), None) => PieceValues::Host { master, grad },
-                (Some(MasterBuf::Device(master)), None) => {
-                    counters.staged_bytes += 4 * grad.len() as u64;
-                    counters.uploaded_bytes += 4 * grad.len() as u64;
-                    let grad = upload::<B>(grad.clone(), device);
-                    PieceValues::Device { master, grad }
+            let values = match (&mut bucket.master, staged, grad) {
+                (Some(MasterBuf::Device(master)), None, PieceGrad::Device(grad)) => {
+                    PieceValues::Device {
+                        master,
+                        grad: grad.clone(),
+                    }
                 }
-                (None, None) => {
+                (_, _, PieceGrad::Device(_)) => {
+                    return Err(HsdpError::Failed(format!(
+                        "bucket {b}: a device gradient for a host master"
+                    )))
+                }
+                (_, Some(master), PieceGrad::Host(grad)) => PieceValues::Host { master, grad },
+                (Some(MasterBuf::Host(master)), None, PieceGrad::Host(grad)) => {
+                    PieceValues::Host { master, grad }
+                }
+                (Some(MasterBuf::Device(_)), None, PieceGrad::Host(_)) => {
+                    return Err(HsdpError::Failed(format!(
+                        "bucket {b}: a host gradient for a device master"
+                    )))
+                }
+                (None, None, PieceGrad::Host(grad)) => {
                     // f32 with host masters: the piece's runtime elements, its place in the shard.
                     let pe = rt.codecs[b].piece_elems();
                     let range = rt.piece_in_shard * pe..(rt.piece_in_shard + 1) * pe;
@@ -459,13 +501,29 @@ fn device_encode<B: Backend>(
 fn global_grad_norm<B: Backend>(
     rt: &Runtime<B>,
     st: &mut State<B>,
-    grads: &[(usize, Vec<f32>)],
+    grads: &[(usize, PieceGrad<B>)],
 ) -> Result<f64, HsdpError> {
-    let local: f64 = grads
-        .iter()
-        .flat_map(|(_, g)| g.iter())
-        .map(|&g| f64::from(g) * f64::from(g))
-        .sum();
+    let mut local = 0f64;
+    let mut on_device = Vec::new();
+    for (_, g) in grads {
+        match g {
+            PieceGrad::Host(g) => {
+                local += g.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
+            }
+            PieceGrad::Device(g) => {
+                on_device.push(B::float_sum(B::float_mul(g.clone(), g.clone())))
+            }
+        }
+    }
+    if !on_device.is_empty() {
+        // Device pieces: their sums of squares on the device in f32 (Burn's sum), one scalar
+        // read back for all. An f32 sum can overflow to infinity where f64 would not, which
+        // only makes a gradient of norm beyond 1.8e19 count as non-finite.
+        let sum = download::<B>(B::float_sum(B::float_cat(on_device, 0)))
+            .inspect_err(|e| rt.record_failure(st, e.to_string()))?;
+        st.counters.downloaded_bytes += 4;
+        local += f64::from(sum[0]);
+    }
     let reply = rt
         .worker
         .gather_bytes("gradient norm", local.to_le_bytes().to_vec());

@@ -10,7 +10,9 @@ use cudarc::driver::CudaSlice;
 
 use super::{cuda_error, host_as_dev, host_as_dev_mut, Bf16Bits, DeviceElement, NcclComm};
 use crate::collective::{check_chunks, equal_chunks};
-use crate::{Collective, CommError, CommResult, Element, ElementKind, ReduceOp, Reducible};
+use crate::{
+    Collective, CommError, CommResult, DeviceCollective, Element, ElementKind, ReduceOp, Reducible,
+};
 
 /// Calls `$f::<T, D>($args)` with `D` the device type of `T::KIND`.
 macro_rules! dispatch {
@@ -175,6 +177,10 @@ impl Collective for NcclComm {
 
     fn size(&self) -> usize {
         NcclComm::size(self)
+    }
+
+    fn device(&self) -> Option<&dyn DeviceCollective> {
+        Some(self)
     }
 
     fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> CommResult<()> {

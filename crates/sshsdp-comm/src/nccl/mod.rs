@@ -12,6 +12,11 @@
 //!   that stream (or on buffers tracked by cudarc's events) sees the result. No copies are made;
 //!   the in-place all-gather uses NCCL's in-place convention (`sendbuff = recvbuff + rank·count`)
 //!   and the in-place reduce-scatter its mirror (`recvbuff = sendbuff + rank·count`).
+//! * **Raw device path** (what the SS-HSDP runtime uses on CubeCL's CUDA buffers):
+//!   [`DeviceCollective`](crate::DeviceCollective), reached through
+//!   [`Collective::device`](crate::Collective::device), runs the same device-path methods on
+//!   memory of another allocator named by address, then waits (bounded, as below) for the
+//!   stream; ordering against the owner's work is the caller's.
 //! * **Host path**: the [`Collective`](crate::Collective) implementation takes host slices, so
 //!   it *stages*: it copies the input to device memory, runs the device method and copies the
 //!   result back, then waits for the stream. It exists for the conformance suite and for small
@@ -90,6 +95,7 @@ mod comm;
 mod host;
 mod lanes;
 mod probe;
+mod raw;
 mod watch;
 
 use std::any::TypeId;

@@ -1,0 +1,319 @@
+//! Gradient reductions of device-resident gradient buckets on CubeCL backends: the full-bucket
+//! gradient is assembled on the device (the members' gradients at their places in the bucket's
+//! element space, zeros between) and its reduction's two stages run on the two lanes, as host
+//! reductions do (`worker.rs`), in one of two ways:
+//!
+//! * **By the engine on device memory** (NCCL on `CubeBackend<CudaRuntime>`, where the runtime's
+//!   gathers go to device memory too: `cube_gather.rs`): reduce-scatter in the shard group,
+//!   then across replicas, on CubeCL's buffers in the reduction dtype (the bf16 cast is Burn's
+//!   kernel); no byte crosses to the host.
+//! * **Staged**: the shard lane reads the f32 gradient back, the host collectives reduce it
+//!   (rounded to the reduction dtype there, exactly as for host gradients), and the replica
+//!   lane uploads the reduced piece. The transfers run on the lanes, overlapping backward.
+//!
+//! Either way the update gets the piece as a device tensor.
+
+use std::any::Any;
+
+use burn_backend::{Backend, DType};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::client::ComputeClient;
+use cubecl::server::Handle;
+use half::bf16;
+use sshsdp_comm::{CommError, CommResult, ElementKind};
+use sshsdp_plan::Sharding;
+
+use crate::comm::MeshComm;
+use crate::config::Precision;
+use crate::cube_codec::{float_tensor, CubeUnits};
+use crate::cube_views::{for_each_runtime, is_cube};
+use crate::storage::{DeviceUnits, Elems};
+use crate::worker::DeviceReduceJob;
+use crate::HsdpError;
+
+/// A bucket's device gradient as a reduction starts from it.
+pub(crate) enum GradSource<B: Backend> {
+    /// The full-bucket gradient in the bucket's element space (a contiguous 1-D tensor in the
+    /// reduction dtype), for the engine's reduction on device memory.
+    Full(B::FloatTensorPrimitive),
+    /// The members' flattened f32 gradients one after the other (`cat`), and where their runs
+    /// go in the bucket's `full_len` elements: `(first element in the bucket, first element in
+    /// cat, length)`. The staged path reads back only these values and places them on the host.
+    Members {
+        /// The concatenated gradients.
+        cat: B::FloatTensorPrimitive,
+        /// The runs.
+        runs: Vec<(usize, usize, usize)>,
+        /// Elements of the bucket.
+        full_len: usize,
+    },
+}
+
+/// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in
+/// the reduction dtype `reduce` — by the engine on device memory for [`GradSource::Full`]
+/// (CUDA only, see `cube_gather.rs`), staged through the host for [`GradSource::Members`] — if
+/// `B` is a CubeCL backend this build supports (`None` otherwise).
+pub(crate) fn reduce_job_if_cube<B: Backend>(
+    source: GradSource<B>,
+    reduce: Precision,
+    sharding: Sharding,
+    (shards, piece_len): (usize, usize),
+) -> Option<Box<dyn DeviceReduceJob>> {
+    let cube = |t: B::FloatTensorPrimitive| -> Box<dyn Any> { Box::new(t) };
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            let tensor = |t| *cube(t).downcast::<CubeTensor<R>>().expect("the type was checked");
+            let source = match source {
+                GradSource::Full(full) => Source::Full(tensor(full)),
+                GradSource::Members { cat, runs, full_len } => Source::Members {
+                    cat: tensor(cat),
+                    runs,
+                    full_len,
+                },
+            };
+            return Some(Box::new(CubeReduceJob::<R>::new(
+                source, reduce, sharding, shards, piece_len,
+            )));
+        }
+    });
+    None
+}
+
+/// [`GradSource`] on runtime `R`.
+enum Source<R: CubeRuntime> {
+    Full(CubeTensor<R>),
+    Members {
+        cat: CubeTensor<R>,
+        runs: Vec<(usize, usize, usize)>,
+        full_len: usize,
+    },
+}
+
+/// The reduced piece `units` as an f32 tensor of `B` on `device` (a bf16 piece is widened by
+/// Burn's cast kernel).
+pub(crate) fn piece_tensor<B: Backend>(
+    units: &DeviceUnits,
+    device: &B::Device,
+) -> Result<B::FloatTensorPrimitive, HsdpError> {
+    for_each_runtime!(R => {
+        if let (true, Some(cube)) = (is_cube::<B, R>(), units.buffer.downcast_ref::<CubeUnits<R>>()) {
+            let tensor = |dtype| float_tensor::<B, R>(cube, cube.handle.clone(), units.len, dtype, device);
+            return Ok(match units.kind {
+                Elems::Bf16(_) => B::float_cast(tensor(DType::BF16), burn_backend::FloatDType::F32),
+                _ => tensor(DType::F32),
+            });
+        }
+    });
+    Err(HsdpError::Failed(
+        "a reduced gradient in device memory of a runtime this build does not support".into(),
+    ))
+}
+
+/// The addresses of CubeCL buffers, readied for the engine (CUDA's, `cube_gather.rs`).
+type Addresses<R> =
+    fn(&ComputeClient<R>, &[Handle], &mut Vec<Box<dyn Send>>) -> CommResult<Vec<u64>>;
+
+/// The readying of raw addresses for runtime `R`, where the engine can use them (CUDA).
+fn addresses_for<R: CubeRuntime>() -> Option<Addresses<R>> {
+    #[cfg(feature = "cuda")]
+    {
+        let cuda: Box<dyn Any> =
+            Box::new(crate::cube_gather::ready_addresses as Addresses<cubecl::cuda::CudaRuntime>);
+        if let Ok(f) = cuda.downcast::<Addresses<R>>() {
+            return Some(*f);
+        }
+    }
+    None
+}
+
+/// One bucket's reduction on its way through the lanes.
+struct CubeReduceJob<R: CubeRuntime> {
+    client: ComputeClient<R>,
+    /// The full-bucket gradient (engine path) or the members' concatenated gradients (staged).
+    full: Handle,
+    /// Elements of the bucket.
+    full_len: usize,
+    /// Staged path: where the concatenated values go in the bucket.
+    runs: Vec<(usize, usize, usize)>,
+    /// The dtype of the device buffers (f32, or bf16 on the engine's path with a bf16
+    /// reduction).
+    kind: ElementKind,
+    /// The reduction dtype.
+    reduce: Precision,
+    /// How the engine gets at device memory, on its path.
+    addresses: Option<Addresses<R>>,
+    /// Engine path: this rank's shard after the first stage (the full buffer itself under DDP).
+    shard: Handle,
+    shard_len: usize,
+    /// Engine path: the piece after the second stage (the shard itself but when hierarchical).
+    piece: Handle,
+    piece_len: usize,
+    /// Staged path: the first stage's result.
+    host_shard: Option<Elems>,
+    /// Resources pinned while the engine works.
+    resources: Vec<Box<dyn Send>>,
+    uploaded: u64,
+    downloaded: u64,
+}
+
+impl<R: CubeRuntime> CubeReduceJob<R> {
+    fn new(
+        source: Source<R>,
+        reduce: Precision,
+        sharding: Sharding,
+        shards: usize,
+        piece_len: usize,
+    ) -> Self {
+        let (full, full_len, runs, addresses) = match source {
+            Source::Full(full) => {
+                let len = full.meta.shape().num_elements();
+                // (Without raw addresses, staged as one run: the runtime passes a full
+                // gradient only where the engine reduces device memory, in f32 or bf16.)
+                (full, len, vec![(0, 0, len)], addresses_for::<R>())
+            }
+            Source::Members {
+                cat,
+                runs,
+                full_len,
+            } => (cat, full_len, runs, None),
+        };
+        let kind = match full.dtype {
+            DType::BF16 => ElementKind::Bf16,
+            _ => ElementKind::F32,
+        };
+        let client = full.client.clone();
+        let unit = if kind == ElementKind::Bf16 { 2 } else { 4 };
+        let buffer = |len: usize| client.empty((unit * len).next_multiple_of(4).max(4));
+        let shard_len = full_len / shards.max(1);
+        let (shard, piece) = match (addresses.is_some(), sharding) {
+            (false, _) | (true, Sharding::Ddp) => (full.handle.clone(), full.handle.clone()),
+            (true, Sharding::Hsdp) => {
+                let shard = buffer(shard_len);
+                (shard.clone(), shard)
+            }
+            (true, Sharding::Hierarchical) => (buffer(shard_len), buffer(piece_len)),
+        };
+        Self {
+            full: full.handle,
+            client,
+            full_len,
+            runs,
+            kind,
+            reduce,
+            addresses,
+            shard,
+            shard_len,
+            piece,
+            piece_len,
+            host_shard: None,
+            resources: Vec::new(),
+            uploaded: 0,
+            downloaded: 0,
+        }
+    }
+
+    fn ready(&mut self, handles: &[Handle]) -> CommResult<Option<Vec<u64>>> {
+        match self.addresses {
+            Some(ready) => ready(&self.client, handles, &mut self.resources).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
+    fn within_shard_group(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()> {
+        let handles = [self.full.clone(), self.shard.clone()];
+        if let Some(at) = self.ready(&handles)? {
+            // SAFETY: both buffers are live CubeCL allocations of `full_len` and `shard_len`
+            // units on the engine's GPU (the runtime takes this path only there), pinned in
+            // `resources` and readied (their earlier device work done) by `ready`.
+            return unsafe {
+                comm.reduce_within_shard_group_device(
+                    sharding,
+                    self.kind,
+                    at[0],
+                    at[1],
+                    self.shard_len,
+                )
+            };
+        }
+        // Only the members' values cross (padding stays behind), placed on the host.
+        let bytes = self
+            .client
+            .read_one(self.full.clone())
+            .map_err(|e| CommError::Engine(format!("reading gradients back: {e:?}")))?;
+        let cat: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        self.downloaded += 4 * cat.len() as u64;
+        let mut values = vec![0f32; self.full_len];
+        for &(at, from, len) in &self.runs {
+            values[at..at + len].copy_from_slice(&cat[from..from + len]);
+        }
+        // Rounded to the reduction dtype as the host path rounds (`worker.rs`).
+        let full = match self.reduce {
+            Precision::Bf16 => Elems::Bf16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
+            _ => Elems::F32(values),
+        };
+        self.host_shard = Some(comm.reduce_within_shard_group(sharding, full)?);
+        Ok(())
+    }
+
+    fn across_replicas(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()> {
+        let handles = [self.shard.clone(), self.piece.clone()];
+        if let Some(at) = self.ready(&handles)? {
+            // SAFETY: as in `within_shard_group`, for the shard and piece buffers (the same
+            // buffer where the stage is in place).
+            return unsafe {
+                comm.reduce_across_replicas_device(
+                    sharding,
+                    self.kind,
+                    at[0],
+                    at[1],
+                    self.piece_len,
+                )
+            };
+        }
+        let shard = self
+            .host_shard
+            .take()
+            .ok_or_else(|| CommError::Engine("the first reduction stage left no shard".into()))?;
+        let piece: Vec<f32> = match comm.reduce_across_replicas(sharding, shard, self.piece_len)? {
+            Elems::F32(piece) => piece,
+            Elems::Bf16(piece) => piece.iter().map(|g| g.to_f32()).collect(),
+            Elems::U8(_) => {
+                return Err(CommError::Mismatch(
+                    "a gradient reduction returned bytes".into(),
+                ))
+            }
+        };
+        self.piece_len = piece.len();
+        self.kind = ElementKind::F32;
+        self.uploaded += 4 * piece.len() as u64;
+        self.piece = self
+            .client
+            .create_from_slice(&Elems::F32(piece).word_bytes());
+        Ok(())
+    }
+
+    fn into_piece(self: Box<Self>) -> DeviceUnits {
+        let job = *self;
+        drop(job.resources);
+        DeviceUnits {
+            len: job.piece_len,
+            kind: match job.kind {
+                ElementKind::Bf16 => Elems::Bf16(Vec::new()),
+                _ => Elems::F32(Vec::new()),
+            },
+            narrowed: None,
+            uploaded: job.uploaded,
+            downloaded: job.downloaded,
+            buffer: Box::new(CubeUnits::<R> {
+                client: job.client,
+                handle: job.piece,
+            }),
+        }
+    }
+}
