@@ -391,3 +391,77 @@ fn full_on_device<B: Backend>(
     }
     B::float_cat(parts, 0)
 }
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use crate::storage::upload;
+    use burn_cubecl::CubeBackend;
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+    use sshsdp_plan::{DType, Mesh, ParamSpec, Plan, PlanConfig, Role, RuntimeFormat};
+
+    type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
+
+    /// The full-bucket gradient assembled on the device (the engine's reduction input) and the
+    /// members' runs the staged reduction places on the host are both the host accumulation's
+    /// bucket, bit for bit: members cut by piece boundaries, padding, a member without gradient.
+    #[test]
+    fn device_gradient_buckets_match_the_host_accumulation() {
+        let device = WgpuDevice::default();
+        let specs = vec![
+            ParamSpec::new("a.weight", vec![70, 96], DType::F32).with_role(Role::Matrix),
+            ParamSpec::new("a.bias", vec![96], DType::F32),
+            ParamSpec::new("b.weight", vec![256, 40], DType::F32).with_role(Role::Matrix),
+            ParamSpec::new("c.bias", vec![13], DType::F32),
+        ];
+        for (world, format) in [(1, RuntimeFormat::F32), (3, RuntimeFormat::Mxfp8)] {
+            let mut config = PlanConfig::default().with_format(format);
+            config.mx_max_padding = 1.0;
+            let plan = Plan::build(specs.clone(), Mesh::flat(world).unwrap(), config).unwrap();
+            for b in 0..plan.buckets().len() {
+                let codec = BucketCodec::new(&plan, b);
+                let mut host = vec![0f32; codec.bucket_elems()];
+                // Every member but the second has a gradient.
+                let members: Vec<(usize, _)> = (0..codec.len())
+                    .filter(|&k| k != 1)
+                    .map(|k| {
+                        let n: usize = codec.shape(k).iter().product();
+                        let g: Vec<f32> = (0..n)
+                            .map(|i| (i * 31 + k * 7) as f32 * 0.25 - 9.0)
+                            .collect();
+                        codec.accumulate(k, &g, &mut host);
+                        (k, upload::<B>(g, &device))
+                    })
+                    .collect();
+                if members.is_empty() {
+                    continue;
+                }
+                let full = download::<B>(full_on_device::<B>(&codec, &members)).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&full),
+                    bits(&host),
+                    "world {world}, bucket {b}: assembled"
+                );
+                let crate::cube_reduce::GradSource::Members {
+                    cat,
+                    runs,
+                    full_len,
+                } = members_cat::<B>(&codec, &members)
+                else {
+                    unreachable!("members_cat gives members")
+                };
+                let cat = download::<B>(cat).unwrap();
+                let mut placed = vec![0f32; full_len];
+                for (at, from, len) in runs {
+                    placed[at..at + len].copy_from_slice(&cat[from..from + len]);
+                }
+                assert_eq!(
+                    bits(&placed),
+                    bits(&host),
+                    "world {world}, bucket {b}: staged runs"
+                );
+            }
+        }
+    }
+}
