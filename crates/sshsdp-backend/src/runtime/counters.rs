@@ -24,12 +24,14 @@ pub struct Counters {
     /// compute buffer (f32 runtime parameters computed in f32, bf16 ones in bf16).
     pub decoded_bytes: u64,
     /// Bytes staged between the device and the host around host collectives and the host codec
-    /// (device masters read back to re-derive runtime units, gradients uploaded to device
-    /// masters); 0 with host masters.
+    /// (device masters read back to re-derive runtime units; device gradients read back and
+    /// reduced pieces uploaded by a staged reduction, on the lanes); 0 with host masters and
+    /// gradients, and for gradients the engine reduces on device memory (NCCL).
     pub staged_bytes: u64,
     /// Bytes copied from the host into the decorated backend's tensors: gathered buckets (unless
-    /// the backend takes the host buffer itself, as burn-ndarray does), FSDP2-style copies out,
-    /// and staging. On a GPU backend, host→device traffic.
+    /// the backend takes the host buffer itself, as burn-ndarray does; on CubeCL backends the
+    /// shard lane uploads them, and where NCCL gathers into device memory only this rank's part
+    /// is uploaded), FSDP2-style copies out, and staging. On a GPU backend, host→device traffic.
     pub uploaded_bytes: u64,
     /// Bytes copied from the decorated backend's tensors to the host: gradients (unless read in
     /// place, as on burn-ndarray) and staging. On a GPU backend, device→host traffic.
