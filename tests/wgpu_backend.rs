@@ -234,6 +234,8 @@ where
             saved.unwrap();
         }
         let traffic = (counters.uploaded_bytes, counters.downloaded_bytes);
+        // The threads engine moves host memory: device buffers are staged on the lanes.
+        assert!(!runtime.collectives_on_device());
         let bytes = (runtime.master_bytes(), runtime.device_master_bytes());
         let piece_bytes = runtime.plan().buckets().iter().map(|b| b.piece_bytes).sum();
         let weights = weights(&runtime);

@@ -24,6 +24,19 @@ fn conformance_suite_passes_at_world_1_to_4() {
     }
 }
 
+/// The threads engine moves host memory only: a runtime over it stages device buffers.
+#[test]
+fn host_engines_offer_no_device_collectives() {
+    let results = ThreadsWorld::run(2, config(30_000), |comm| {
+        let split = comm.split(0, comm.rank()).unwrap();
+        (comm.device().is_none(), split.device().is_none())
+    })
+    .unwrap();
+    for r in results {
+        assert_eq!(r.unwrap(), (true, true));
+    }
+}
+
 #[test]
 fn hierarchical_paths_on_2x2_1x4_4x1() {
     for (r, s) in [(2, 2), (1, 4), (4, 1)] {
