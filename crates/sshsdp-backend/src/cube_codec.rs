@@ -27,7 +27,7 @@ use sshsdp_plan::Part;
 use crate::codec::{BucketCodec, CodecOp, Phase, MX_FORMAT};
 use crate::config::Precision;
 use crate::cube_views::{for_each_runtime, is_cube, member_views};
-use crate::storage::{DeviceUnits, Elems};
+use crate::storage::{padded_to_words, DeviceUnits, Elems};
 use crate::views::{ComputeBuf, Member};
 use crate::worker::StageUnits;
 use crate::HsdpError;
@@ -65,9 +65,8 @@ impl<R: CubeRuntime> StageUnits for CubeStager<R> {
         let (handle, uploaded, narrowed, kind) = match (units, self.narrow) {
             (Elems::F32(values), Some(compute)) => {
                 let data = ComputeBuf::new(values, compute).into_data();
-                let mut bytes = data.bytes.to_vec();
-                let uploaded = bytes.len() as u64;
-                bytes.resize(bytes.len().next_multiple_of(4).max(4), 0);
+                let uploaded = data.bytes.len() as u64;
+                let bytes = padded_to_words(data.bytes.to_vec());
                 let handle = self.client.create_from_slice(&bytes);
                 (handle, uploaded, Some(compute), Elems::F32(Vec::new()))
             }
@@ -104,11 +103,8 @@ fn decode<B: Backend, R: CubeRuntime>(
     let cube_device: &R::Device = any.downcast_ref().expect("the type was checked");
     let client = R::client(cube_device);
     let len = bytes.len();
-    // Whole words: the kernels read the buffer as u32.
-    let mut padded = bytes;
-    padded.resize(padded.len().next_multiple_of(4), 0);
     let units = CubeUnits::<R> {
-        handle: client.create_from_slice(&padded),
+        handle: client.create_from_slice(&padded_to_words(bytes)),
         client,
     };
     decode_buffer::<B, R>(codec, &units, len, which, phase, device)

@@ -28,7 +28,7 @@ use sshsdp_comm::{CommError, CommResult, ElementKind};
 
 use crate::cube_codec::CubeUnits;
 use crate::cube_views::is_cube;
-use crate::storage::{DeviceUnits, Elems};
+use crate::storage::{padded_to_words, word_buffer_len, DeviceUnits, Elems};
 use crate::worker::DeviceGatherJob;
 
 /// The CUDA ordinal of `device` if `B` is `CubeBackend<CudaRuntime, …>` (`None` otherwise).
@@ -53,12 +53,10 @@ pub(crate) fn gather_buffers<B: Backend>(
     let device: &CudaDevice = any.downcast_ref().expect("checked by cuda_ordinal");
     let client = CudaRuntime::client(device);
     let count = part.len();
-    let mut send = shard.le_bytes(part);
+    let send = shard.le_bytes(part);
     let uploaded = send.len() as u64;
-    send.resize(send.len().next_multiple_of(4).max(4), 0);
-    let send = client.create_from_slice(&send);
-    let full_bytes = shard.unit_bytes() as usize * full_len;
-    let recv = client.empty(full_bytes.next_multiple_of(4).max(4));
+    let send = client.create_from_slice(&padded_to_words(send));
+    let recv = client.empty(word_buffer_len(shard.unit_bytes() as usize * full_len));
     let job = CudaGatherJob {
         client,
         send,

@@ -28,7 +28,7 @@ use crate::comm::MeshComm;
 use crate::config::Precision;
 use crate::cube_codec::{float_tensor, CubeUnits};
 use crate::cube_views::{for_each_runtime, is_cube};
-use crate::storage::{DeviceUnits, Elems};
+use crate::storage::{word_buffer_len, DeviceUnits, Elems};
 use crate::worker::DeviceReduceJob;
 use crate::HsdpError;
 
@@ -184,7 +184,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
         };
         let client = full.client.clone();
         let unit = if kind == ElementKind::Bf16 { 2 } else { 4 };
-        let buffer = |len: usize| client.empty((unit * len).next_multiple_of(4).max(4));
+        let buffer = |len: usize| client.empty(word_buffer_len(unit * len));
         let shard_len = full_len / shards.max(1);
         let (shard, piece) = match (addresses.is_some(), sharding) {
             (false, _) | (true, Sharding::Ddp) => (full.handle.clone(), full.handle.clone()),

@@ -171,6 +171,20 @@ impl Gathered {
     }
 }
 
+/// Bytes of a device buffer holding `bytes` bytes: whole 4-byte words (the codec kernels read
+/// words), at least one.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) fn word_buffer_len(bytes: usize) -> usize {
+    bytes.next_multiple_of(4).max(4)
+}
+
+/// `bytes` zero-padded to [`word_buffer_len`].
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) fn padded_to_words(mut bytes: Vec<u8>) -> Vec<u8> {
+    bytes.resize(word_buffer_len(bytes.len()), 0);
+    bytes
+}
+
 /// A run of runtime units.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Elems {
@@ -231,11 +245,7 @@ impl Elems {
     pub fn word_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
         match self {
             Elems::U8(v) if v.len() % 4 == 0 && !v.is_empty() => std::borrow::Cow::Borrowed(v),
-            _ => {
-                let mut bytes = self.le_bytes(0..self.len());
-                bytes.resize(bytes.len().next_multiple_of(4).max(4), 0);
-                std::borrow::Cow::Owned(bytes)
-            }
+            _ => std::borrow::Cow::Owned(padded_to_words(self.le_bytes(0..self.len()))),
         }
     }
 
