@@ -126,6 +126,8 @@ struct Mode {
     /// Where masters and gradients live (and the optimizer state, with the optimizer on the
     /// model's backend).
     storage: Placement,
+    /// Where the runtime shards live (`None`: the default, the host for the threads engine).
+    shards: Option<Placement>,
     /// AdamW on the CPU (NdArray) over host views (`step_offloaded`): its state off the device.
     offload: bool,
     /// Burn's `BalancedCheckpointing` (activation checkpointing: memory-bound ops recomputed
@@ -145,6 +147,7 @@ const MESH_MODES: [Mode; 2] = [
         reshard: false,
         replicas: 2,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style HSDP 2×2",
@@ -157,6 +160,7 @@ const MESH_MODES: [Mode; 2] = [
         reshard: false,
         replicas: 2,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style HSDP 2×2",
@@ -172,6 +176,7 @@ const MODES: [Mode; 9] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style",
@@ -184,6 +189,7 @@ const MODES: [Mode; 9] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style",
@@ -196,6 +202,7 @@ const MODES: [Mode; 9] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style",
@@ -208,6 +215,7 @@ const MODES: [Mode; 9] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Device,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style",
@@ -220,6 +228,7 @@ const MODES: [Mode; 9] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style",
@@ -232,6 +241,7 @@ const MODES: [Mode; 9] = [
         reshard: false,
         replicas: 1,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style",
@@ -244,6 +254,7 @@ const MODES: [Mode; 9] = [
         reshard: true,
         replicas: 1,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style reshard",
@@ -256,6 +267,7 @@ const MODES: [Mode; 9] = [
         reshard: true,
         replicas: 1,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: false,
         baseline: "Fsdp2Style reshard",
@@ -268,6 +280,7 @@ const MODES: [Mode; 9] = [
         reshard: true,
         replicas: 1,
         storage: Placement::Host,
+        shards: None,
         offload: false,
         checkpointing: true,
         baseline: "Fsdp2Style reshard",
@@ -329,6 +342,10 @@ fn sharded<I: FusedOps, C: CheckpointStrategy>(
             .with_master_placement(mode.storage)
             .with_grad_placement(mode.storage)
             .with_bucket_elements(BUCKET_ELEMENTS);
+        let config = match mode.shards {
+            Some(shards) => config.with_shard_placement(shards),
+            None => config,
+        };
         let (mut model, runtime) = shard::<A<I, C>, _, _>(init.clone(), config, comm, device)
             .map_err(|e| e.to_string())?;
         let options = TrafficOptions {
@@ -469,11 +486,17 @@ fn device_table(steps: usize) {
         for format in [RuntimeFormat::F32, RuntimeFormat::Mxfp8] {
             let mut host_secs = None;
             let storages = [
-                ("Host", Placement::Host, false),
-                ("Host, AdamW on the CPU", Placement::Host, true),
-                ("Device", Placement::Device, false),
+                ("Host", Placement::Host, false, None),
+                ("Host, AdamW on the CPU", Placement::Host, true, None),
+                ("Device", Placement::Device, false, None),
+                (
+                    "Device, shards too",
+                    Placement::Device,
+                    false,
+                    Some(Placement::Device),
+                ),
             ];
-            for (storage, placement, offload) in storages {
+            for (storage, placement, offload, shards) in storages {
                 let mode = Mode {
                     name: "device table",
                     sharding: Sharding::Hierarchical,
@@ -482,6 +505,7 @@ fn device_table(steps: usize) {
                     reshard: false,
                     replicas: 1,
                     storage: placement,
+                    shards,
                     offload,
                     checkpointing: false,
                     baseline: "host storage",
@@ -506,7 +530,7 @@ fn device_table(steps: usize) {
          AdamW (a Burn optimizer on the model's backend) and its state on the device; host with \
          AdamW on the CPU: the optimizer on NdArray over host views (`step_offloaded`), its \
          state off the device (FSDP2's CPU offload); device storage: masters, state and \
-         gradients on the device, the runtime bytes re-derived there (MXFP8). Runtime shards and collectives are on the host in both (the staged path)."
+         gradients on the device, the runtime bytes re-derived there (MXFP8), runtime shards on the host; device, shards too: the runtime shards on the device as well (`with_shard_placement`: each gather reads this rank's part back, each update's piece stays on the device). The collectives are on the host in every row (the threads engine: the staged path; NCCL gathers from device shards with no host copy)."
     );
     println!(
         "\n| world | format | storage | step ms | / host storage | to / from device MiB per step \

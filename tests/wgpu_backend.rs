@@ -80,6 +80,8 @@ struct Case {
     placement: (Placement, Placement),
     /// The dtype parameters compute in.
     compute: Precision,
+    /// Where the runtime shards live (`None`: the default placement).
+    shards: Option<Placement>,
 }
 
 impl Case {
@@ -92,6 +94,7 @@ impl Case {
             reshard: false,
             placement: (Placement::Host, Placement::Host),
             compute: Precision::F32,
+            shards: None,
         }
     }
 
@@ -137,6 +140,10 @@ struct Run {
     traffic: (u64, u64),
     /// Runtime bytes of rank 0's pieces (one per bucket).
     piece_bytes: u64,
+    /// Bytes of rank 0's runtime shards, and whether they are in device memory.
+    shards: (u64, bool),
+    /// Rank 0's gathers of the last step, and the bytes they received from peers.
+    gathered: (u64, u64),
 }
 
 /// Every parameter's values on this rank.
@@ -173,12 +180,15 @@ where
         let model: Gpt<A<I>> = CONFIG.init(&device);
         let model = model.map(&mut common::Load(record.iter()));
         let (masters, grads) = case.placement;
-        let config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
+        let mut config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
             .with_format(case.format)
             .with_reshard_after_forward(case.reshard)
             .with_master_placement(masters)
             .with_grad_placement(grads)
             .with_mixed_precision(MixedPrecision::new(case.compute, Precision::F32));
+        if let Some(shards) = case.shards {
+            config = config.with_shard_placement(shards);
+        }
         let (mut model, runtime) = shard::<A<I>, _, _>(model, config, comm, &device).unwrap();
         let adamw = AdamWConfig::new().build();
         let mut optim = match case.optim {
@@ -238,8 +248,19 @@ where
         assert!(!runtime.collectives_on_device());
         let bytes = (runtime.master_bytes(), runtime.device_master_bytes());
         let piece_bytes = runtime.plan().buckets().iter().map(|b| b.piece_bytes).sum();
+        let shards = (runtime.shard_bytes(), runtime.shards_on_device());
+        let gathered = (counters.gathers, counters.gathered_bytes);
         let weights = weights(&runtime);
-        (losses, initial, weights, bytes, traffic, piece_bytes)
+        let placed = (shards, gathered);
+        (
+            losses,
+            initial,
+            weights,
+            bytes,
+            traffic,
+            piece_bytes,
+            placed,
+        )
     })
     .unwrap();
     let mut ranks: Vec<_> = ranks
@@ -249,7 +270,8 @@ where
     let losses = (0..steps.len())
         .map(|s| ranks.iter().map(|r| r.0[s]).sum::<f32>() / world as f32)
         .collect();
-    let (_, initial, weights, master_bytes, traffic, piece_bytes) = ranks.swap_remove(0);
+    let (_, initial, weights, master_bytes, traffic, piece_bytes, (shards, gathered)) =
+        ranks.swap_remove(0);
     Run {
         losses,
         initial,
@@ -257,6 +279,8 @@ where
         master_bytes,
         traffic,
         piece_bytes,
+        shards,
+        gathered,
     }
 }
 
@@ -323,6 +347,87 @@ fn device_masters_and_gradients_on_wgpu_train_bitwise_like_host_ones() {
             );
         }
     }
+}
+
+/// Runtime shards in device memory train bitwise like host shards (device masters and
+/// gradients both ways) in every format: on a flat mesh, where each update's piece encoded on
+/// the device becomes the shard, and on a 2 × 2 mesh, whose shards are rebuilt from two
+/// replicas' pieces (through the host here: the threads engine moves host memory), with and
+/// without resharding (MXFP8 then reads one pass's part of the shard). Staged, a gather reads
+/// this rank's part of the shard back and a rebuild moves the rebuilt shard up and this rank's
+/// piece down; a host shard instead reads each piece's encoded bytes back once per update.
+#[test]
+fn device_runtime_shards_on_wgpu_train_bitwise_like_host_shards() {
+    let device_storage = (Placement::Device, Placement::Device);
+    for format in [
+        RuntimeFormat::F32,
+        RuntimeFormat::Bf16,
+        RuntimeFormat::Mxfp8,
+    ] {
+        for (mesh, reshard) in [((1, 2), false), ((2, 2), false), ((1, 2), true)] {
+            let on_host = Case {
+                mesh,
+                reshard,
+                placement: device_storage,
+                ..Case::new(format)
+            };
+            let on_device = Case {
+                shards: Some(Placement::Device),
+                ..on_host
+            };
+            let none = Checkpoints::default();
+            let host = run::<Wgpu>(on_host, 0..3, none, Default::default());
+            let device = run::<Wgpu>(on_device, 0..3, none, Default::default());
+            let what = format!("{format:?}, mesh {mesh:?}, reshard {reshard}");
+            // The threads engine moves host memory: by default the shards stay there.
+            assert_eq!(host.shards, (device.shards.0, false), "{what}");
+            assert!(device.shards.1, "{what}");
+            assert_eq!(device.losses, host.losses, "{what}");
+            assert_eq!(device.weights, host.weights, "{what}");
+            // The same gathers; each reads this rank's part back (the bytes a peer receives
+            // from it: what this rank receives, over the other shards).
+            assert_eq!(device.gathered, host.gathered, "{what}");
+            let parts = device.gathered.1 / (mesh.1 as u64 - 1);
+            let rebuilt = if mesh.0 > 1 { device.shards.0 } else { 0 };
+            let (up, down) = host.traffic;
+            assert_eq!(
+                device.traffic,
+                (up + rebuilt, down - host.piece_bytes + parts + rebuilt / 2),
+                "{what}: (up, down) bytes of a step ({} gathers)",
+                device.gathered.0
+            );
+        }
+    }
+}
+
+/// Runtime shards on the device need device masters (each update encodes its piece from the
+/// device master) and a CubeCL backend: anything else is a clear error at `shard`.
+#[test]
+fn device_runtime_shards_without_device_masters_or_a_cubecl_backend_are_refused() {
+    fn shard_error<I: Backend>(masters: Placement) -> String {
+        let record = initial_record();
+        let errors = ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
+            let device = I::Device::default();
+            let model: Gpt<Autodiff<Hsdp<I>>> = CONFIG.init(&device);
+            let model = model.map(&mut common::Load(record.iter()));
+            let config = HsdpConfig::new(Mesh::flat(1).unwrap())
+                .with_master_placement(masters)
+                .with_shard_placement(Placement::Device);
+            match shard::<Autodiff<Hsdp<I>>, _, _>(model, config, comm, &device) {
+                Ok(_) => "sharded".to_string(),
+                Err(e) => e.to_string(),
+            }
+        })
+        .unwrap();
+        errors.into_iter().next().unwrap().unwrap()
+    }
+    let host_masters = shard_error::<Wgpu>(Placement::Host);
+    assert!(
+        host_masters.contains("with_master_placement"),
+        "{host_masters}"
+    );
+    let on_ndarray = shard_error::<NdArray<f32>>(Placement::Device);
+    assert!(on_ndarray.contains("CubeCL backend"), "{on_ndarray}");
 }
 
 #[test]

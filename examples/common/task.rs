@@ -123,6 +123,8 @@ pub struct Report {
     /// Whether rank 0's engine gathered and reduced device memory itself (NCCL on the
     /// backend's GPU).
     pub collectives_on_device: bool,
+    /// Whether rank 0's runtime shards were in device memory.
+    pub shards_on_device: bool,
     /// Where the metrics, the plot and the samples went.
     pub csv: PathBuf,
     /// The loss curve as SVG.
@@ -241,7 +243,8 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
     if let Some((in_use, reserved, (up, down))) = report.device {
         println!(
             "device      {:.0} MiB in use / {:.0} MiB reserved (most seen after a step); \
-             host<->device per step {:.2} MiB up, {:.2} MiB down (rank 0); collectives {}",
+             host<->device per step {:.2} MiB up, {:.2} MiB down (rank 0); collectives {}; \
+             runtime shards on the {}",
             mib(in_use),
             mib(reserved),
             mib(up),
@@ -250,6 +253,11 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
                 "on device memory (the engine's)"
             } else {
                 "staged through the host"
+            },
+            if report.shards_on_device {
+                "device"
+            } else {
+                "host"
             }
         );
     }

@@ -279,6 +279,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         peak_gathered,
         device,
         collectives_on_device: runtime.collectives_on_device(),
+        shards_on_device: runtime.shards_on_device(),
         csv,
         svg,
         png,

@@ -7,8 +7,9 @@
 #   3. a GPT training step on `Autodiff<Hsdp<Cuda>>` (train_gpt --backend cuda: one rank, device
 #      storage, AdamW) with bf16 and with MXFP8 runtime parameters, computing in f32 and in bf16
 #      (the mixed-precision policy: `--compute bf16`);
-#   3b. two of those runs again with `--nccl` (the runtime's lanes on NCCL; all-gathers and
-#      gradient reductions on CubeCL's device buffers): their losses must equal step 3's;
+#   3b. two of those runs again with `--nccl` (the runtime's lanes on NCCL; runtime shards,
+#      all-gathers and gradient reductions on CubeCL's device buffers): their losses must equal
+#      step 3's;
 #   4. the same GPT, data and AdamW in PyTorch on the same GPU, eager and torch.compile, in the
 #      same compute dtypes (f32; bf16 through torch.autocast);
 #
@@ -187,7 +188,8 @@ done
 # bucket all-gathers write straight into CubeCL's device buffers, which are decoded in place, and
 # device gradients are reduce-scattered where they are). Same seed, data and model as the
 # threads-engine runs above, so the losses must agree; the device line must say the collectives
-# ran on device memory.
+# ran on device memory and the runtime shards were there (each update's piece encoded on the
+# device becomes the shard; gathers read it there).
 for pair in "bf16 bf16" "mxfp8 f32"; do
     read -r format compute <<<"$pair"
     label="NCCL carries the GPT step (--nccl, world 1), $format runtime, $compute compute"
@@ -208,7 +210,8 @@ for pair in "bf16 bf16" "mxfp8 f32"; do
     host="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$OUT_DIR/train_${format}_$compute.log" 2>/dev/null)"
     device="$(sed -n 's/^device *//p' "$log")"
     if [ "$rc" = 0 ] && [ -n "$mine" ] && [ "$mine" = "$host" ] &&
-        grep -q "collectives on device memory" <<<"$device"; then
+        grep -q "collectives on device memory" <<<"$device" &&
+        grep -q "runtime shards on the device" <<<"$device"; then
         row "$label" "$(rate_of "$log") tokens/s" "loss $mine, equal to the threads-engine run; $device; train_$key.log"
     else
         row "$label" "FAIL (exit $rc; loss ${mine:-?} vs ${host:-?}; ${device:-no device line})" "train_$key.log"

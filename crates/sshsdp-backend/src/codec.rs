@@ -158,6 +158,16 @@ impl BucketCodec {
         }
     }
 
+    /// An empty run of the runtime units' type.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub fn empty_units(&self) -> Elems {
+        match self.format {
+            RuntimeFormat::F32 => Elems::F32(Vec::new()),
+            RuntimeFormat::Bf16 => Elems::Bf16(Vec::new()),
+            RuntimeFormat::Mxfp8 => Elems::U8(Vec::new()),
+        }
+    }
+
     /// fp32 elements of one piece (master weights and gradients).
     pub fn piece_elems(&self) -> usize {
         self.piece_elems
@@ -183,18 +193,7 @@ impl BucketCodec {
                 self.piece_bytes()
             )));
         }
-        let units = slot * self.piece_units..(slot + 1) * self.piece_units;
-        match shard {
-            Elems::F32(v) => v[units]
-                .iter_mut()
-                .zip(bytes.chunks_exact(4))
-                .for_each(|(d, b)| *d = f32::from_le_bytes(b.try_into().expect("4 bytes"))),
-            Elems::Bf16(v) => v[units]
-                .iter_mut()
-                .zip(bytes.chunks_exact(2))
-                .for_each(|(d, b)| *d = bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))),
-            Elems::U8(v) => v[units].copy_from_slice(bytes),
-        }
+        shard.write_at(slot * self.piece_units, &shard.from_le_bytes(bytes))?;
         Ok(())
     }
 

@@ -166,6 +166,21 @@ pub(crate) trait MeshComm {
     /// Replica lane. After the update: rebuild the runtime shard from the replica group's
     /// pieces.
     fn rebuild_shard(&self, sharding: Sharding, shard: &mut Elems) -> CommResult<()>;
+    /// Replica lane. [`MeshComm::rebuild_shard`] on device memory: `piece_len` units of kind
+    /// `kind` at `piece` from every rank of the replica group, into the shard at `shard`
+    /// (hierarchical sharding only: elsewhere a shard is one piece, with nothing to rebuild).
+    ///
+    /// # Safety
+    /// As [`MeshComm::gather_bucket_device`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    unsafe fn rebuild_shard_device(
+        &self,
+        sharding: Sharding,
+        kind: ElementKind,
+        piece: u64,
+        shard: u64,
+        piece_len: usize,
+    ) -> CommResult<()>;
     /// Replica lane. Sum over the update group (the ranks whose pieces make up a bucket: the
     /// world when hierarchical, the shard group under HSDP, this rank alone under DDP).
     fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()>;
@@ -320,6 +335,25 @@ impl<C: Collective> MeshComm for MeshComms<C> {
             },
             // Every replica stepped the same shard with the same gradient: nothing to move.
             Sharding::Hsdp | Sharding::Ddp => Ok(()),
+        }
+    }
+
+    unsafe fn rebuild_shard_device(
+        &self,
+        sharding: Sharding,
+        kind: ElementKind,
+        piece: u64,
+        shard: u64,
+        piece_len: usize,
+    ) -> CommResult<()> {
+        match sharding {
+            // SAFETY: the caller's guarantee, passed on.
+            Sharding::Hierarchical => unsafe {
+                device_of(&self.replica_group)?.all_gather_raw(kind, piece, shard, piece_len)
+            },
+            Sharding::Hsdp | Sharding::Ddp => Err(CommError::InvalidArgument(
+                "a shard rebuild under HSDP or DDP, whose shards are one piece".into(),
+            )),
         }
     }
 

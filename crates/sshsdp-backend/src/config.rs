@@ -129,6 +129,10 @@ pub struct HsdpConfig {
     pub masters: Placement,
     /// Where gradients are accumulated before their reduction.
     pub grads: Placement,
+    /// Where this rank's runtime shards live; `None` (default): on the device exactly where
+    /// that saves transfers — the engine moves device memory itself (NCCL on the GPU of a
+    /// CubeCL CUDA backend) and the masters are on the device — on the host otherwise.
+    pub shards: Option<Placement>,
     /// The dtypes parameters compute in and gradients are reduced in (default f32 for both).
     pub precision: MixedPrecision,
     /// Record every collective's span for a Chrome trace (`HsdpRuntime::take_trace`).
@@ -147,6 +151,7 @@ impl HsdpConfig {
             non_finite: NonFinitePolicy::Error,
             masters: Placement::Host,
             grads: Placement::Host,
+            shards: None,
             precision: MixedPrecision::default(),
             trace: false,
         }
@@ -164,8 +169,9 @@ impl HsdpConfig {
     /// The same config with the fp32 masters in `placement`: [`Placement::Device`] keeps them as
     /// tensors on the decorated backend's device, so optimizers (given
     /// [`crate::PieceValues::Device`]) step them there with their state on the same device — on a
-    /// GPU backend no master crosses PCIe for the update; each updated piece is staged to the
-    /// host once to re-derive its runtime units (which the host collectives move). The masters
+    /// GPU backend no master crosses PCIe for the update; each updated piece's runtime units are
+    /// re-derived on the device and, unless the runtime shards are there too
+    /// ([`HsdpConfig::with_shard_placement`]), read back once for the host shard. The masters
     /// are then kept apart from the runtime shard in every format, f32 included.
     pub fn with_master_placement(mut self, placement: Placement) -> Self {
         self.masters = placement;
@@ -179,6 +185,18 @@ impl HsdpConfig {
     /// backend one transfer per bucket instead of one per parameter and micro-batch.
     pub fn with_grad_placement(mut self, placement: Placement) -> Self {
         self.grads = placement;
+        self
+    }
+
+    /// The same config with the runtime shards in `placement` (instead of the default, see
+    /// [`HsdpConfig::shards`]). [`Placement::Device`] keeps each shard in a CubeCL buffer of
+    /// the decorated backend's device: an engine that moves device memory gathers from it and
+    /// rebuilds it there, and each update's piece is encoded straight into it (no host copy of a
+    /// shard in a step); an engine on host memory reads this rank's part back for each gather
+    /// (correct, and it frees the host memory of the shards, but it moves more bytes). Needs a
+    /// CubeCL backend, device masters ([`HsdpConfig::with_master_placement`]) and zero-copy mode.
+    pub fn with_shard_placement(mut self, placement: Placement) -> Self {
+        self.shards = Some(placement);
         self
     }
 
@@ -236,6 +254,23 @@ impl HsdpConfig {
                  F32 or Bf16 (F16 is a compute dtype only)"
                     .into(),
             ));
+        }
+        if self.shards == Some(Placement::Device) {
+            if self.masters != Placement::Device {
+                return Err(HsdpError::Unsupported(
+                    "runtime shards on the device need the fp32 masters there too (each update \
+                     encodes its piece from the device master): add \
+                     .with_master_placement(Placement::Device)"
+                        .into(),
+                ));
+            }
+            if self.copy_mode != CopyMode::ZeroCopy {
+                return Err(HsdpError::Unsupported(
+                    "runtime shards on the device need zero-copy mode (the FSDP2-style baseline \
+                     gathers into host memory)"
+                        .into(),
+                ));
+            }
         }
         self.plan.validate().map_err(HsdpError::from)
     }

@@ -221,9 +221,57 @@ fn encode<B: Backend, R: CubeRuntime>(
     ops: &[CodecOp],
     master: &B::FloatTensorPrimitive,
 ) -> Result<Vec<u8>, HsdpError> {
-    let device = B::float_device(master);
-    let any: &dyn Any = master;
-    let master: &CubeTensor<R> = any.downcast_ref().expect("the type was checked");
+    let units = encode_on_device::<B, R>(codec, ops, master)?;
+    let mut read = units
+        .client
+        .read_one(units.handle)
+        .map_err(|e| HsdpError::Failed(format!("reading an encoded piece: {e:?}")))?
+        .to_vec();
+    read.truncate(codec.piece_bytes());
+    Ok(read)
+}
+
+/// Piece `piece`'s runtime units encoded on the device from its fp32 elements `master` (a 1-D
+/// tensor on `B`'s device), left there: a new buffer of the encoded bytes, or, in the f32
+/// format, the master's own buffer (its runtime elements are the master's values; Burn never
+/// writes a buffer another handle shares) — if `B` is a CubeCL backend this build supports
+/// (`None` otherwise).
+pub(crate) fn encode_piece_units_if_cube<B: Backend>(
+    codec: &BucketCodec,
+    piece: usize,
+    master: &B::FloatTensorPrimitive,
+) -> Option<Result<DeviceUnits, HsdpError>> {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            let units = match codec.encode_ops(piece) {
+                Some(ops) => encode_on_device::<B, R>(codec, &ops, master),
+                None => f32_master::<R>(codec, master).map(|m| CubeUnits {
+                    client: m.client.clone(),
+                    handle: m.handle.clone(),
+                }),
+            };
+            return Some(units.map(|units| {
+                let kind = codec.empty_units();
+                DeviceUnits {
+                    buffer: Box::new(units),
+                    len: codec.piece_bytes() / kind.unit_bytes() as usize,
+                    kind,
+                    narrowed: None,
+                    uploaded: 0,
+                    downloaded: 0,
+                }
+            }));
+        }
+    });
+    None
+}
+
+/// `master` as the piece's contiguous f32 elements of a `CubeTensor<R>`, or why it is not.
+fn f32_master<'a, R: CubeRuntime>(
+    codec: &BucketCodec,
+    master: &'a dyn Any,
+) -> Result<&'a CubeTensor<R>, HsdpError> {
+    let master: &CubeTensor<R> = master.downcast_ref().expect("the type was checked");
     let n = codec.piece_elems();
     let shape = master.meta.shape();
     if master.dtype != DType::F32 || !master.is_contiguous() || shape.num_elements() != n {
@@ -233,6 +281,18 @@ fn encode<B: Backend, R: CubeRuntime>(
             shape.to_vec()
         )));
     }
+    Ok(master)
+}
+
+/// Runs the encode `ops` of a piece from its device master into a new zeroed buffer of its
+/// runtime bytes (whole words).
+fn encode_on_device<B: Backend, R: CubeRuntime>(
+    codec: &BucketCodec,
+    ops: &[CodecOp],
+    master: &B::FloatTensorPrimitive,
+) -> Result<CubeUnits<R>, HsdpError> {
+    let device = B::float_device(master);
+    let master = f32_master::<R>(codec, master)?;
     let bytes = codec.piece_bytes();
     // A zeroed buffer (Burn's fill kernel): bytes no operation writes are zero, as on the host.
     let zeros = B::float_zeros(
@@ -246,12 +306,10 @@ fn encode<B: Backend, R: CubeRuntime>(
         .expect("the type was checked");
     let client = &master.client;
     run(client, ops, Direction::Encode, &master.handle, &out.handle)?;
-    let mut read = client
-        .read_one(out.handle.clone())
-        .map_err(|e| HsdpError::Failed(format!("reading an encoded piece: {e:?}")))?
-        .to_vec();
-    read.truncate(bytes);
-    Ok(read)
+    Ok(CubeUnits {
+        client: client.clone(),
+        handle: out.handle,
+    })
 }
 
 /// Which way [`run`] converts.

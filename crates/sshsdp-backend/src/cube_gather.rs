@@ -30,6 +30,7 @@ use crate::cube_codec::CubeUnits;
 use crate::cube_views::is_cube;
 use crate::storage::{padded_to_words, word_buffer_len, DeviceUnits, Elems};
 use crate::worker::DeviceGatherJob;
+use crate::HsdpError;
 
 /// The CUDA ordinal of `device` if `B` is `CubeBackend<CudaRuntime, …>` (`None` otherwise).
 pub(crate) fn cuda_ordinal<B: Backend>(device: &B::Device) -> Option<usize> {
@@ -40,34 +41,61 @@ pub(crate) fn cuda_ordinal<B: Backend>(device: &B::Device) -> Option<usize> {
     any.downcast_ref::<CudaDevice>().map(|d| d.index)
 }
 
-/// The buffers of an all-gather of units `part` of `shard` into a bucket of `full_len` units
-/// on `device` (a CUDA device of a `CubeBackend`): the job for the shard lane (which hands back
-/// the receive buffer) and the bytes uploaded (this rank's part).
+/// What this rank sends in an all-gather on device memory.
+pub(crate) enum SendUnits<'a> {
+    /// Units `range` of a host shard: uploaded first.
+    Host(&'a Elems, Range<usize>),
+    /// Units `range` of a CubeCL buffer (a device shard, or an updated piece for a rebuild):
+    /// sent from where they are.
+    Device(&'a DeviceUnits, Range<usize>),
+}
+
+/// The buffers of an all-gather of `send` into `full_len` units on `device` (a CUDA device of
+/// a `CubeBackend`): the job for a lane (which hands back the receive buffer) and the bytes
+/// uploaded (this rank's part of a host shard, or none).
 pub(crate) fn gather_buffers<B: Backend>(
     device: &B::Device,
-    shard: &Elems,
-    part: Range<usize>,
+    send: SendUnits<'_>,
     full_len: usize,
-) -> (Box<dyn DeviceGatherJob>, u64) {
+) -> Result<(Box<dyn DeviceGatherJob>, u64), HsdpError> {
     let any: &dyn Any = device;
     let device: &CudaDevice = any.downcast_ref().expect("checked by cuda_ordinal");
     let client = CudaRuntime::client(device);
-    let count = part.len();
-    let send = shard.le_bytes(part);
-    let uploaded = send.len() as u64;
-    let send = client.create_from_slice(&padded_to_words(send));
-    let recv = client.empty(word_buffer_len(shard.unit_bytes() as usize * full_len));
+    let (send, count, kind, uploaded) = match send {
+        SendUnits::Host(shard, part) => {
+            let bytes = shard.le_bytes(part.clone());
+            let uploaded = bytes.len() as u64;
+            let send = client.create_from_slice(&padded_to_words(bytes));
+            (send, part.len(), shard.zeros_like(0), uploaded)
+        }
+        SendUnits::Device(units, part) => {
+            let cube: &CubeUnits<CudaRuntime> = units.buffer.downcast_ref().ok_or_else(|| {
+                HsdpError::Failed("a device buffer of another runtime than CUDA".into())
+            })?;
+            let unit = units.kind.unit_bytes();
+            let (start, end) = (unit * part.start as u64, unit * part.end as u64);
+            // Relative to the handle's own offsets, if any.
+            let size = cube.handle.size_in_used();
+            let send = cube
+                .handle
+                .clone()
+                .offset_start(start)
+                .offset_end(size - end);
+            (send, part.len(), units.kind.zeros_like(0), 0)
+        }
+    };
+    let recv = client.empty(word_buffer_len(kind.unit_bytes() as usize * full_len));
     let job = CudaGatherJob {
         client,
         send,
         recv,
-        kind: shard.kind(),
+        kind: kind.kind(),
         count,
         full_len,
-        empty: shard.zeros_like(0),
+        empty: kind,
         resources: Vec::new(),
     };
-    (Box::new(job), uploaded)
+    Ok((Box::new(job), uploaded))
 }
 
 /// Called on a lane's thread: the device addresses of `handles`, once the device work queued

@@ -159,4 +159,10 @@ impl<B: Backend> HsdpRuntime<B> {
     pub fn collectives_on_device(&self) -> bool {
         self.runtime.collectives_on_device()
     }
+
+    /// Whether this rank's runtime shards live in device memory (see
+    /// [`crate::HsdpConfig::with_shard_placement`]).
+    pub fn shards_on_device(&self) -> bool {
+        self.runtime.shards_on_device()
+    }
 }

@@ -35,6 +35,8 @@ mod cube_gather;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube_reduce;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube_shard;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube_views;
 mod error;
 mod handle;

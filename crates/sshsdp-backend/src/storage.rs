@@ -5,7 +5,7 @@
 //!
 //! | role | placement |
 //! |---|---|
-//! | runtime shard | host ([`Elems`]): what the host collectives read and write (under NCCL each gather uploads this rank's part) |
+//! | runtime shard | [`HsdpConfig::with_shard_placement`](crate::HsdpConfig::with_shard_placement) ([`ShardBuf`]): host (what the host collectives read and write) or a CubeCL buffer of `B`'s device (by default where the engine moves device memory, NCCL: gathered from and rebuilt on the device, each update's piece encoded into it; elsewhere this rank's part is read back for each gather) |
 //! | gathered bucket | `B`'s device: on CubeCL backends the gathered units land in a device buffer ([`DeviceUnits`]: written by NCCL itself, `cube_gather.rs`, or gathered on the host and uploaded by the shard lane) and are decoded there by kernels; elsewhere decoded on the host into one `B` tensor; parameters are views of it |
 //! | gradient bucket | [`HsdpConfig::with_grad_placement`](crate::HsdpConfig::with_grad_placement): host (default; each gradient read back as it arrives) or `B`'s device (summed there; on CubeCL backends reduced from the device, `cube_reduce.rs`; elsewhere read back once per bucket for the host reduction) |
 //! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`MasterBuf`]) |
@@ -14,9 +14,11 @@
 //! With device masters the update runs on `B`'s device with no host copy of a master (the
 //! optimizer gets [`crate::PieceValues::Device`]); each piece's runtime units are re-derived on
 //! the device where `B` is a CubeCL backend (MXFP8 planes and bf16 encoded by the band-plane
-//! kernels, `cube_codec.rs`) and only those bytes are read back for the host collectives that
-//! rebuild the shards — about half the master's bytes; elsewhere, and for the f32 format, the
-//! master's values are read back and encoded on the host ([`crate::Counters::staged_bytes`]).
+//! kernels, `cube_codec.rs`); with device shards they stay there (they become the shard, or are
+//! gathered into it), with host shards only those bytes are read back for the host collectives
+//! that rebuild the shards — about half the master's bytes; elsewhere, and for the f32 format
+//! with host shards, the master's values are read back and encoded on the host
+//! ([`crate::Counters::staged_bytes`]).
 //!
 //! Runtime units: what a bucket's runtime shards hold and what its all-gathers move.
 //!
@@ -119,6 +121,45 @@ pub(crate) fn download<B: Backend>(tensor: B::FloatTensorPrimitive) -> Result<Ve
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))
+}
+
+/// A bucket's runtime shard on this rank, where its [`Placement`] put it.
+pub(crate) enum ShardBuf {
+    /// Host memory, what the host collectives read (shared with a gather in flight).
+    Host(std::sync::Arc<Elems>),
+    /// A CubeCL buffer of the decorated backend's device (`cube_shard.rs`).
+    Device(DeviceUnits),
+}
+
+impl ShardBuf {
+    /// Number of runtime units.
+    pub fn len(&self) -> usize {
+        match self {
+            ShardBuf::Host(e) => e.len(),
+            ShardBuf::Device(d) => d.len,
+        }
+    }
+
+    /// Bytes of the units.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            ShardBuf::Host(e) => e.bytes(),
+            ShardBuf::Device(d) => d.bytes(),
+        }
+    }
+
+    /// `len` zeros of the shard's unit type (a receive buffer).
+    pub fn zeros_like(&self, len: usize) -> Elems {
+        match self {
+            ShardBuf::Host(e) => e.zeros_like(len),
+            ShardBuf::Device(d) => d.kind.zeros_like(len),
+        }
+    }
+
+    /// Whether the shard is in device memory.
+    pub fn on_device(&self) -> bool {
+        matches!(self, ShardBuf::Device(_))
+    }
 }
 
 /// Runtime units in a device buffer of the decorated backend (a CubeCL buffer: written by the
@@ -247,6 +288,42 @@ impl Elems {
             Elems::U8(v) if v.len() % 4 == 0 && !v.is_empty() => std::borrow::Cow::Borrowed(v),
             _ => std::borrow::Cow::Owned(padded_to_words(self.le_bytes(0..self.len()))),
         }
+    }
+
+    /// Units of the same type from their little-endian bytes (`bytes.len()` a multiple of the
+    /// unit's size).
+    pub fn from_le_bytes(&self, bytes: &[u8]) -> Self {
+        match self {
+            Elems::F32(_) => Elems::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                    .collect(),
+            ),
+            Elems::Bf16(_) => Elems::Bf16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+                    .collect(),
+            ),
+            Elems::U8(_) => Elems::U8(bytes.to_vec()),
+        }
+    }
+
+    /// Copies `src` (the same unit type, `len` units) over units `at..at + len`.
+    pub fn write_at(&mut self, at: usize, src: &Elems) -> Result<(), HsdpError> {
+        let n = src.len();
+        match (self, src) {
+            (Elems::F32(d), Elems::F32(s)) => d[at..at + n].copy_from_slice(s),
+            (Elems::Bf16(d), Elems::Bf16(s)) => d[at..at + n].copy_from_slice(s),
+            (Elems::U8(d), Elems::U8(s)) => d[at..at + n].copy_from_slice(s),
+            _ => {
+                return Err(HsdpError::Failed(
+                    "runtime units of another format than the shard's".into(),
+                ))
+            }
+        }
+        Ok(())
     }
 
     /// Units `range` as little-endian bytes (a copy).

@@ -67,8 +67,7 @@ use crate::timeline::{Timeline, Track};
 enum Request {
     Gather {
         tag: CallTag,
-        shard: Arc<Elems>,
-        part: Range<usize>,
+        source: ShardPart,
         full_len: usize,
         stage: Option<Box<dyn StageUnits>>,
         reply: Sender<CommResult<Gathered>>,
@@ -94,6 +93,23 @@ enum Request {
     },
     /// Work of the replica lane, forwarded in order.
     Replica(ReplicaRequest),
+}
+
+/// What a rank sends in a bucket all-gather on host memory.
+pub(crate) enum ShardPart {
+    /// Units `range` of a host shard.
+    Host(Arc<Elems>, Range<usize>),
+    /// Units of a device shard, read back to the host on the shard lane first.
+    // Made only on CubeCL backends (`cube_shard.rs`).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    Device(Box<dyn ReadUnits>),
+}
+
+/// Reads runtime units of a device buffer back to the host, on a lane (so the read overlaps the
+/// model thread's compute, as the gather does).
+pub(crate) trait ReadUnits: Send {
+    /// The units, in host memory.
+    fn read(self: Box<Self>) -> CommResult<Elems>;
 }
 
 /// The buffers of an all-gather on device memory (`cube_gather.rs`), made by the model thread
@@ -152,6 +168,11 @@ enum ReplicaRequest {
         shard: Elems,
         reply: Sender<CommResult<Elems>>,
     },
+    RebuildOnDevice {
+        tag: CallTag,
+        job: Box<dyn DeviceGatherJob>,
+        reply: Sender<CommResult<DeviceUnits>>,
+    },
     AllReduce {
         tag: CallTag,
         buf: Vec<f32>,
@@ -180,6 +201,14 @@ enum ReplicaRequest {
 pub(crate) struct Reply<T = Vec<f32>>(Receiver<CommResult<T>>);
 
 impl<T> Reply<T> {
+    /// A reply that is already the failure `e` (a collective that could not be queued: the
+    /// caller records the failure, which aborts the peers' side of it).
+    pub fn failed(e: CommError) -> Self {
+        let (tx, rx) = channel();
+        let _ = tx.send(Err(e));
+        Reply(rx)
+    }
+
     /// Blocks until the collective is done.
     pub fn wait(self) -> CommResult<T> {
         self.0.recv().unwrap_or_else(|_| {
@@ -306,22 +335,20 @@ impl Worker {
         self.step.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// All-gather of part `part` of every rank's runtime shard of `bucket` (the whole shard, or
-    /// the sections one pass decodes) into a new buffer of `full_len` units: in host memory,
-    /// then uploaded by `stage` on the lane where given.
+    /// All-gather of `source`, this rank's part of its runtime shard of `bucket` (the whole
+    /// shard, or the sections one pass decodes), into a new buffer of `full_len` units: in host
+    /// memory, then uploaded by `stage` on the lane where given.
     pub fn gather(
         &self,
         bucket: usize,
-        shard: Arc<Elems>,
-        part: Range<usize>,
+        source: ShardPart,
         full_len: usize,
         stage: Option<Box<dyn StageUnits>>,
     ) -> Reply<Gathered> {
         let tag = self.tag(Some(bucket), "gather");
         self.send(|reply| Request::Gather {
             tag,
-            shard,
-            part,
+            source,
             full_len,
             stage,
             reply,
@@ -422,6 +449,19 @@ impl Worker {
         let tag = self.tag(Some(bucket), "rebuild");
         self.send(|reply| Request::Replica(ReplicaRequest::Rebuild { tag, shard, reply }))
     }
+
+    /// The rebuild of [`Worker::rebuild`] on device memory: `job` sends this rank's updated
+    /// piece and receives the shard, filled by the engine itself (only where
+    /// [`Worker::device_ordinal`] is `Some`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn rebuild_on_device(
+        &self,
+        bucket: usize,
+        job: Box<dyn DeviceGatherJob>,
+    ) -> Reply<DeviceUnits> {
+        let tag = self.tag(Some(bucket), "rebuild");
+        self.send(|reply| Request::Replica(ReplicaRequest::RebuildOnDevice { tag, job, reply }))
+    }
 }
 
 impl Drop for Worker {
@@ -464,27 +504,42 @@ fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sender<ReplicaRe
         match request {
             Request::Gather {
                 tag,
-                shard,
-                part,
+                source,
                 full_len,
                 stage,
                 reply,
             } => {
-                let r = lane.run("all-gather", tag, || {
-                    let mut full = shard.zeros_like(full_len);
-                    comm.gather_bucket(sharding, &shard, part, &mut full)?;
-                    Ok(full)
+                let bucket = tag.bucket.map(|b| b as usize);
+                // A device shard's part is read back first (the staged path of device shards).
+                let (shard, part, downloaded) = match source {
+                    ShardPart::Host(shard, part) => (Ok(shard), part, 0),
+                    ShardPart::Device(reader) => {
+                        let read = lane
+                            .timeline
+                            .span(lane.track, "download shard", bucket, || {
+                                run(&lane.failure, || reader.read())
+                            });
+                        let (len, bytes) = read.as_ref().map_or((0, 0), |e| (e.len(), e.bytes()));
+                        (read.map(Arc::new), 0..len, bytes)
+                    }
+                };
+                let r = shard.and_then(|shard| {
+                    lane.run("all-gather", tag, || {
+                        let mut full = shard.zeros_like(full_len);
+                        comm.gather_bucket(sharding, &shard, part, &mut full)?;
+                        Ok(full)
+                    })
+                    // Our reference is released before replying, so the runtime owns a host
+                    // shard alone again (an update then modifies it in place, not a copy).
                 });
-                // Release our reference before replying, so the runtime owns the shard alone
-                // again (an update then modifies it in place instead of copying it).
-                drop(shard);
                 let r = r.map(|full| match stage {
-                    Some(stage) => Gathered::Device(lane.timeline.span(
-                        lane.track,
-                        "upload gathered",
-                        tag.bucket.map(|b| b as usize),
-                        || stage.stage(full),
-                    )),
+                    Some(stage) => {
+                        let mut units =
+                            lane.timeline
+                                .span(lane.track, "upload gathered", bucket, || stage.stage(full));
+                        units.downloaded += downloaded;
+                        Gathered::Device(units)
+                    }
                     None => Gathered::Host(full),
                 });
                 let _ = reply.send(r);
@@ -648,6 +703,22 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                     Ok(shard)
                 });
                 let _ = reply.send(r);
+            }
+            ReplicaRequest::RebuildOnDevice {
+                tag,
+                mut job,
+                reply,
+            } => {
+                let r = lane.run("rebuild (device)", tag, || {
+                    let (piece, shard) = job.ready()?;
+                    // SAFETY: as for `Request::GatherOnDevice`: `job` holds both buffers until
+                    // after the call, `ready` waited for the device work before them, and the
+                    // shard buffer is a fresh allocation.
+                    unsafe {
+                        comm.rebuild_shard_device(sharding, job.kind(), piece, shard, job.count())
+                    }
+                });
+                let _ = reply.send(r.map(|()| job.into_units()));
             }
         }
     }

@@ -155,6 +155,26 @@ impl<B: Backend> Runtime<B> {
         // The FSDP2-style baseline copies parameters out of the bucket: it gathers on the host.
         let engine_on_device = config.copy_mode == crate::config::CopyMode::ZeroCopy
             && engine_on_device::<B>(&worker, &device);
+        // Runtime shards on the device: where asked, or by default where the engine gathers
+        // device memory and the masters (which each update encodes from) are there.
+        let shards_on_device =
+            config
+                .shards
+                .unwrap_or(if engine_on_device && config.masters == Placement::Device {
+                    Placement::Device
+                } else {
+                    Placement::Host
+                })
+                == Placement::Device;
+        let mut storage = storage;
+        if shards_on_device {
+            for bucket in &mut storage {
+                if let crate::storage::ShardBuf::Host(shard) = &bucket.shard {
+                    let units = update::upload_shard::<B>(&device, shard)?;
+                    bucket.shard = crate::storage::ShardBuf::Device(units);
+                }
+            }
+        }
         let leaves = Mutex::new(vec![None; plan.params().len()]);
         let retention = Retention::new(plan.params().len());
         let buckets = storage.len();
@@ -637,7 +657,14 @@ impl<B: Backend> Runtime<B> {
         self.world_rank
     }
 
-    /// Bytes of this rank's persistent runtime shards.
+    /// Whether this rank's runtime shards are in device memory (see
+    /// [`HsdpConfig::with_shard_placement`]).
+    pub fn shards_on_device(&self) -> bool {
+        self.lock().storage.iter().any(|b| b.shard.on_device())
+    }
+
+    /// Bytes of this rank's persistent runtime shards, wherever they are
+    /// ([`Self::shards_on_device`]).
     pub fn shard_bytes(&self) -> u64 {
         self.lock().storage.iter().map(|b| b.shard.bytes()).sum()
     }

@@ -14,9 +14,9 @@ use sshsdp_plan::Part;
 use super::Counters;
 use crate::codec::{BucketCodec, Phase};
 use crate::config::{CopyMode, Precision};
-use crate::storage::{Elems, Gathered, MasterBuf};
+use crate::storage::{Elems, Gathered, MasterBuf, ShardBuf};
 use crate::views::{bucket_views, ComputeBuf, Member};
-use crate::worker::{Reply, StageUnits, Worker};
+use crate::worker::{Reply, ShardPart, StageUnits, Worker};
 use crate::HsdpError;
 
 /// A gathered bucket: each parameter's tensor — a view into the decoded buffer (zero-copy
@@ -50,7 +50,7 @@ pub(super) enum Residency<B: Backend> {
 /// One bucket's storage on this rank.
 pub(super) struct BucketStorage<B: Backend> {
     /// This rank's runtime shard (`1/S` of the bucket, in the runtime format), persistent.
-    pub shard: Arc<Elems>,
+    pub shard: ShardBuf,
     /// The fp32 master of this rank's piece, apart from the shard unless the runtime format is
     /// f32 with host masters (then the piece's runtime elements are the master).
     pub master: Option<MasterBuf<B>>,
@@ -62,7 +62,7 @@ impl<B: Backend> BucketStorage<B> {
     /// A sharded bucket.
     pub fn new(shard: Elems, master: Option<MasterBuf<B>>) -> Self {
         Self {
-            shard: Arc::new(shard),
+            shard: ShardBuf::Host(Arc::new(shard)),
             master,
             residency: Residency::Sharded,
         }
@@ -130,31 +130,58 @@ impl<B: Backend> BucketStorage<B> {
             Part::All => 0..self.shard.len(),
             _ => codec.part_range(part),
         };
+        let units = codec.gathered_units(part);
         #[cfg(feature = "cuda")]
         if let Some(device) = on_device {
-            let (job, uploaded) = crate::cube_gather::gather_buffers::<B>(
-                device,
-                &self.shard,
-                range,
-                codec.gathered_units(part),
-            );
-            counters.uploaded_bytes += uploaded;
-            return worker.gather_on_device(bucket, job);
+            use crate::cube_gather::{gather_buffers, SendUnits};
+            let send = match &self.shard {
+                ShardBuf::Host(shard) => SendUnits::Host(shard, range),
+                ShardBuf::Device(shard) => SendUnits::Device(shard, range),
+            };
+            return match gather_buffers::<B>(device, send, units) {
+                Ok((job, uploaded)) => {
+                    counters.uploaded_bytes += uploaded;
+                    worker.gather_on_device(bucket, job)
+                }
+                Err(e) => Reply::failed(sshsdp_comm::CommError::Engine(e.to_string())),
+            };
         }
         #[cfg(not(feature = "cuda"))]
         let _ = on_device;
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
-        let input = match copy_mode {
-            CopyMode::ZeroCopy => self.shard.clone(),
-            CopyMode::Fsdp2Style => {
+        let source = match (&self.shard, copy_mode) {
+            (ShardBuf::Host(shard), CopyMode::ZeroCopy) => ShardPart::Host(shard.clone(), range),
+            (ShardBuf::Host(shard), CopyMode::Fsdp2Style) => {
                 // Copy-in: the local shard is staged into the all-gather input.
-                counters.param_bytes_copied += self.shard.bytes();
-                Arc::new((*self.shard).clone())
+                counters.param_bytes_copied += shard.bytes();
+                ShardPart::Host(Arc::new((**shard).clone()), range)
             }
+            // This rank's part, read back on the lane (zero-copy only: `HsdpConfig::validate`).
+            (ShardBuf::Device(shard), _) => match device_part(shard, range) {
+                Ok(source) => source,
+                Err(e) => return Reply::failed(e),
+            },
         };
-        let units = codec.gathered_units(part);
-        worker.gather(bucket, input, range, units, stage)
+        worker.gather(bucket, source, units, stage)
+    }
+}
+
+/// What reads units `range` of a device shard back on the shard lane.
+fn device_part(
+    shard: &crate::storage::DeviceUnits,
+    range: std::ops::Range<usize>,
+) -> Result<ShardPart, sshsdp_comm::CommError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return crate::cube_shard::units_reader(shard, range)
+        .map(ShardPart::Device)
+        .map_err(|e| sshsdp_comm::CommError::Engine(e.to_string()));
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (shard, range);
+        Err(sshsdp_comm::CommError::Engine(
+            "a device shard without a CubeCL backend".into(),
+        ))
     }
 }
 
@@ -199,7 +226,7 @@ impl<B: Backend> Materialiser<B> {
         let full = match full {
             Gathered::Host(full) => full,
             #[cfg(any(feature = "wgpu", feature = "cuda"))]
-            Gathered::Device(units) => {
+            Gathered::Device(mut units) => {
                 // Gathered by the engine into device memory: decoded there (or used as it is).
                 let params = crate::cube_codec::device_units_views::<B>(
                     codec,
@@ -220,7 +247,9 @@ impl<B: Backend> Materialiser<B> {
                 if !is_compute {
                     counters.decoded_bytes += compute_bytes;
                 }
-                counters.uploaded_bytes += units.uploaded;
+                // Counted once: kept units decoded again for the other pass moved nothing more.
+                counters.uploaded_bytes += std::mem::take(&mut units.uploaded);
+                counters.downloaded_bytes += std::mem::take(&mut units.downloaded);
                 let keep = codec.has_planes() && which == Part::All;
                 let gathered = keep.then_some(Gathered::Device(units));
                 return Ok(Resident {

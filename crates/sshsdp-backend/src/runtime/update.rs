@@ -10,9 +10,9 @@ use burn_backend::{Backend, TensorMetadata};
 use super::grad_sync::PieceGrad;
 use super::{Runtime, State};
 use crate::config::NonFinitePolicy;
-use crate::storage::{download, upload, MasterBuf};
+use crate::storage::{download, upload, DeviceUnits, Elems, MasterBuf, ShardBuf};
 use crate::timeline::{Timeline, Track};
-use crate::worker::Worker;
+use crate::worker::{Reply, Worker};
 use crate::HsdpError;
 
 /// How an update hands this rank's pieces to its caller.
@@ -330,8 +330,12 @@ pub(super) fn run<B: Backend>(
                     // f32 with host masters: the piece's runtime elements, its place in the shard.
                     let pe = rt.codecs[b].piece_elems();
                     let range = rt.piece_in_shard * pe..(rt.piece_in_shard + 1) * pe;
-                    let shard = Arc::make_mut(&mut bucket.shard);
-                    let elements = shard
+                    let ShardBuf::Host(shard) = &mut bucket.shard else {
+                        return Err(HsdpError::Failed(format!(
+                            "bucket {b}: a device shard without a device master"
+                        )));
+                    };
+                    let elements = Arc::make_mut(shard)
                         .as_f32_mut()
                         .ok_or_else(|| HsdpError::Failed("no fp32 master elements".into()))?;
                     PieceValues::Host {
@@ -388,40 +392,77 @@ pub(super) fn run<B: Backend>(
     // Re-derive each updated piece's runtime units and rebuild the shards across replicas.
     let mut rebuilds = Vec::new();
     for &(b, _) in &grads {
-        if let Err(e) = rederive_piece(rt, st, b, piece, staged[b].take()) {
-            // Recorded first: that aborts the engine, so peers already waiting in this step's
-            // rebuilds fail at once instead of waiting for this rank.
-            rt.record_failure(st, e.to_string());
-            return Err(e);
+        match rederive_piece(rt, st, b, piece, staged[b].take()) {
+            Ok(rebuild) => rebuilds.push((b, rebuild)),
+            Err(e) => {
+                // Recorded first: that aborts the engine, so peers already waiting in this
+                // step's rebuilds fail at once instead of waiting for this rank.
+                rt.record_failure(st, e.to_string());
+                return Err(e);
+            }
         }
-        let bucket = &mut st.storage[b];
-        let empty = Arc::new(bucket.shard.zeros_like(0));
-        let shard = std::mem::replace(&mut bucket.shard, empty);
-        let shard = Arc::try_unwrap(shard).unwrap_or_else(|shared| (*shared).clone());
-        rebuilds.push((b, rt.worker.rebuild(b, shard)));
     }
-    for (b, reply) in rebuilds {
-        match rt.wait(b, "wait rebuild", reply) {
-            Ok(shard) => st.storage[b].shard = Arc::new(shard),
+    for (b, rebuild) in rebuilds {
+        match finish_rebuild(rt, st, b, rebuild) {
+            Ok(shard) => st.storage[b].shard = shard,
             Err(e) => {
                 rt.record_failure(st, e.to_string());
-                return Err(e.into());
+                return Err(e);
             }
         }
     }
     rt.end_step(st)
 }
 
+/// A runtime shard's rebuild after its piece was re-derived.
+enum Rebuild {
+    /// A host shard, rebuilt by the host collectives.
+    Host(Reply<Elems>),
+    /// A device shard rebuilt by the host collectives (the engine moves host memory), uploaded
+    /// once rebuilt.
+    Staged(Reply<Elems>),
+    /// A device shard rebuilt by the engine on device memory.
+    // Made only on `CubeBackend<CudaRuntime>` over NCCL.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device(Reply<DeviceUnits>),
+    /// A device shard that is one piece: the re-derived piece is the shard.
+    Done(ShardBuf),
+}
+
+/// The rebuilt shard of bucket `b`.
+fn finish_rebuild<B: Backend>(
+    rt: &Runtime<B>,
+    st: &mut State<B>,
+    b: usize,
+    rebuild: Rebuild,
+) -> Result<ShardBuf, HsdpError> {
+    Ok(match rebuild {
+        Rebuild::Host(reply) => ShardBuf::Host(Arc::new(rt.wait(b, "wait rebuild", reply)?)),
+        Rebuild::Staged(reply) => {
+            let shard = rt.wait(b, "wait rebuild", reply)?;
+            let units = upload_shard::<B>(&rt.materialiser.device, &shard)?;
+            st.counters.staged_bytes += units.uploaded;
+            st.counters.uploaded_bytes += units.uploaded;
+            ShardBuf::Device(units)
+        }
+        Rebuild::Device(reply) => ShardBuf::Device(rt.wait(b, "wait rebuild", reply)?),
+        Rebuild::Done(shard) => shard,
+    })
+}
+
 /// Re-derives the runtime units of piece `piece` of bucket `b` (this rank's slot of its shard)
-/// from the updated master: `staged` holds its values when they were staged to the host for the
-/// step.
+/// from the updated master and queues the shard's rebuild: `staged` holds the master's values
+/// when they were staged to the host for the step.
 fn rederive_piece<B: Backend>(
     rt: &Runtime<B>,
     st: &mut State<B>,
     b: usize,
     piece: usize,
     staged: Option<Vec<f32>>,
-) -> Result<(), HsdpError> {
+) -> Result<Rebuild, HsdpError> {
+    if st.storage[b].shard.on_device() {
+        return rederive_device_piece(rt, st, b, piece, staged);
+    }
     let device = &rt.materialiser.device;
     let State {
         storage, counters, ..
@@ -452,18 +493,73 @@ fn rederive_piece<B: Backend>(
         },
         _ => Rederive::Stored,
     };
-    let shard = Arc::make_mut(&mut bucket.shard);
+    let ShardBuf::Host(shard) = &mut bucket.shard else {
+        unreachable!("device shards are re-derived by rederive_device_piece")
+    };
+    let units = Arc::make_mut(shard);
     let (codec, slot) = (&rt.codecs[b], rt.piece_in_shard);
     match (&bucket.master, &source) {
-        (_, Rederive::Host(values)) => codec.rederive(shard, slot, piece, values)?,
-        (_, Rederive::Encoded(bytes)) => codec.store_piece(shard, slot, bytes)?,
+        (_, Rederive::Host(values)) => codec.rederive(units, slot, piece, values)?,
+        (_, Rederive::Encoded(bytes)) => codec.store_piece(units, slot, bytes)?,
         (Some(MasterBuf::Host(master)), Rederive::Stored) => {
-            codec.rederive(shard, slot, piece, master)?
+            codec.rederive(units, slot, piece, master)?
         }
         // f32 with host masters: the runtime elements were updated in place.
         (_, Rederive::Stored) => {}
     }
-    Ok(())
+    let empty = Arc::new(units.zeros_like(0));
+    let shard = std::mem::replace(shard, empty);
+    let shard = Arc::try_unwrap(shard).unwrap_or_else(|shared| (*shared).clone());
+    Ok(Rebuild::Host(rt.worker.rebuild(b, shard)))
+}
+
+/// [`rederive_piece`] for a device shard: the piece is encoded on the device from its device
+/// master (uploaded first when staged for the step) and becomes the shard where the shard is one
+/// piece; otherwise the replica group's pieces are gathered into the shard, by the engine on
+/// device memory where it can, else through the host.
+fn rederive_device_piece<B: Backend>(
+    rt: &Runtime<B>,
+    st: &mut State<B>,
+    b: usize,
+    piece: usize,
+    staged: Option<Vec<f32>>,
+) -> Result<Rebuild, HsdpError> {
+    let device = &rt.materialiser.device;
+    let State {
+        storage, counters, ..
+    } = &mut *st;
+    let bucket = &mut storage[b];
+    let Some(MasterBuf::Device(master)) = &mut bucket.master else {
+        return Err(HsdpError::Failed(format!(
+            "bucket {b}: a device shard without a device master"
+        )));
+    };
+    if let Some(values) = staged {
+        counters.staged_bytes += 4 * values.len() as u64;
+        counters.uploaded_bytes += 4 * values.len() as u64;
+        *master = upload::<B>(values, device);
+    }
+    let codec = &rt.codecs[b];
+    let units = device_encode_units::<B>(codec, piece, master)?;
+    if rt.plan.pieces_per_shard() == 1 {
+        return Ok(Rebuild::Done(ShardBuf::Device(units)));
+    }
+    let shard_len = bucket.shard.len();
+    #[cfg(feature = "cuda")]
+    if rt.engine_on_device {
+        use crate::cube_gather::{gather_buffers, SendUnits};
+        let send = SendUnits::Device(&units, 0..units.len);
+        let (job, _) = gather_buffers::<B>(device, send, shard_len)?;
+        return Ok(Rebuild::Device(rt.worker.rebuild_on_device(b, job)));
+    }
+    // Through the host: this rank's piece in its slot of a host shard, rebuilt by the host
+    // collectives, uploaded once rebuilt (`finish_rebuild`).
+    let piece_units = read_device_units(&units)?;
+    counters.staged_bytes += piece_units.bytes();
+    counters.downloaded_bytes += piece_units.bytes();
+    let mut shard = piece_units.zeros_like(shard_len);
+    shard.write_at(rt.piece_in_shard * piece_units.len(), &piece_units)?;
+    Ok(Rebuild::Staged(rt.worker.rebuild(b, shard)))
 }
 
 /// Where a piece's new runtime units come from after its update.
@@ -492,6 +588,54 @@ fn device_encode<B: Backend>(
     }
     let _ = (codec, piece, master);
     None
+}
+
+/// Piece `piece`'s runtime units encoded on the device from its device master, left there (a
+/// device shard exists only on CubeCL backends).
+fn device_encode_units<B: Backend>(
+    codec: &crate::codec::BucketCodec,
+    piece: usize,
+    master: &B::FloatTensorPrimitive,
+) -> Result<DeviceUnits, HsdpError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if let Some(units) = crate::cube_codec::encode_piece_units_if_cube::<B>(codec, piece, master) {
+        return units;
+    }
+    let _ = (codec, piece, master);
+    Err(no_cube())
+}
+
+/// Every unit of `units`, read back to the host.
+fn read_device_units(units: &DeviceUnits) -> Result<Elems, HsdpError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return crate::cube_shard::read_units(units, 0..units.len);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = units;
+        Err(no_cube())
+    }
+}
+
+/// `shard` uploaded into a device buffer of `device`.
+pub(super) fn upload_shard<B: Backend>(
+    device: &B::Device,
+    shard: &Elems,
+) -> Result<DeviceUnits, HsdpError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if let Some(units) = crate::cube_shard::upload_units::<B>(device, shard) {
+        return Ok(units);
+    }
+    let _ = (device, shard);
+    Err(no_cube())
+}
+
+/// Why a runtime shard cannot be on this backend's device.
+fn no_cube() -> HsdpError {
+    HsdpError::Unsupported(
+        "runtime shards on the device need a CubeCL backend (burn-cubecl's CubeBackend on wgpu \
+         or CUDA, with this crate's `wgpu` or `cuda` feature)"
+            .into(),
+    )
 }
 
 /// The L2 norm of the world-averaged gradient, from this rank's pieces `grads`: each rank's

@@ -1,0 +1,107 @@
+//! Runtime shards in CubeCL buffers ([`ShardBuf::Device`](crate::storage::ShardBuf)): made once
+//! at registration from the host-encoded shard, replaced by each update's piece encoded on the
+//! device (`cube_codec::encode_piece_units_if_cube`) or by the rebuilt shard, and read back only
+//! where a host collective needs this rank's part (engines without device collectives).
+
+use std::any::Any;
+use std::ops::Range;
+
+use burn_backend::Backend;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::ComputeClient;
+use cubecl::server::Handle;
+use sshsdp_comm::{CommError, CommResult};
+
+use crate::cube_codec::CubeUnits;
+use crate::cube_views::{for_each_runtime, is_cube};
+use crate::storage::{DeviceUnits, Elems};
+use crate::worker::ReadUnits;
+use crate::HsdpError;
+
+/// `units` in a new CubeCL buffer of `device`, if `B` is a CubeCL backend this build supports
+/// (`None` otherwise).
+pub(crate) fn upload_units<B: Backend>(device: &B::Device, units: &Elems) -> Option<DeviceUnits> {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            let any: &dyn Any = device;
+            let device: &<R as cubecl::Runtime>::Device =
+                any.downcast_ref().expect("the type was checked");
+            let client = <R as cubecl::Runtime>::client(device);
+            let handle = client.create_from_slice(&units.word_bytes());
+            return Some(DeviceUnits {
+                buffer: Box::new(CubeUnits::<R> { client, handle }),
+                len: units.len(),
+                kind: units.zeros_like(0),
+                narrowed: None,
+                uploaded: units.bytes(),
+                downloaded: 0,
+            });
+        }
+    });
+    None
+}
+
+/// What reads units `range` of `units` back to the host on a lane.
+pub(crate) fn units_reader(
+    units: &DeviceUnits,
+    range: Range<usize>,
+) -> Result<Box<dyn ReadUnits>, HsdpError> {
+    for_each_runtime!(R => {
+        if let Some(cube) = units.buffer.downcast_ref::<CubeUnits<R>>() {
+            return Ok(Box::new(CubeReader::<R> {
+                client: cube.client.clone(),
+                handle: cube.handle.clone(),
+                kind: units.kind.zeros_like(0),
+                range,
+            }));
+        }
+    });
+    Err(HsdpError::Failed(
+        "a device shard of a runtime this build does not support".into(),
+    ))
+}
+
+/// Units `range` of `units`, read back to the host now (on the calling thread).
+pub(crate) fn read_units(units: &DeviceUnits, range: Range<usize>) -> Result<Elems, HsdpError> {
+    Ok(units_reader(units, range)?.read()?)
+}
+
+/// [`ReadUnits`] over a CubeCL buffer.
+struct CubeReader<R: CubeRuntime> {
+    client: ComputeClient<R>,
+    /// The whole buffer (whole 4-byte words).
+    handle: Handle,
+    /// An empty run of the units' type.
+    kind: Elems,
+    /// The units to read.
+    range: Range<usize>,
+}
+
+impl<R: CubeRuntime> ReadUnits for CubeReader<R> {
+    fn read(self: Box<Self>) -> CommResult<Elems> {
+        if self.range.is_empty() {
+            return Ok(self.kind);
+        }
+        let unit = self.kind.unit_bytes();
+        let (start, end) = (unit * self.range.start as u64, unit * self.range.end as u64);
+        // Copies out of a device buffer move whole words (wgpu): read the words around the
+        // units, keep the units.
+        let (first, last) = (start / 4 * 4, end.next_multiple_of(4));
+        // Relative to the handle's own offsets, if any (a master's buffer).
+        let size = self.handle.size_in_used();
+        if last > size {
+            return Err(CommError::Engine(format!(
+                "reading bytes {start}..{end} of a device buffer of {size}"
+            )));
+        }
+        let words = self.handle.offset_start(first).offset_end(size - last);
+        let bytes = self
+            .client
+            .read_one(words)
+            .map_err(|e| CommError::Engine(format!("reading a device shard: {e:?}")))?;
+        let at = (start - first) as usize;
+        Ok(self
+            .kind
+            .from_le_bytes(&bytes[at..at + (end - start) as usize]))
+    }
+}
