@@ -193,7 +193,7 @@ impl BucketCodec {
                 self.piece_bytes()
             )));
         }
-        shard.write_at(slot * self.piece_units, &shard.from_le_bytes(bytes))?;
+        shard.write_at(slot * self.piece_units, &shard.units_from_le_bytes(bytes))?;
         Ok(())
     }
 

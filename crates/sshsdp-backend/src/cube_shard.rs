@@ -102,6 +102,6 @@ impl<R: CubeRuntime> ReadUnits for CubeReader<R> {
         let at = (start - first) as usize;
         Ok(self
             .kind
-            .from_le_bytes(&bytes[at..at + (end - start) as usize]))
+            .units_from_le_bytes(&bytes[at..at + (end - start) as usize]))
     }
 }

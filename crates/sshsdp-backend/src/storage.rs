@@ -292,7 +292,7 @@ impl Elems {
 
     /// Units of the same type from their little-endian bytes (`bytes.len()` a multiple of the
     /// unit's size).
-    pub fn from_le_bytes(&self, bytes: &[u8]) -> Self {
+    pub fn units_from_le_bytes(&self, bytes: &[u8]) -> Self {
         match self {
             Elems::F32(_) => Elems::F32(
                 bytes
