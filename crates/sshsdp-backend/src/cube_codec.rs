@@ -26,7 +26,7 @@ use sshsdp_plan::Part;
 
 use crate::codec::{BucketCodec, CodecOp, Phase, MX_FORMAT};
 use crate::config::Precision;
-use crate::cube_views::{for_each_runtime, is_cube, member_views};
+use crate::cube_views::{client_of, for_each_runtime, is_cube, member_views};
 use crate::storage::{padded_to_words, DeviceUnits, Elems};
 use crate::views::{ComputeBuf, Member};
 use crate::worker::StageUnits;
@@ -41,10 +41,7 @@ pub(crate) fn stager_if_cube<B: Backend>(
 ) -> Option<Box<dyn StageUnits>> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            let any: &dyn Any = device;
-            let device: &<R as cubecl::Runtime>::Device =
-                any.downcast_ref().expect("the type was checked");
-            let client = <R as cubecl::Runtime>::client(device);
+            let client = client_of::<B, R>(device);
             let narrow = (compute != Precision::F32).then_some(compute);
             return Some(Box::new(CubeStager::<R> { client, narrow }));
         }

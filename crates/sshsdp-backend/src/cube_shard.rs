@@ -3,7 +3,6 @@
 //! device (`cube_codec::encode_piece_units_if_cube`) or by the rebuilt shard, and read back only
 //! where a host collective needs this rank's part (engines without device collectives).
 
-use std::any::Any;
 use std::ops::Range;
 
 use burn_backend::Backend;
@@ -13,7 +12,7 @@ use cubecl::server::Handle;
 use sshsdp_comm::{CommError, CommResult};
 
 use crate::cube_codec::CubeUnits;
-use crate::cube_views::{for_each_runtime, is_cube};
+use crate::cube_views::{client_of, for_each_runtime, is_cube};
 use crate::storage::{DeviceUnits, Elems};
 use crate::worker::ReadUnits;
 use crate::HsdpError;
@@ -23,10 +22,7 @@ use crate::HsdpError;
 pub(crate) fn upload_units<B: Backend>(device: &B::Device, units: &Elems) -> Option<DeviceUnits> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            let any: &dyn Any = device;
-            let device: &<R as cubecl::Runtime>::Device =
-                any.downcast_ref().expect("the type was checked");
-            let client = <R as cubecl::Runtime>::client(device);
+            let client = client_of::<B, R>(device);
             let handle = client.create_from_slice(&units.word_bytes());
             return Some(DeviceUnits {
                 buffer: Box::new(CubeUnits::<R> { client, handle }),

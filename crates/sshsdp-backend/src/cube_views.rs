@@ -37,6 +37,16 @@ macro_rules! for_each_runtime {
 
 pub(crate) use for_each_runtime;
 
+/// The CubeCL client of `device`, a device of `B` whose float tensors are `CubeTensor<R>`
+/// (checked by the caller with [`is_cube`]).
+pub(crate) fn client_of<B: Backend, R: CubeRuntime>(
+    device: &B::Device,
+) -> cubecl::prelude::ComputeClient<R> {
+    let any: &dyn Any = device;
+    let device: &<R as cubecl::Runtime>::Device = any.downcast_ref().expect("checked by is_cube");
+    <R as cubecl::Runtime>::client(device)
+}
+
 /// Whether `B`'s float tensors are `CubeTensor<R>`.
 pub(crate) fn is_cube<B: Backend, R: CubeRuntime>() -> bool {
     TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<CubeTensor<R>>()
