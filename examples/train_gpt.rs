@@ -504,6 +504,45 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// `--unsharded` (plain Burn, the step-time baseline) trains the very model a 1-rank
+    /// sharded run trains: same initial weights, data, schedule and AdamW, so with f32 runtime
+    /// parameters and no clipping the losses agree step for step.
+    #[test]
+    fn unsharded_baseline_trains_what_one_sharded_rank_trains() {
+        let dir = std::env::temp_dir().join(format!("train_gpt_plain_{}", std::process::id()));
+        let task = tiny_task();
+        let out = dir.join("out").display().to_string();
+        let flags = |extra: &[&str]| {
+            let v = [
+                &["--optim", "adamw", "--steps", "3", "--eval-every", "0"][..],
+                &["--out", &out],
+                extra,
+            ]
+            .concat();
+            parse_args(v.iter().map(|s| s.to_string()), &tiny_defaults(), |_, _| {
+                Ok(false)
+            })
+            .unwrap()
+            .unwrap()
+        };
+        let plain =
+            common::train_unsharded::<common::Flex, _>(&task, &flags(&["--unsharded"])).unwrap();
+        let sharded = flags(&["--ranks", "1", "--format", "f32", "--clip", "0"]);
+        let sharded = common::run(&task, &sharded).unwrap().unwrap();
+        assert_eq!(plain.len(), 3);
+        for (what, a, b) in [
+            ("first", plain[0], sharded.first_loss),
+            ("last", plain[2], sharded.last_loss),
+        ] {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{what} loss: unsharded {a} vs sharded {b}"
+            );
+        }
+        assert!(plain[2] < plain[0], "it trains: {plain:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn bad_arguments_are_errors() {
         let defaults = Defaults {
@@ -547,6 +586,22 @@ mod tests {
         } else {
             let e = nccl.unwrap_err();
             assert!(e.contains("`nccl` feature"), "{e}");
+        }
+        // `--unsharded` is one rank on Burn's AdamW in f32, and says what to drop.
+        assert!(
+            parse(&["--unsharded", "--optim", "adamw"])
+                .unwrap()
+                .unwrap()
+                .unsharded
+        );
+        for bad in [
+            &["--unsharded"][..],
+            &["--unsharded", "--optim", "adamw", "--ranks", "2"],
+            &["--unsharded", "--optim", "adamw", "--compute", "bf16"],
+            &["--unsharded", "--optim", "adamw", "--save", "x"],
+        ] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.starts_with("--unsharded"), "{bad:?}: {e}");
         }
         assert!(parse(&["--help"]).unwrap().is_none());
         let args = parse(&["--mesh", "2x2", "--format", "f32", "--clip", "0"])

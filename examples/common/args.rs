@@ -58,6 +58,8 @@ pub struct Args {
     pub precision: MixedPrecision,
     /// `--nccl`: the runtime's collectives on NCCL lanes, bootstrapped over the launch engine.
     pub nccl: bool,
+    /// `--unsharded`: the same job on plain Burn, one rank, nothing sharded (the baseline).
+    pub unsharded: bool,
 }
 
 /// Parses a `--compute`/`--reduce` dtype.
@@ -149,6 +151,9 @@ Backend:
                        exchanges) over NCCL, one communicator per lane, bootstrapped over the
                        threads engine or MPI (--features nccl; one GPU per rank, the rank's
                        node-local index; host buffers staged through the GPU for now)
+  --unsharded          the baseline: the same model, data and AdamW on plain Burn, one rank,
+                       nothing sharded, f32, no clipping (--optim adamw); prints losses and
+                       tokens/s to compare a sharded run's step time with
 Output:
   --out DIR            metrics.csv, loss.svg, loss.png and samples (default runs/<example>/)
   --eval-every N       steps between held-out evaluations (0: at the end only)
@@ -201,6 +206,7 @@ pub fn parse_args(
         storage: Placement::Host,
         precision: MixedPrecision::default(),
         nccl: false,
+        unsharded: false,
     };
     let mut storage = None;
     let mut args = args.into_iter();
@@ -300,6 +306,7 @@ pub fn parse_args(
                         .into(),
                 )
             }
+            "--unsharded" => out.unsharded = true,
             "--compute" => out.precision.compute = parse_precision(&flag, &value()?)?,
             "--reduce" => out.precision.reduce = parse_precision(&flag, &value()?)?,
             other => {
@@ -313,6 +320,9 @@ pub fn parse_args(
         BackendKind::Flex => Placement::Host,
         BackendKind::Wgpu | BackendKind::Cuda => Placement::Device,
     });
+    if out.unsharded {
+        super::check_unsharded_args(&out)?;
+    }
     if out.init_from.is_some() && out.resume.is_some() {
         return Err("--init-from and --resume both set the weights: give one".into());
     }

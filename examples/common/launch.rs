@@ -137,6 +137,9 @@ fn device_works<I: Compute>(backend: BackendKind) -> Result<(), String> {
 /// report (`None` on the other MPI processes).
 pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Report>, String> {
     device_works::<I>(args.backend)?;
+    if args.unsharded {
+        return train_unsharded(task, args).map(|_| None);
+    }
     let (engine, mesh) = engine_and_mesh(args, task.name())?;
     let world = mesh.world_size();
     if task.global_batch() % world != 0 {

@@ -32,6 +32,38 @@ pub fn human(x: f64) -> String {
     }
 }
 
+/// Throughput over the last (up to) 10 steps: what the progress line shows, free of the first
+/// steps' kernel compilation once the run is longer than 10 steps.
+pub(crate) struct RecentRate {
+    items_per_step: usize,
+    recent: std::collections::VecDeque<f64>,
+}
+
+impl RecentRate {
+    const WINDOW: usize = 10;
+
+    /// An empty window for steps of `items_per_step` items (tokens).
+    pub(crate) fn new(items_per_step: usize) -> Self {
+        Self {
+            items_per_step,
+            recent: std::collections::VecDeque::with_capacity(Self::WINDOW + 1),
+        }
+    }
+
+    /// Records one step of `seconds`.
+    pub(crate) fn push(&mut self, seconds: f64) {
+        self.recent.push_back(seconds);
+        if self.recent.len() > Self::WINDOW {
+            self.recent.pop_front();
+        }
+    }
+
+    /// Items per second over the window.
+    pub(crate) fn items_per_s(&self) -> f64 {
+        self.items_per_step as f64 * self.recent.len() as f64 / self.recent.iter().sum::<f64>()
+    }
+}
+
 /// Name of a dtype as `--compute`/`--reduce` spell it.
 pub fn precision_name(precision: Precision) -> &'static str {
     match precision {

@@ -2,7 +2,7 @@
 //! the engine (in-process threads, or one process per rank under `mpirun`), the optimizer
 //! (distributed Muon for matrices + AdamW for the rest, or AdamW alone), the learning-rate
 //! schedule, and the training loop with its progress bar, metrics CSV, loss curve (SVG, PNG) and
-//! sharded checkpoints.
+//! sharded checkpoints; `--unsharded` trains the same job on plain Burn as the baseline.
 //!
 //! An example describes its job as a [`Task`] (model, batches, held-out loss, what to do after
 //! training) and hands it to [`run`].
@@ -15,6 +15,7 @@ mod optim;
 pub mod plot;
 mod task;
 mod train;
+mod unsharded;
 
 pub use args::*;
 pub use data::*;
@@ -23,6 +24,7 @@ pub use metrics::*;
 use optim::*;
 pub use task::*;
 use train::*;
+pub(crate) use unsharded::*;
 
 use burn::backend::Autodiff;
 use sshsdp::backend::Hsdp;

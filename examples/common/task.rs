@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::module::Module;
+use burn::module::AutodiffModule;
 use burn::tensor::Tensor;
 use sshsdp::backend::Placement;
 use sshsdp::plan::Mesh;
@@ -24,7 +24,7 @@ pub trait Job: Sync {
 /// A training job on backend `I`: the model, its batches and what to do once trained.
 pub trait Task<I: Compute>: Job {
     /// The module trained.
-    type Model: Module<Train<I>> + Sync;
+    type Model: AutodiffModule<Train<I>> + Sync;
 
     /// A freshly initialised model (call after seeding the backend).
     fn init(&self, device: &I::Device) -> Self::Model;

@@ -127,7 +127,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     // CubeCL backends: the device's memory after each step (most seen) and the last step's
     // host↔device bytes.
     let mut device = None;
-    let mut recent: Vec<f64> = Vec::new();
+    let mut rate = RecentRate::new(task.items_per_step());
     for step in first..last {
         let t0 = Instant::now();
         let lr = learning_rate(args.lr, args.warmup, step, last);
@@ -165,12 +165,8 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         if let (Some(metrics), Some(bar)) = (metrics.as_mut(), progress.as_ref()) {
             let rss = rss_bytes().unwrap_or(0);
             peak_rss = peak_rss.max(rss);
-            recent.push(dt);
-            if recent.len() > 10 {
-                recent.remove(0);
-            }
-            let rate =
-                task.items_per_step() as f64 * recent.len() as f64 / recent.iter().sum::<f64>();
+            rate.push(dt);
+            let rate = rate.items_per_s();
             let grad_norm = optim.last_grad_norm();
             metrics.line(&format!(
                 "{step},{global:.5},{},{lr:.6e},{},{:.1},{:.2},{:.1},{:.3},{:.3},{:.3}",

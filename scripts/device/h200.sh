@@ -7,6 +7,9 @@
 #   3. a GPT training step on `Autodiff<Hsdp<Cuda>>` (train_gpt --backend cuda: one rank, device
 #      storage, AdamW) with bf16 and with MXFP8 runtime parameters, computing in f32 and in bf16
 #      (the mixed-precision policy: `--compute bf16`);
+#   3a. the same GPT unsharded on plain Burn (train_gpt --unsharded) against one sharded rank
+#      doing the same arithmetic (f32 runtime, no clipping): equal losses, and the decorator's
+#      price as a tokens/s ratio (target ≥ 0.97);
 #   3b. two of those runs again with `--nccl` (the runtime's lanes on NCCL; runtime shards,
 #      all-gathers and gradient reductions on CubeCL's device buffers): their losses must equal
 #      step 3's;
@@ -149,6 +152,18 @@ rate_of() {
         awk '{ m = ($2 == "k") ? 1e3 : (($2 == "M") ? 1e6 : 1); printf "%.0f", $1 * m }'
 }
 declare -A RATE
+# Runs train_gpt with ARGS, its output to LOG (under the GPU's watchdog wrapper on CUDA).
+train() {
+    local log="$1"
+    shift
+    if [ "$MODE" = cuda ]; then
+        OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" "$@" >"$log" 2>&1
+    else
+        timeout 600 "$TRAIN" "$@" >"$log" 2>&1
+    fi
+}
+# "A -> B" of a log's train-loss line.
+losses_of() { sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$1"; }
 # Compute dtypes: f32, and 16-bit compute (the precision policy): bf16 on CUDA; lavapipe has no
 # bf16, so the dry run computes in f16 there (the same cast-and-view path).
 if [ "$MODE" = cpu ]; then HALF=f16; else HALF=bf16; fi
@@ -159,17 +174,13 @@ for compute in f32 "$HALF"; do
         echo "== train_gpt --backend $BACKEND --format $format --compute $compute"
         args=(--backend "$BACKEND" --ranks 1 --optim adamw --format "$format" --compute "$compute"
             --steps "$STEPS" --eval-every 0 --sample-len 0 --out "$OUT_DIR/run_$key" "${MODEL[@]}")
-        if [ "$MODE" = cuda ]; then
-            OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" "${args[@]}" >"$log" 2>&1
-        else
-            timeout 600 "$TRAIN" "${args[@]}" >"$log" 2>&1
-        fi
+        train "$log" "${args[@]}"
         rc=$?
         grep -E "^(train loss|throughput|memory|device|backend|sharding) " "$log"
         RATE[$key]="$(rate_of "$log")"
         label="GPT ${LAYERS}×${WIDTH}, seq $SEQ, batch $BATCH on Autodiff<Hsdp<$BACKEND>>, $format runtime, $compute compute"
         if [ "$rc" = 0 ] && [ -n "${RATE[$key]}" ]; then
-            loss="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
+            loss="$(losses_of "$log")"
             device="$(sed -n 's/^device *//p' "$log")"
             row "$label" "${RATE[$key]} tokens/s (last ≤ 10 steps)" "loss $loss; ${device:+$device; }train_$key.log"
         else
@@ -183,6 +194,38 @@ for compute in f32 "$HALF"; do
             "world 1: decode cost only, no communication saved"
     fi
 done
+
+# --- 3a. the decorator's overhead: the same GPT, data and AdamW unsharded on plain Burn
+# (`--unsharded`: no `shard`, Burn's AdamW, f32, no clipping) against one sharded rank with f32
+# runtime parameters and no clipping, so both do the same arithmetic: the losses must agree, and
+# the tokens/s ratio is the price of sharding at world 1 (target: the sharded step ≤ 1.03× the
+# unsharded one, i.e. a ratio ≥ 0.97).
+same=(--backend "$BACKEND" --optim adamw --steps "$STEPS" --eval-every 0 --sample-len 0 "${MODEL[@]}")
+echo "== train_gpt --backend $BACKEND --unsharded, and --format f32 --clip 0 sharded"
+train "$OUT_DIR/train_unsharded.log" --unsharded --out "$OUT_DIR/run_unsharded" "${same[@]}"
+rc_plain=$?
+train "$OUT_DIR/train_f32_noclip.log" --ranks 1 --format f32 --clip 0 --out "$OUT_DIR/run_f32_noclip" "${same[@]}"
+rc_sharded=$?
+grep -E "^(train loss|throughput) " "$OUT_DIR/train_unsharded.log" "$OUT_DIR/train_f32_noclip.log"
+plain_rate="$(rate_of "$OUT_DIR/train_unsharded.log")"
+sharded_rate="$(rate_of "$OUT_DIR/train_f32_noclip.log")"
+plain_loss="$(losses_of "$OUT_DIR/train_unsharded.log")"
+sharded_loss="$(losses_of "$OUT_DIR/train_f32_noclip.log")"
+label="GPT ${LAYERS}×${WIDTH} sharded (f32 runtime, no clipping) against the same GPT unsharded on plain Burn (tokens/s)"
+# Same first loss, last loss within 1e-3 (the two runs' kernels may sum in another order).
+agree="$(awk -v a="$plain_loss" -v b="$sharded_loss" 'BEGIN {
+    split(a, x, " -> "); split(b, y, " -> ");
+    d0 = x[1] - y[1]; d1 = x[2] - y[2];
+    print (a != "" && b != "" && d0 * d0 <= 1e-8 && d1 * d1 <= 1e-6) ? "yes" : "no" }')"
+if [ "$rc_plain" = 0 ] && [ "$rc_sharded" = 0 ] && [ -n "$plain_rate" ] && [ -n "$sharded_rate" ] &&
+    [ "$agree" = yes ]; then
+    row "$label" "$(awk -v a="$sharded_rate" -v b="$plain_rate" 'BEGIN { printf "%.2f", a / b }')" \
+        "target ≥ 0.97; $sharded_rate vs $plain_rate tokens/s; loss $sharded_loss vs $plain_loss; train_f32_noclip.log, train_unsharded.log"
+else
+    row "$label" "FAIL (exit $rc_sharded/$rc_plain; loss ${sharded_loss:-?} vs ${plain_loss:-?})" \
+        "train_f32_noclip.log, train_unsharded.log"
+    STATUS=1
+fi
 
 # --- 3b. NCCL carrying the training step (world 1: the runtime's lanes on NCCL communicators;
 # bucket all-gathers write straight into CubeCL's device buffers, which are decoded in place, and
@@ -206,8 +249,8 @@ for pair in "bf16 bf16" "mxfp8 f32"; do
         --sample-len 0 --out "$OUT_DIR/run_$key" "${MODEL[@]}" >"$log" 2>&1
     rc=$?
     grep -E "^(train loss|throughput|device) " "$log"
-    mine="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$log")"
-    host="$(sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$OUT_DIR/train_${format}_$compute.log" 2>/dev/null)"
+    mine="$(losses_of "$log")"
+    host="$(losses_of "$OUT_DIR/train_${format}_$compute.log" 2>/dev/null)"
     device="$(sed -n 's/^device *//p' "$log")"
     if [ "$rc" = 0 ] && [ -n "$mine" ] && [ "$mine" = "$host" ] &&
         grep -q "collectives on device memory" <<<"$device" &&
@@ -259,8 +302,5 @@ done
     echo "| check | result | notes |"
     echo "|---|---|---|"
     printf '%s\n' "${ROWS[@]}"
-    echo
-    echo "Not in this table yet: the same GPT unsharded on plain Burn (the decorator's overhead),"
-    echo "and device-resident runtime shards (under --nccl each gather uploads this rank's shard part)."
 } | tee "$OUT_DIR/h200.md"
 exit "$STATUS"
