@@ -19,7 +19,7 @@ pub(crate) enum Optim<I: Compute> {
 
 impl<I: Compute> Optim<I> {
     pub(crate) fn new(kind: OptimKind, clip: Option<f64>, device: &I::Device) -> Self {
-        let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
+        let adamw = adamw_config().build();
         match kind {
             OptimKind::Muon => {
                 // Moonshot's scale matches AdamW's update RMS, so one learning rate serves
@@ -84,6 +84,11 @@ impl<I: Compute> Optim<I> {
         };
         r.map_err(|e| format!("resuming from {}: {e}", dir.display()))
     }
+}
+
+/// The examples' AdamW (the elementwise optimizer of both kinds, and `--unsharded`'s).
+pub(crate) fn adamw_config() -> AdamWConfig {
+    AdamWConfig::new().with_weight_decay(0.01)
 }
 
 /// Learning rate at `step` of a run ending at `last`: linear warm-up over `warmup` steps from

@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor};
 
@@ -70,7 +70,7 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
         parameter_count(&model) as f64 / 1e6,
         args.steps
     );
-    let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
+    let mut optim = adamw_config().init();
     let log_every = (args.steps / 20).max(1);
     let mut rate = RecentRate::new(task.items_per_step());
     let (mut losses, mut train_s) = (Vec::with_capacity(args.steps), 0.0);
@@ -115,7 +115,7 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
 /// Initialises every lazy float parameter of a module in module order (visiting reads it).
 struct InitialiseInModuleOrder;
 
-impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for InitialiseInModuleOrder {
+impl<B: Backend> ModuleVisitor<B> for InitialiseInModuleOrder {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let _ = param.val();
     }
