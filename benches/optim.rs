@@ -43,7 +43,7 @@ use burn::optim::AdamWConfig;
 use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig};
+use sshsdp::backend::{init_seeded, named_params, shard, Hsdp, HsdpConfig};
 use sshsdp::comm::threads::{ThreadComm, ThreadsConfig, ThreadsWorld, TrafficBytes};
 use sshsdp::comm::Collective;
 use sshsdp::optim::ShardedOptimizer;
@@ -605,8 +605,7 @@ fn main() {
     );
 
     let device = Default::default();
-    B::seed(&device, 1);
-    let init = GptShapes::<B>::new(layers, &device);
+    let init = init_seeded(&device, 1, |d| GptShapes::<B>::new(layers, d));
     let c = counts(&init, layers);
     let elements = |l: usize| c.fixed + l * (c.layer_matrix + c.layer_elementwise);
     let elementwise = |l: usize| c.fixed + l * c.layer_elementwise;

@@ -50,7 +50,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, CopyMode, Hsdp, HsdpConfig, Placement};
+use sshsdp::backend::{init_seeded, named_params, shard, CopyMode, Hsdp, HsdpConfig, Placement};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::kernels::FusedOps;
@@ -479,8 +479,7 @@ fn device_table(steps: usize) {
     use burn_wgpu::{Wgpu, WgpuDevice};
     type W = Autodiff<Hsdp<Wgpu>>;
     let device = WgpuDevice::default();
-    W::seed(&device, 1);
-    let init: Gpt<W> = CONFIG.init(&device);
+    let init: Gpt<W> = init_seeded(&device, 1, |d| CONFIG.init(d));
     let mut rows = Vec::new();
     for world in [1, 2] {
         for format in [RuntimeFormat::F32, RuntimeFormat::Mxfp8] {
@@ -574,14 +573,11 @@ fn cpu_table(steps: usize) {
     let started = first_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
 
     let device = Default::default();
-    B::seed(&device, 1);
-    let init: Gpt<B> = CONFIG.init(&device);
+    let init: Gpt<B> = init_seeded(&device, 1, |d| CONFIG.init(d));
     let params = named_params(&init).expect("parameters");
-    // The same weights on the activation-checkpointing backend (the same seed, read whole the
+    // The same weights on the activation-checkpointing backend (the same seed, drawn whole the
     // same way, so Burn's RNG draws the same values).
-    B::seed(&device, 1);
-    let init_checkpointing: Gpt<Checkpointing> = CONFIG.init(&device);
-    named_params(&init_checkpointing).expect("parameters");
+    let init_checkpointing: Gpt<Checkpointing> = init_seeded(&device, 1, |d| CONFIG.init(d));
     let total: usize = params.iter().map(|p| p.values.len()).sum();
     let embeddings: usize = params
         .iter()

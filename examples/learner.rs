@@ -44,7 +44,7 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainLoader, TrainOutput, TrainStep, TrainingComponents,
     TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
-use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpRuntime};
+use sshsdp::backend::{init_seeded, shard, Hsdp, HsdpConfig, HsdpRuntime};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::kernels::FusedOps;
@@ -336,10 +336,10 @@ fn main() -> Result<(), String> {
     let split = bytes.len() * 9 / 10;
     let (train_text, valid_text) = bytes.split_at(split);
     let device = Default::default();
-    B::seed(&device, 42);
-    let init = Lm::<B> {
-        gpt: CONFIG.init(&device),
-    };
+    // Drawn whole under the process's RNG lock: the in-process ranks share Burn's RNG.
+    let init = init_seeded(&device, 42, |d| Lm::<B> {
+        gpt: CONFIG.init(d),
+    });
     let artifacts = std::env::temp_dir().join("sshsdp-learner");
     println!(
         "{} ranks, {} epochs of {train_batches} batches of {BATCH_PER_RANK} x {} bytes per rank; \

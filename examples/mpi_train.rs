@@ -14,9 +14,8 @@ use std::process::ExitCode;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::AdamWConfig;
-use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig};
+use sshsdp::backend::{init_seeded, named_params, shard, Hsdp, HsdpConfig};
 use sshsdp::checkpoint::{self, PieceStates};
 use sshsdp::comm::mpi::{MpiOptions, MpiSession};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
@@ -110,9 +109,7 @@ fn run() -> Result<(), String> {
     }
     // The initial weights come from rank 0 (shard broadcasts them), so a seed is enough here.
     let device = Default::default();
-    B::seed(&device, 42);
-    let init: Gpt<B> = CONFIG.init(&device);
-    named_params(&init).map_err(|e| e.to_string())?;
+    let init: Gpt<B> = init_seeded(&device, 42, |d| CONFIG.init(d));
     // A second communicator for the check below (the first moves into the runtime).
     let check = comm.split(0, rank).map_err(|e| e.to_string())?;
     // A checkpoint directory every rank agrees on: named by rank 0's process id.

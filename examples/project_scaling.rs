@@ -151,6 +151,8 @@ struct Projected {
     rebuild_s: f64,
     muon_s: f64,
     gather_gb: f64,
+    /// The plan's padding over its buffers (alignment, pieces padded to the largest).
+    padding: f64,
 }
 
 fn project(
@@ -186,6 +188,7 @@ fn project(
         gather_gb: (traffic.wire_bytes(Purpose::ForwardGather)
             + traffic.wire_bytes(Purpose::BackwardGather))
             / 1e9,
+        padding: plan.stats().padding_ratio(),
     })
 }
 
@@ -247,17 +250,18 @@ fn main() -> ExitCode {
     for (name, shape) in &args.models {
         let params: u64 = shape.specs(DType::Bf16).iter().map(|s| s.numel()).sum();
         println!(
-            "\n### {name} ({:.2}B parameters)\n\n| ranks | layout | runtime shard GiB | gathered \
-             peak GiB | fp32 master GiB | optimizer GiB | grad shard GiB | total GiB | gather GB \
-             sent | gather s | reduce s | rebuild s | comm s / step | Muon s |",
+            "\n### {name} ({:.2}B parameters)\n\n| ranks | layout | runtime shard GiB \
+             (MXFP8/bf16) | gathered peak GiB | fp32 master GiB | optimizer GiB | grad shard GiB | \
+             total GiB | gather GB sent (MXFP8/bf16) | MXFP8 padding | gather s | reduce s | \
+             rebuild s | comm s / step | Muon s |",
             params as f64 / 1e9
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for &ranks in &args.ranks {
             let layouts = match layouts(ranks, l.ranks_per_node) {
                 Ok(v) => v,
                 Err(e) => {
-                    println!("| {ranks} | n/a: {e} |||||||||||||");
+                    println!("| {ranks} | n/a: {e} ||||||||||||||");
                     continue;
                 }
             };
@@ -267,17 +271,20 @@ fn main() -> ExitCode {
                 let (b, m) = match (bf, mx) {
                     (Ok(b), Ok(m)) => (b, m),
                     (Err(e), _) | (_, Err(e)) => {
-                        println!("| {ranks} | {layout} | n/a: {e} ||||||||||||");
+                        println!("| {ranks} | {layout} | n/a: {e} |||||||||||||");
                         continue;
                     }
                 };
                 let comm = |p: &Projected| p.gather_s + p.reduce_s + p.rebuild_s;
+                let ratio = |m: f64, b: f64| m / b.max(f64::MIN_POSITIVE);
+                let (shard_b, shard_m) = (b.memory.runtime_shard, m.memory.runtime_shard);
                 println!(
-                    "| {ranks} | {layout} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} \
-                     | {:.1} / {:.1} | {:.2} / {:.2} | {:.3} / {:.3} | {:.3} | {:.3} / {:.3} | \
-                     {:.3} / {:.3} | {:.3} |",
-                    gib(b.memory.runtime_shard),
-                    gib(m.memory.runtime_shard),
+                    "| {ranks} | {layout} | {:.2} / {:.2} ({:.3}) | {:.2} / {:.2} | {:.2} | {:.2} \
+                     | {:.2} | {:.1} / {:.1} | {:.1} / {:.1} ({:.3}) | {:.2}% | {:.3} / {:.3} | \
+                     {:.3} | {:.3} / {:.3} | {:.3} / {:.3} | {:.3} |",
+                    gib(shard_b),
+                    gib(shard_m),
+                    ratio(shard_m as f64, shard_b as f64),
                     gib(b.memory.gathered_peak),
                     gib(m.memory.gathered_peak),
                     gib(b.memory.master),
@@ -287,6 +294,8 @@ fn main() -> ExitCode {
                     gib(m.memory.total()),
                     b.gather_gb,
                     m.gather_gb,
+                    ratio(m.gather_gb, b.gather_gb),
+                    100.0 * m.padding,
                     b.gather_s,
                     m.gather_s,
                     b.reduce_s,

@@ -509,6 +509,8 @@ mod tests {
     /// parameters and no clipping the losses agree step for step.
     #[test]
     fn unsharded_baseline_trains_what_one_sharded_rank_trains() {
+        // Other tests of this binary seed and draw in parallel: one that never stops draws here.
+        let drawer = sshsdp::backend::ConcurrentDrawer::start::<common::Flex>();
         let dir = std::env::temp_dir().join(format!("train_gpt_plain_{}", std::process::id()));
         let task = tiny_task();
         let out = dir.join("out").display().to_string();
@@ -540,6 +542,7 @@ mod tests {
             );
         }
         assert!(plain[2] < plain[0], "it trains: {plain:?}");
+        assert!(drawer.draws() > 0, "the drawer ran alongside");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -21,7 +21,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, ElementConversion, Tensor};
 use burn_flex::Flex;
 use half::bf16;
-use sshsdp::backend::{shard, Hsdp, HsdpConfig, MixedPrecision, Precision};
+use sshsdp::backend::{init_seeded, shard, Hsdp, HsdpConfig, MixedPrecision, Precision};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
@@ -298,7 +298,7 @@ fn dit_casts_float_inputs_to_the_compute_dtype() {
     let losses = |compute| {
         let out = ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
             let device = Default::default();
-            let model: Dit<A> = with_seed(|| cfg.init(&device));
+            let model: Dit<A> = init_seeded(&device, 11, |d| cfg.init(d));
             let config = HsdpConfig::new(Mesh::new(1, 1).unwrap())
                 .with_mixed_precision(MixedPrecision::new(compute, Precision::F32));
             let (model, _runtime) = shard::<A, _, _>(model, config, comm, &device).unwrap();
@@ -321,12 +321,4 @@ fn dit_casts_float_inputs_to_the_compute_dtype() {
         (wide - narrow).abs() <= 0.02 * wide.abs(),
         "{narrow} vs {wide}"
     );
-}
-
-/// `f` under one process-wide lock with Burn's RNG seeded: the same initial weights every time.
-fn with_seed<T>(f: impl FnOnce() -> T) -> T {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    Flex::seed(&Default::default(), 11);
-    f()
 }

@@ -13,9 +13,8 @@ use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use sshsdp::backend::{named_params, shard, Hsdp, HsdpConfig};
+use sshsdp::backend::{init_seeded, named_params, shard, Hsdp, HsdpConfig};
 use sshsdp::checkpoint;
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
@@ -155,11 +154,7 @@ fn matrices(init: &Gpt<B>) -> u64 {
 }
 
 fn initial() -> Gpt<B> {
-    let device = Default::default();
-    B::seed(&device, 11);
-    let init: Gpt<B> = CONFIG.init(&device);
-    named_params(&init).unwrap();
-    init
+    init_seeded(&Default::default(), 11, |d| CONFIG.init(d))
 }
 
 fn assert_close(

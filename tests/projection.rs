@@ -6,9 +6,8 @@
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::AdamWConfig;
-use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use sshsdp::backend::{shard, Hsdp, HsdpConfig};
+use sshsdp::backend::{init_seeded, shard, Hsdp, HsdpConfig};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
@@ -39,8 +38,7 @@ fn tokens(rows: usize, offset: usize, device: &burn::tensor::Device<B>) -> Tenso
 /// bytes of its owner exchange, summed over the ranks) against the projection of the plan.
 fn check(mesh: Mesh, sharding: Sharding, format: RuntimeFormat, reshard: bool, muon: bool) {
     let device = Default::default();
-    B::seed(&device, 7);
-    let init: Gpt<B> = CONFIG.init(&device);
+    let init: Gpt<B> = init_seeded(&device, 7, |d| CONFIG.init(d));
     let world = mesh.world_size();
     let label = format!("{mesh} {sharding:?} {format:?} reshard={reshard} muon={muon}");
     let ranks = ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
@@ -181,10 +179,10 @@ fn muon_exchange() {
     check(Mesh::new(2, 2).unwrap(), Sharding::Hsdp, f32, false, true);
 }
 
-/// MXFP8 (banded planes, bf16 fallbacks): the plan's layout is the runtime's, so the projection
-/// is exact here too — at world 2 and 4, with each pass gathering only its own plane
-/// (resharding), both planes kept, a 2×2 mesh whose runtime shards hold two pieces, and Muon's
-/// exchange of the matrices the bands split.
+/// Square-block MXFP8 (tiles cut at tile edges, bf16 fallbacks): the plan's layout is the
+/// runtime's, so the projection is exact here too — at world 2 and 4 with and without
+/// resharding (backward gathers the same one copy again), 2×2 hierarchical meshes whose runtime
+/// shards hold two pieces, HSDP, and Muon's exchange of the matrices the tile cuts split.
 #[test]
 fn mxfp8_exactly() {
     let (mx, hier) = (RuntimeFormat::Mxfp8, Sharding::Hierarchical);
@@ -193,6 +191,9 @@ fn mxfp8_exactly() {
             check(Mesh::flat(world).unwrap(), hier, mx, reshard, false);
         }
     }
-    check(Mesh::new(2, 2).unwrap(), hier, mx, true, false);
+    for reshard in [false, true] {
+        check(Mesh::new(2, 2).unwrap(), hier, mx, reshard, false);
+    }
+    check(Mesh::new(2, 2).unwrap(), Sharding::Hsdp, mx, true, false);
     check(Mesh::flat(4).unwrap(), hier, mx, false, true);
 }

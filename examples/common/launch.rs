@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use sshsdp::backend::param_shapes;
+use sshsdp::backend::{init_seeded, param_shapes};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 #[cfg(feature = "mpi")]
 use sshsdp::comm::Collective;
@@ -151,15 +151,14 @@ pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Re
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
     // The initial model, on the device of the rank that makes it (every MPI process makes its
-    // own: on its own GPU under `--nccl`).
-    let init = |rank: usize| {
-        let device = rank_device::<I>(args, rank);
-        Train::<I>::seed(&device, args.seed);
-        task.init(&device)
-    };
+    // own: on its own GPU under `--nccl`). One process per rank draws nothing else, so its
+    // parameters stay lazy: rank 0 draws them bucket by bucket while `shard` streams them. In
+    // one process the ranks' threads share Burn's RNG, so the model is drawn whole first, under
+    // the process's RNG lock (`init_seeded`): the same weights whatever else draws meanwhile.
     match engine {
         Engine::Threads => {
-            let init = init(0);
+            let device = rank_device::<I>(args, 0);
+            let init = init_seeded::<Train<I>, _>(&device, args.seed, |d| task.init(d));
             println!(
                 "{}: {:.2}M parameters, {world} in-process ranks (mesh {mesh}), {} runtime \
                  parameters, {} steps",
@@ -196,7 +195,9 @@ pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Re
         Engine::Mpi => {
             let mpi = sshsdp::comm::mpi::MpiSession::init().map_err(|e| e.to_string())?;
             let comm = mpi.world().map_err(|e| e.to_string())?;
-            let init = init(comm.rank());
+            let device = rank_device::<I>(args, comm.rank());
+            Train::<I>::seed(&device, args.seed);
+            let init = task.init(&device);
             if comm.rank() == 0 {
                 println!(
                     "{}: {:.2}M parameters, {world} MPI processes (mesh {mesh}), {} runtime \

@@ -10,10 +10,9 @@
 
 use std::time::Instant;
 
-use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, Optimizer};
-use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::ElementConversion;
+use sshsdp::backend::init_seeded;
 
 use super::*;
 
@@ -58,11 +57,10 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
         return Err("--unsharded runs one process: start it without mpirun".into());
     }
     let device = I::Device::default();
-    Train::<I>::seed(&device, args.seed);
-    let mut model = task.init(&device);
     // Burn initialises a lazy parameter at its first use (forward order); `shard` draws them in
-    // module order. Drawing them here in module order gives both runs the same initial weights.
-    model.visit(&mut InitialiseInModuleOrder);
+    // module order. Drawing them here in module order, under the process's RNG lock, gives both
+    // runs the same initial weights whatever else the process draws meanwhile.
+    let mut model = init_seeded::<Train<I>, _>(&device, args.seed, |d| task.init(d));
     println!(
         "{}: {:.2}M parameters, unsharded on plain Burn (one rank, no shard, Burn's AdamW, \
          f32, no clipping), {} steps",
@@ -110,13 +108,4 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
         train_s
     );
     Ok(losses)
-}
-
-/// Initialises every lazy float parameter of a module in module order (visiting reads it).
-struct InitialiseInModuleOrder;
-
-impl<B: Backend> ModuleVisitor<B> for InitialiseInModuleOrder {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let _ = param.val();
-    }
 }

@@ -10,10 +10,15 @@
 //!   dimensions is zero. Bit-identical to `sshsdp_mx::encode_tiled`.
 //! - [`dequantize_tiled`] — one plane ([`Plane::Row`] or [`Plane::Col`]) of the tiled layout
 //!   back to row-major `f32`, bit-identical to `sshsdp_mx::decode_tiled`.
-//! - [`quantize_plane`] / [`dequantize_plane`] — one MXFP8 plane (row- or column-wise) of a
-//!   run of 32-row bands, the plan's runtime layout, bit-identical to `sshsdp_mx::encode_rows`
-//!   / `encode_cols` and their decodes; [`narrow_bf16`] / [`widen_bf16`] — the layout's bf16
-//!   runs from and to `f32`, bit-identical to `half`'s conversions.
+//! - [`quantize_square`] / [`dequantize_square`] — square-block MXFP8 (one scale per 32×32
+//!   tile) of a rectangle of a row-major matrix, read from or written to a strided `f32`
+//!   buffer: the plan's runtime layout of MXFP8 weights, bit-identical to
+//!   `sshsdp_mx::encode_square` / `decode_square`; [`narrow_bf16`] / [`widen_bf16`] — the
+//!   layout's bf16 runs from and to `f32`, bit-identical to `half`'s conversions.
+//! - [`quantize_plane`] / [`dequantize_plane`] — one 1×32 MXFP8 plane (row- or column-wise) of
+//!   a run of 32-row bands, bit-identical to `sshsdp_mx::encode_rows` / `encode_cols` and their
+//!   decodes (the two-plane layout the runtime no longer uses; kept for kernels that want
+//!   1×32 operands).
 //! - [`mx_matmul`] — `C = A · Bᵀ` with both operands MXFP8 in the tiled layout (the forward
 //!   GEMM `y = x Wᵀ`), dequantised in the load stage, `f32` accumulation.
 //! - [`gemm`] — strided `f32` GEMM `C = alpha · A · B + beta · D` (any transposition).
@@ -55,6 +60,7 @@ mod matmul;
 mod newton_schulz;
 mod planes;
 mod quantize;
+mod square;
 
 pub use adamw::{adamw_reference, adamw_step, AdamWFactors, AdamWParams};
 pub use bf16::{narrow_bf16, widen_bf16};
@@ -68,4 +74,5 @@ pub use newton_schulz::{
 };
 pub use planes::{dequantize_plane, quantize_plane, PlaneAt};
 pub use quantize::{quantize_tiled, InputDType};
+pub use square::{dequantize_square, quantize_square, SquareAt};
 pub use sshsdp_mx::{Plane, ScaleRule};

@@ -147,7 +147,9 @@ mod tests {
             output: burns.output.clone(),
             heads,
         };
-        let x = Tensor::<B, 3>::random([batch, seq, d], Distribution::Default, &device);
+        let x = sshsdp_backend::with_burn_rng(|| {
+            Tensor::<B, 3>::random([batch, seq, d], Distribution::Default, &device)
+        });
         let a = ours.forward(x.clone(), causal_bias(seq, &device));
         let mask = generate_autoregressive_mask::<B>(batch, seq, &device);
         let b = burns

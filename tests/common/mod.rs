@@ -5,6 +5,7 @@ use burn::backend::NdArray;
 use burn::module::{ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use sshsdp::backend::init_seeded;
 use sshsdp::models::{Gpt, GptConfig};
 
 /// `rows` sequences of `config.seq + 1` tokens of step `step`, starting at sequence `first` of
@@ -24,12 +25,11 @@ pub fn tokens<B: Backend>(
 }
 
 /// A GPT's initial weights drawn on the CPU after seeding Burn's RNG with `seed`, parameter by
-/// parameter in module order. Call it once per process (behind a `OnceLock`): Burn's RNG is
-/// global and tests run in parallel.
+/// parameter in module order, under the process's RNG lock (`init_seeded`: tests run in
+/// parallel and Burn's RNG is global).
 pub fn record(config: &GptConfig, seed: u64) -> Vec<(Vec<usize>, Vec<f32>)> {
     let device = Default::default();
-    NdArray::<f32>::seed(&device, seed);
-    let model: Gpt<NdArray<f32>> = config.init(&device);
+    let model: Gpt<NdArray<f32>> = init_seeded(&device, seed, |d| config.init(d));
     sshsdp::backend::named_params(&model)
         .unwrap()
         .into_iter()

@@ -6,13 +6,14 @@
 //!
 //! * **Linear** (f32 and bf16 runtime formats): runtime unit `i` is element `i`; the gathered
 //!   buffer *is* the compute buffer (f32) or is widened once (bf16).
-//! * **Banded** (MXFP8 runtime format): each view of a piece is encoded into its bytes in the
-//!   piece's row-wise, bf16 and column-wise sections (`sshsdp-mx`'s `encode_rows` /
-//!   `encode_cols` of the view's bands, or little-endian bf16). Forward decodes the column-wise
-//!   planes and bf16, backward the row-wise planes and bf16 ([`Phase`]), so with resharding
-//!   after forward each pass gathers only its own part ([`Part`]); otherwise the whole piece is
-//!   gathered once and kept. Decoding writes each parameter back to back into a fresh f32
-//!   compute buffer (the CPU analogue of dequantising in a GEMM's load stage).
+//! * **Tiled** (MXFP8 runtime format): each view of a piece is encoded into its bytes in the
+//!   piece: square-block MXFP8 of each of its rectangles (`sshsdp-mx`'s `encode_square`, from
+//!   the piece's fp32 elements, where the rectangle is row-major), or little-endian bf16 for a
+//!   parameter that fell back. One copy serves both passes: forward and backward decode the
+//!   same bytes ([`Phase`] does not change them), so a gathered bucket is decoded once and its
+//!   runtime bytes are not kept. Decoding writes each rectangle into its place of its
+//!   parameter in a fresh f32 compute buffer (the CPU analogue of dequantising in a GEMM's load
+//!   stage).
 
 use std::ops::Range;
 
@@ -28,11 +29,11 @@ use crate::HsdpError;
 /// Transformer Engine).
 pub(crate) const MX_FORMAT: (ElemFormat, ScaleRule) = (ElemFormat::E4M3, ScaleRule::Rceil);
 
-/// Which pass the parameters are materialised for; it picks the MXFP8 plane.
-///
-/// A Burn `Linear` weight is `[d_in, d_out]` and the forward GEMM `x · W` contracts over its
-/// rows, so forward uses the **column-wise** plane (blocks of 32 along rows); the backward data
-/// GEMM `dy · Wᵀ` contracts over its columns and uses the **row-wise** plane.
+/// Which pass the parameters are materialised for. A Burn `Linear` weight is `[d_in, d_out]`:
+/// the forward GEMM `x · W` contracts over its rows, the backward data GEMM `dy · Wᵀ` over its
+/// columns. Square-block MXFP8 serves both with the same bytes (a 32×32 tile's scale covers
+/// both directions' blocks), so no format decodes differently per pass; a format with per-pass
+/// planes would gather only its pass's part ([`Part`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Phase {
     /// Forward pass (and evaluation).
@@ -47,14 +48,6 @@ impl Phase {
         match self {
             Phase::Forward => Part::Forward,
             Phase::Backward => Part::Backward,
-        }
-    }
-
-    /// The MXFP8 plane this pass decodes.
-    fn plane(self) -> Section {
-        match self {
-            Phase::Forward => Section::Col,
-            Phase::Backward => Section::Row,
         }
     }
 }
@@ -140,11 +133,13 @@ impl BucketCodec {
             first: bucket.params.start,
         };
         for v in bucket.views.iter().flatten() {
-            codec.members[v.param - codec.first].segments.push(Segment {
-                bucket: v.piece * piece_elems + us(v.master_offset),
-                param: us(v.elements.start),
-                len: us(v.len()),
-            });
+            for (run, master) in v.runs() {
+                codec.members[v.param - codec.first].segments.push(Segment {
+                    bucket: v.piece * piece_elems + us(master),
+                    param: us(run.start),
+                    len: us(run.end - run.start),
+                });
+            }
         }
         codec
     }
@@ -302,29 +297,25 @@ impl BucketCodec {
         at + r.start..at + r.end
     }
 
-    /// Encodes piece `p`'s views (banded layout) from its fp32 elements.
+    /// Encodes piece `p`'s views (tiled layout) from its fp32 elements.
     fn encode_piece(&self, p: usize, master: &[f32], out: &mut [u8]) -> Result<(), HsdpError> {
         out.fill(0);
         let err = |e: sshsdp_mx::MxError| HsdpError::Failed(format!("MXFP8 encode: {e}"));
         let (fmt, rule) = MX_FORMAT;
         for op in self.encode_ops(p).unwrap_or_default() {
             match op {
-                CodecOp::Plane {
-                    row_plane,
+                CodecOp::Square {
                     shape,
                     values,
+                    stride,
                     data,
                     scales,
                 } => {
-                    let src = &master[values..values + shape.len()];
-                    let (plane, rest) = out[data..].split_at_mut(scales - data);
-                    if row_plane {
-                        let s = &mut rest[..shape.row_scale_bytes()];
-                        sshsdp_mx::encode_rows(src, shape, fmt, rule, plane, s).map_err(err)?;
-                    } else {
-                        let s = &mut rest[..shape.col_scale_bytes()];
-                        sshsdp_mx::encode_cols(src, shape, fmt, rule, plane, s).map_err(err)?;
-                    }
+                    let src = &master[values..];
+                    let (d, rest) = out[data..].split_at_mut(scales - data);
+                    let d = &mut d[..shape.square_data_bytes()];
+                    let s = &mut rest[..shape.square_scale_bytes()];
+                    sshsdp_mx::encode_square(src, stride, shape, fmt, rule, d, s).map_err(err)?;
                 }
                 CodecOp::Bf16 { bytes, n, values } => {
                     let dst = &mut out[bytes..bytes + 2 * n];
@@ -353,32 +344,26 @@ impl BucketCodec {
             RuntimeFormat::Mxfp8 => {
                 let mut ops = Vec::new();
                 for v in &self.views[p] {
-                    let values = us(v.master_offset);
+                    let at = self.section_starts[Section::Linear as usize];
                     match v.encoding {
-                        Encoding::Mxfp8 { cols } => {
-                            let cols = us(cols);
-                            let shape = MxShape::new(us(v.len()) / cols, cols);
-                            let row = self.bytes_of(v, Section::Row, Part::All).start;
-                            let col = self.bytes_of(v, Section::Col, Part::All).start;
-                            ops.push(CodecOp::Plane {
-                                row_plane: true,
-                                shape,
-                                values,
-                                data: row,
-                                scales: row + shape.row_data_bytes(),
-                            });
-                            ops.push(CodecOp::Plane {
-                                row_plane: false,
-                                shape,
-                                values,
-                                data: col,
-                                scales: col + shape.col_data_bytes(),
-                            });
+                        Encoding::Mxfp8 { .. } => {
+                            let mut values = us(v.master_offset);
+                            for (rect, data, scales) in v.rects() {
+                                let shape = MxShape::new(us(rect.height()), us(rect.width()));
+                                ops.push(CodecOp::Square {
+                                    shape,
+                                    values,
+                                    stride: shape.cols,
+                                    data: at + us(data),
+                                    scales: at + us(scales),
+                                });
+                                values += shape.len();
+                            }
                         }
                         Encoding::Bf16 | Encoding::F32 => ops.push(CodecOp::Bf16 {
                             bytes: self.bytes_of(v, Section::Linear, Part::All).start,
                             n: us(v.len()),
-                            values,
+                            values: us(v.master_offset),
                         }),
                     }
                 }
@@ -418,10 +403,9 @@ impl BucketCodec {
         which: Part,
         phase: Phase,
     ) -> Result<Vec<CodecOp>, HsdpError> {
-        let plane = phase.plane();
         let unit = us(self.format.element_bytes().unwrap_or(1));
         let f32_format = self.format == RuntimeFormat::F32;
-        if gathered != unit * self.gathered_units(which) || !which.holds(plane) || f32_format {
+        if gathered != unit * self.gathered_units(which) || f32_format {
             return Err(HsdpError::Failed(format!(
                 "a gathered {:?} bucket of {gathered} bytes ({which:?}) cannot be decoded for \
                  {phase:?}",
@@ -429,37 +413,36 @@ impl BucketCodec {
             )));
         }
         let per_piece = unit * self.part_range(which).len();
+        let linear = self.section_starts[Section::Linear as usize] - self.part_range(which).start;
         let mut ops = Vec::new();
         for (p, views) in self.views.iter().enumerate() {
             let base = p * per_piece;
             for v in views {
-                let values =
-                    self.members[v.param - self.first].compute_start + us(v.elements.start);
-                ops.push(match v.encoding {
-                    Encoding::Mxfp8 { cols } => {
-                        let cols = us(cols);
-                        let shape = MxShape::new(us(v.len()) / cols, cols);
-                        let data = base + self.bytes_of(v, plane, which).start;
-                        let row_plane = plane == Section::Row;
-                        let data_bytes = if row_plane {
-                            shape.row_data_bytes()
-                        } else {
-                            shape.col_data_bytes()
-                        };
-                        CodecOp::Plane {
-                            row_plane,
-                            shape,
-                            values,
-                            data,
-                            scales: data + data_bytes,
+                let member = &self.members[v.param - self.first];
+                match v.encoding {
+                    Encoding::Mxfp8 { cols, .. } => {
+                        for (rect, data, scales) in v.rects() {
+                            let first = rect.rows.start * cols + rect.cols.start;
+                            ops.push(CodecOp::Square {
+                                shape: MxShape::new(us(rect.height()), us(rect.width())),
+                                values: member.compute_start + us(first),
+                                stride: us(cols),
+                                data: base + linear + us(data),
+                                scales: base + linear + us(scales),
+                            });
                         }
                     }
-                    Encoding::Bf16 | Encoding::F32 => CodecOp::Bf16 {
-                        bytes: base + self.bytes_of(v, Section::Linear, which).start,
-                        n: us(v.len()),
-                        values,
-                    },
-                });
+                    Encoding::Bf16 | Encoding::F32 => {
+                        let Some((run, _)) = v.runs().into_iter().next() else {
+                            continue;
+                        };
+                        ops.push(CodecOp::Bf16 {
+                            bytes: base + self.bytes_of(v, Section::Linear, which).start,
+                            n: us(v.len()),
+                            values: member.compute_start + us(run.start),
+                        });
+                    }
+                }
             }
         }
         Ok(ops)
@@ -470,29 +453,25 @@ impl BucketCodec {
         self.compute_elems
     }
 
-    /// Decodes a gathered banded bucket holding the part `which` of every piece, for `phase`.
+    /// Decodes a gathered tiled bucket holding the part `which` of every piece, for `phase`.
     pub fn decode(&self, bytes: &[u8], which: Part, phase: Phase) -> Result<Vec<f32>, HsdpError> {
         let ops = self.decode_ops(bytes.len(), which, phase)?;
         let mut out = vec![0f32; self.compute_elems()];
         for op in ops {
             match op {
-                CodecOp::Plane {
-                    row_plane,
+                CodecOp::Square {
                     shape,
                     values,
+                    stride,
                     data,
                     scales,
                 } => {
-                    let dst = &mut out[values..values + shape.len()];
-                    let fmt = MX_FORMAT.0;
-                    let decoded = if row_plane {
-                        let (d, s) = (data..scales, scales..scales + shape.row_scale_bytes());
-                        sshsdp_mx::decode_rows(&bytes[d], &bytes[s], shape, fmt, dst)
-                    } else {
-                        let (d, s) = (data..scales, scales..scales + shape.col_scale_bytes());
-                        sshsdp_mx::decode_cols(&bytes[d], &bytes[s], shape, fmt, dst)
-                    };
-                    decoded.map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
+                    let (d, s) = (
+                        &bytes[data..data + shape.square_data_bytes()],
+                        &bytes[scales..scales + shape.square_scale_bytes()],
+                    );
+                    sshsdp_mx::decode_square(d, s, shape, MX_FORMAT.0, &mut out[values..], stride)
+                        .map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
                 }
                 CodecOp::Bf16 {
                     bytes: at,
@@ -510,22 +489,24 @@ impl BucketCodec {
     }
 }
 
-/// One step of a piece's encode or of a gathered bucket's decode: an MXFP8 plane or a bf16 run
+/// One step of a piece's encode or of a gathered bucket's decode: an MXFP8 rectangle or a bf16 run
 /// between f32 values (a piece's fp32 elements, or the compute buffer) and runtime bytes (a
 /// piece, or the gathered buffer). Positions are bytes and f32 elements of those buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum CodecOp {
-    /// An MXFP8 plane (row-wise or column-wise) of the `shape` run of values from `values` on.
-    Plane {
-        /// The row-wise plane (decoded for backward), else the column-wise one (forward).
-        row_plane: bool,
-        /// Rows and columns of the run.
+    /// Square-block MXFP8 of the `shape` rectangle whose row `r` is the f32 values
+    /// `values + r · stride ..` (a piece's rectangle is contiguous, `stride` its width; in the
+    /// compute buffer `stride` is its matrix's width).
+    Square {
+        /// Rows and columns of the rectangle.
         shape: MxShape,
         /// First f32 element.
         values: usize,
-        /// First data byte.
+        /// f32 elements from one row's start to the next.
+        stride: usize,
+        /// First data byte (`rows · cols` bytes, row-major).
         data: usize,
-        /// First scale byte.
+        /// First scale byte (one per 32×32 tile, row-major).
         scales: usize,
     },
     /// `n` f32 values from `values` on as little-endian bf16 from byte `bytes` on.
@@ -595,7 +576,7 @@ mod tests {
     }
 
     #[test]
-    fn banded_mxfp8_decodes_the_same_at_every_world_size() {
+    fn tiled_mxfp8_decodes_the_same_at_every_world_size() {
         for phase in [Phase::Forward, Phase::Backward] {
             let one = round_trip(1, phase);
             for world in [2, 3, 4, 8] {
@@ -605,7 +586,7 @@ mod tests {
     }
 
     #[test]
-    fn banded_mxfp8_matches_the_reference_codec_and_bf16_fallback() {
+    fn tiled_mxfp8_matches_the_reference_codec_and_bf16_fallback() {
         let plan = plan(4, RuntimeFormat::Mxfp8);
         let decoded = round_trip(4, Phase::Forward);
         let mut i = 0;
@@ -616,16 +597,25 @@ mod tests {
             {
                 let v = values(p.spec.numel() as usize, k as u32);
                 let expect: Vec<f32> = match p.encoding() {
-                    Encoding::Mxfp8 { cols } => {
-                        // The whole matrix's column-wise plane, encoded in one piece.
-                        let shape = MxShape::new(v.len() / cols as usize, cols as usize);
-                        let mut data = vec![0u8; shape.col_data_bytes()];
-                        let mut scales = vec![0u8; shape.col_scale_bytes()];
+                    Encoding::Mxfp8 { rows, cols } => {
+                        // The whole matrix's square-block encoding, in one piece.
+                        let shape = MxShape::new(rows as usize, cols as usize);
+                        let mut data = vec![0u8; shape.square_data_bytes()];
+                        let mut scales = vec![0u8; shape.square_scale_bytes()];
                         let (fmt, rule) = MX_FORMAT;
-                        sshsdp_mx::encode_cols(&v, shape, fmt, rule, &mut data, &mut scales)
-                            .unwrap();
+                        sshsdp_mx::encode_square(
+                            &v,
+                            shape.cols,
+                            shape,
+                            fmt,
+                            rule,
+                            &mut data,
+                            &mut scales,
+                        )
+                        .unwrap();
                         let mut out = vec![0f32; v.len()];
-                        sshsdp_mx::decode_cols(&data, &scales, shape, fmt, &mut out).unwrap();
+                        sshsdp_mx::decode_square(&data, &scales, shape, fmt, &mut out, shape.cols)
+                            .unwrap();
                         out
                     }
                     _ => v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect(),
@@ -638,20 +628,20 @@ mod tests {
     }
 
     #[test]
-    fn the_plans_band_sizes_are_the_reference_codecs() {
+    fn the_plans_rectangle_sizes_are_the_reference_codecs() {
         let plan = plan(3, RuntimeFormat::Mxfp8);
+        let mut seen = 0;
         for v in plan.buckets().iter().flat_map(|b| b.views.iter().flatten()) {
-            if let Encoding::Mxfp8 { cols } = v.encoding {
-                let shape = MxShape::new(us(v.len() / cols), us(cols));
-                let row = shape.row_data_bytes() + shape.row_scale_bytes();
-                let col = shape.col_data_bytes() + shape.col_scale_bytes();
-                assert_eq!(v.encoded_bytes(Section::Row) as usize, row);
-                assert_eq!(v.encoded_bytes(Section::Col) as usize, col);
-                assert_eq!(range(&v.row).len(), row.next_multiple_of(32));
-                assert_eq!(range(&v.col).len(), col.next_multiple_of(32));
-                assert!(v.row.start % 32 == 0 && v.col.start % 32 == 0);
+            for (rect, data, scales) in v.rects() {
+                let shape = MxShape::new(us(rect.height()), us(rect.width()));
+                assert_eq!(rect.encoded_bytes() as usize, shape.square_bytes());
+                assert!(us(scales) >= us(data) + shape.square_data_bytes());
+                assert!(us(scales) + shape.square_scale_bytes() <= us(v.linear.end));
+                assert!(data % 4 == 0 && scales % 4 == 0);
+                seen += 1;
             }
         }
+        assert!(seen >= 3, "every matrix view holds rectangles");
     }
 
     #[test]

@@ -232,10 +232,10 @@ impl HsdpConfig {
 
     /// The same config with another runtime format: `F32` (default), `Bf16` (half the
     /// runtime memory and all-gather bytes; fp32 master weights kept per piece) or `Mxfp8`
-    /// (matrices as E4M3 + E8M0 32-row bands holding both planes, forward decoding one and
-    /// backward the other; parameters the format cannot hold fall back to bf16 and are listed in
-    /// `plan().fallbacks()`; fp32 masters kept per piece). See `sshsdp_plan::Bucket` for the
-    /// banded layout.
+    /// (matrices as square-block MXFP8: E4M3 elements, one E8M0 scale per 32×32 tile, one
+    /// copy that forward and backward both decode, about half of bf16's bytes; parameters the
+    /// format cannot hold fall back to bf16 and are listed in `plan().fallbacks()`; fp32 masters
+    /// kept per piece). See `sshsdp_plan::Bucket` for the tiled layout.
     pub fn with_format(mut self, format: RuntimeFormat) -> Self {
         self.plan.runtime_format = format;
         self

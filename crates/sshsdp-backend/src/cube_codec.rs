@@ -2,14 +2,15 @@
 //! (bit-identical: `tests` below and `kernels-cubecl/tests/kernels/planes.rs`):
 //!
 //! * **Decode** of a gathered MXFP8 or bf16 bucket: the gathered runtime bytes are uploaded as
-//!   they are (≈1.03 bytes per value for the pass's plane, 2 for bf16) and the band-plane
-//!   kernels (`sshsdp_kernels::dequantize_plane`, `widen_bf16`) write the f32 compute buffer on
-//!   the device. Uploading the host-decoded buffer instead would move 4 bytes per value.
+//!   they are (≈1.001 bytes per value for square-block MXFP8, 2 for bf16) and the kernels
+//!   (`sshsdp_kernels::dequantize_square`, `widen_bf16`) write the f32 compute buffer on the
+//!   device, each rectangle into its place of its matrix. Uploading the host-decoded buffer
+//!   instead would move 4 bytes per value.
 //! * **Encode** of a piece whose fp32 master lives on the device (re-derive after an update):
-//!   `quantize_plane` writes both MXFP8 planes and `narrow_bf16` the bf16 runs (or the whole
-//!   piece in the bf16 runtime format) into a zeroed device buffer, and only those runtime
-//!   bytes are read back for the host collectives (≈2.06 bytes per value for MXFP8, 2 for bf16)
-//!   instead of the 4-byte master.
+//!   `quantize_square` writes each rectangle's tiles and `narrow_bf16` the bf16 runs (or the
+//!   whole piece in the bf16 runtime format) into a zeroed device buffer, and only those runtime
+//!   bytes are read back for the host collectives (≈1.001 bytes per value for MXFP8, 2 for
+//!   bf16) instead of the 4-byte master.
 
 use std::any::Any;
 
@@ -19,8 +20,7 @@ use burn_cubecl::CubeRuntime;
 use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
 use sshsdp_kernels::{
-    dequantize_plane, narrow_bf16, quantize_plane, widen_bf16, InputDType, KernelError, Plane,
-    PlaneAt,
+    dequantize_square, narrow_bf16, quantize_square, widen_bf16, InputDType, KernelError, SquareAt,
 };
 use sshsdp_plan::Part;
 
@@ -312,9 +312,9 @@ fn encode_on_device<B: Backend, R: CubeRuntime>(
 /// Which way [`run`] converts.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Direction {
-    /// f32 values → runtime bytes (`quantize_plane`, `narrow_bf16`).
+    /// f32 values → runtime bytes (`quantize_square`, `narrow_bf16`).
     Encode,
-    /// Runtime bytes → f32 values (`dequantize_plane`, `widen_bf16`).
+    /// Runtime bytes → f32 values (`dequantize_square`, `widen_bf16`).
     Decode,
 }
 
@@ -334,10 +334,10 @@ fn run<R: CubeRuntime>(
     for &op in ops {
         match (op, direction) {
             (
-                CodecOp::Plane {
-                    row_plane,
+                CodecOp::Square {
                     shape,
                     values: at,
+                    stride,
                     data,
                     scales,
                 },
@@ -345,23 +345,23 @@ fn run<R: CubeRuntime>(
             ) => {
                 if data % 4 != 0 || scales % 4 != 0 {
                     return Err(HsdpError::Failed(format!(
-                        "an MXFP8 plane at bytes {data}/{scales} is not word-aligned"
+                        "an MXFP8 rectangle at bytes {data}/{scales} is not word-aligned"
                     )));
                 }
-                let plane = PlaneAt {
-                    plane: if row_plane { Plane::Row } else { Plane::Col },
+                let square = SquareAt {
                     rows: shape.rows,
                     cols: shape.cols,
                     values_offset: at,
+                    values_stride: stride,
                     data_word: data / 4,
                     scales_word: scales / 4,
                 };
                 match direction {
                     Direction::Encode => {
                         let (dtype, rule) = (InputDType::F32, MX_FORMAT.1);
-                        quantize_plane(client, values, dtype, rule, plane, bytes)
+                        quantize_square(client, values, dtype, rule, square, bytes)
                     }
-                    Direction::Decode => dequantize_plane(client, bytes, plane, values),
+                    Direction::Decode => dequantize_square(client, bytes, square, values),
                 }
                 .map_err(err)?;
             }

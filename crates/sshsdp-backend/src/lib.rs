@@ -42,6 +42,7 @@ mod error;
 mod handle;
 mod ops;
 mod registry;
+mod rng;
 mod runtime;
 mod shard;
 mod storage;
@@ -56,6 +57,7 @@ pub use comm::RUNTIME_LANES;
 pub use config::{CopyMode, HsdpConfig, MixedPrecision, NonFinitePolicy, Precision};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
+pub use rng::{init_seeded, initialise_in_module_order, with_burn_rng, ConcurrentDrawer};
 pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};
 pub use shard::{
     named_params, param_shapes, refresh_leaves, shard, shard_from, shard_with, shard_with_source,

@@ -12,6 +12,14 @@
 //! drawn for the whole module), broadcasts the bucket, and drops its copies; every rank keeps
 //! its runtime shard. No rank holds more than about two buckets besides its shards, and ranks
 //! other than 0 never initialise a lazy parameter at all.
+//!
+//! Initial values come from Burn's process-global RNG at the moment rank 0 draws them, not at
+//! the seed: a thread that seeds or draws between a program's `B::seed` and the end of `shard`
+//! (another test, a data loader, the other ranks of an in-process run that initialise their own
+//! models) changes them. Where anything else may draw in the process, draw the model whole
+//! first with [`crate::init_seeded`] (seed, build, every parameter in module order, under one
+//! process-wide lock that other drawers take through [`crate::with_burn_rng`]), then shard it;
+//! `init_seeded`'s docs say more.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -310,6 +318,11 @@ pub fn refresh_leaves<B: ShardableBackend, M: Module<B>>(module: M) -> M {
 ///
 /// `comm` must be able to cross threads (threads engine, MPI): the runtime's communication
 /// lanes are split from it here. For communicators that cannot (NCCL), use [`shard_with`].
+///
+/// Initialisation order: rank 0 draws lazy parameters here, bucket by bucket in module order,
+/// from Burn's process-global RNG. A seed set before this call fixes them only if nothing else
+/// in the process seeds or draws in between; otherwise pass a module drawn with
+/// [`crate::init_seeded`] (see the module docs).
 pub fn shard<B, M, C>(
     module: M,
     config: HsdpConfig,
@@ -542,14 +555,13 @@ fn read_shard(
         .enumerate()
     {
         for view in views {
-            let at = i * piece_elems + view.master_offset as usize;
-            let range = view.elements.start as usize..view.elements.end as usize;
-            let len = range.len();
-            source.read(
-                &plan.params()[view.param].spec.path,
-                range,
-                &mut out[at..at + len],
-            )?;
+            let path = &plan.params()[view.param].spec.path;
+            for (run, master) in view.runs() {
+                let at = i * piece_elems + master as usize;
+                let range = run.start as usize..run.end as usize;
+                let len = range.len();
+                source.read(path, range, &mut out[at..at + len])?;
+            }
         }
     }
     Ok(out)

@@ -13,8 +13,8 @@
 //!
 //! With device masters the update runs on `B`'s device with no host copy of a master (the
 //! optimizer gets [`crate::PieceValues::Device`]); each piece's runtime units are re-derived on
-//! the device where `B` is a CubeCL backend (MXFP8 planes and bf16 encoded by the band-plane
-//! kernels, `cube_codec.rs`); with device shards they stay there (they become the shard, or are
+//! the device where `B` is a CubeCL backend (square-block MXFP8 tiles and bf16 encoded by the
+//! kernels of `cube_codec.rs`); with device shards they stay there (they become the shard, or are
 //! gathered into it), with host shards only those bytes are read back for the host collectives
 //! that rebuild the shards — about half the master's bytes; elsewhere, and for the f32 format
 //! with host shards, the master's values are read back and encoded on the host
@@ -25,8 +25,9 @@
 //! * `F32`: the runtime elements *are* the fp32 master weights of this rank's piece (updated in
 //!   place) and the gathered buffer becomes the compute tensor as it is.
 //! * `Bf16`: half the bytes in storage and on the wire; the fp32 masters are kept apart.
-//! * `U8`: MXFP8 bytes (E4M3 row- and column-wise planes of 32-row bands, E8M0 scales) and the little-endian bf16 bytes of
-//!   parameters that fell back from MXFP8; the fp32 masters are kept apart.
+//! * `U8`: square-block MXFP8 bytes (E4M3 elements, one E8M0 scale per 32×32 tile) and the
+//!   little-endian bf16 bytes of parameters that fell back from MXFP8; the fp32 masters are kept
+//!   apart.
 //!
 //! Where a parameter sits in these units and how they are encoded from the masters and decoded
 //! for compute is the plan's layout, read by the bucket's [`crate::codec::BucketCodec`].

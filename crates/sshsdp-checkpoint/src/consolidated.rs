@@ -172,12 +172,13 @@ impl StreamWriter {
         let mut slices: BTreeMap<usize, Vec<(Range<usize>, usize, usize)>> = BTreeMap::new();
         for (piece, views) in bucket.views.iter().enumerate() {
             for view in views {
-                let elements = view.elements.start as usize..view.elements.end as usize;
-                slices.entry(view.param).or_default().push((
-                    elements,
-                    piece,
-                    view.master_offset as usize,
-                ));
+                for (run, master) in view.runs() {
+                    slices.entry(view.param).or_default().push((
+                        run.start as usize..run.end as usize,
+                        piece,
+                        master as usize,
+                    ));
+                }
             }
         }
         for param in bucket.params.clone() {
@@ -313,6 +314,11 @@ impl SafetensorsSource {
     /// The file's tensor names.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)
+    }
+
+    /// The shape of the file's tensor for parameter `path` (after [`Self::with_names`]).
+    pub fn shape(&self, path: &str) -> Result<&[usize], String> {
+        self.tensor(path).map(|(_, info)| info.shape.as_slice())
     }
 
     fn tensor(&self, path: &str) -> Result<(String, &TensorInfo), String> {

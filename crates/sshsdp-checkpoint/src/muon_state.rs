@@ -33,7 +33,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
         unit: &UpdateUnit,
         state: Option<EncodedState>,
     ) -> Result<(), CheckpointError> {
-        let (param, len) = (unit.param, unit.in_param.len());
+        let (param, len) = (unit.param, unit.in_piece.len());
         let state = match state {
             None => None,
             Some((mut arrays, scalars)) => Some(match arrays.remove(MUON_MOMENTUM) {

@@ -135,13 +135,34 @@ pub(crate) fn build_shard<B: Backend>(
                     scalars.insert(format!("{}#{STATE}{name}", spec.path), value);
                 }
             }
-            slices.push(SliceEntry {
-                path: spec.path.clone(),
-                shape: spec.shape.clone(),
-                start: unit.in_param.start,
-                end: unit.in_param.end,
-                arrays,
-            });
+            // One slice per row-major run of the unit, each with its part of every array.
+            let mut at = 0;
+            for run in &unit.runs {
+                let part = |array: &Vec<f32>| array.get(at..at + run.len()).map(<[f32]>::to_vec);
+                let arrays = arrays
+                    .iter()
+                    .map(|(name, array)| {
+                        let values = part(array).ok_or_else(|| {
+                            CheckpointError::Runtime(sshsdp_backend::HsdpError::Failed(format!(
+                                "'{}': the optimizer's array '{name}' holds {} values for a \
+                                 slice of {}",
+                                spec.path,
+                                array.len(),
+                                unit.in_piece.len()
+                            )))
+                        })?;
+                        Ok((name.clone(), values))
+                    })
+                    .collect::<Result<_, CheckpointError>>()?;
+                slices.push(SliceEntry {
+                    path: spec.path.clone(),
+                    shape: spec.shape.clone(),
+                    start: run.start,
+                    end: run.end,
+                    arrays,
+                });
+                at += run.len();
+            }
         }
         Ok(())
     })?;
@@ -246,7 +267,24 @@ pub(crate) fn assemble_units<B: Backend>(
     let mut values = Vec::with_capacity(units.len());
     for unit in units {
         let path = &plan.params()[unit.param].spec.path;
-        let mut entry = coverage.assemble_slice(path, unit.in_param.start, unit.in_param.end)?;
+        // The unit's runs, one after the other (the order of its elements in the piece).
+        let mut entry = coverage.assemble_slice(path, unit.runs[0].start, unit.runs[0].end)?;
+        for run in &unit.runs[1..] {
+            let next = coverage.assemble_slice(path, run.start, run.end)?;
+            if next.arrays.len() != entry.arrays.len() {
+                return Err(mismatch(format!(
+                    "'{path}': elements {}..{} hold other arrays than the rest of the slice",
+                    run.start, run.end
+                )));
+            }
+            for (name, values) in next.arrays {
+                entry
+                    .arrays
+                    .get_mut(&name)
+                    .ok_or_else(|| mismatch(format!("'{path}': no array '{name}' elsewhere")))?
+                    .extend(values);
+            }
+        }
         let master = entry
             .arrays
             .remove(MASTER)

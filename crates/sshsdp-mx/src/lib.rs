@@ -60,6 +60,7 @@ mod plane;
 mod scale;
 mod shape;
 mod simd;
+mod square;
 mod tile;
 mod tiled;
 
@@ -70,6 +71,7 @@ pub use input::MxInput;
 pub use plane::{decode_cols, decode_rows, encode_cols, encode_rows};
 pub use scale::{scale_byte, scale_to_f32, SCALE_MAX, SCALE_NAN, SCALE_ZERO_BLOCK};
 pub use shape::{round_up32, tiled_bytes, MxShape};
+pub use square::{decode_square, encode_square};
 pub use tiled::{
     decode_tiled, decode_tiled_range, encode_tiled, encode_tiled_range, Plane, TILE_COL_DATA,
     TILE_COL_SCALES, TILE_ROW_DATA, TILE_ROW_SCALES,

@@ -319,8 +319,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                 let offsets = dense_offsets(&split, plan);
                 let mut buf = vec![0f32; offsets.1];
                 for (unit, u) in mine {
-                    let at = offsets.0[&unit.param] + unit.in_param.start;
-                    buf[at..at + u.len()].copy_from_slice(u);
+                    let base = offsets.0[&unit.param];
+                    let at = unit.param_indices().map(|i| base + i);
+                    at.zip(u).for_each(|(at, &x)| buf[at] = x);
                 }
                 let all = group.all_reduce_sum(buf)?;
                 Ok(split
@@ -364,7 +365,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                 }
                 let mut expect = vec![0; group.pieces()];
                 for (unit, _) in mine {
-                    expect[owner(plan, unit.param)?] += unit.in_param.len();
+                    expect[owner(plan, unit.param)?] += unit.in_piece.len();
                 }
                 count_exchange(stats, &back, &expect, me);
                 let got = group.exchange(back, &expect)?;
@@ -372,8 +373,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                 mine.iter()
                     .map(|(unit, _)| {
                         let o = owner(plan, unit.param)?;
-                        let rows = got[o][at[o]..at[o] + unit.in_param.len()].to_vec();
-                        at[o] += unit.in_param.len();
+                        let rows = got[o][at[o]..at[o] + unit.in_piece.len()].to_vec();
+                        at[o] += unit.in_piece.len();
                         Ok(rows)
                     })
                     .collect()
@@ -390,7 +391,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                     .iter()
                     .map(|(unit, _)| {
                         let at = offsets.0[&unit.param];
-                        all[at + unit.in_param.start..at + unit.in_param.end].to_vec()
+                        unit.param_indices().map(|i| all[at + i]).collect()
                     })
                     .collect())
             }
@@ -551,7 +552,8 @@ fn split_matrices(plan: &sshsdp_plan::Plan, pieces: usize) -> Vec<SplitMatrix> {
                     views[q]
                         .iter()
                         .filter(|v| v.param == i)
-                        .map(move |v| (q, v.elements.start as usize..v.elements.end as usize))
+                        .flat_map(|v| v.runs())
+                        .map(move |(run, _)| (q, run.start as usize..run.end as usize))
                 })
                 .collect();
             SplitMatrix {

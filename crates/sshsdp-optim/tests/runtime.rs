@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, SgdConfig};
-use common::{batches, rows, with_rng, TinyLm};
+use common::{batches, rows, TinyLm};
 use sshsdp_backend::{
-    chrome_trace, named_params, refresh_leaves, shard, CopyMode, Hsdp, HsdpConfig, HsdpError,
-    Placement, Track,
+    chrome_trace, named_params, refresh_leaves, shard, with_burn_rng, CopyMode, Hsdp, HsdpConfig,
+    HsdpError, Placement, Track,
 };
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
@@ -21,7 +21,7 @@ type Inner = NdArray<f32>;
 type B = Autodiff<Hsdp<Inner>>;
 
 fn model() -> TinyLm<B> {
-    with_rng(|| {
+    with_burn_rng(|| {
         let m = TinyLm::new(&Default::default());
         named_params(&m).unwrap();
         m

@@ -1,29 +1,29 @@
 //! Runtime formats and the byte sizes of a parameter's encoding in each.
 //!
 //! * `F32` / `Bf16`: the parameter's elements in row-major order, 4 or 2 bytes each.
-//! * `Mxfp8`: the parameter's 2-D view `[rows, cols]` (its last dimension is `cols`) as a run of
-//!   **bands** of [`MX_BAND`] = 32 rows (the last one may be shorter). A band is encoded as two
-//!   planes (OCP MX, E4M3 elements with one E8M0 scale per block of 32):
-//!   the *row-wise* plane (blocks of 32 along columns: `rows · cols_p` data bytes and
-//!   `rows · cols_p / 32` scales, `cols_p` = `cols` rounded up to 32), which backward's
-//!   `dy · Wᵀ` consumes, and the *column-wise* plane (blocks of 32 along rows, stored transposed:
-//!   `cols · rows_p` data bytes and `cols · rows_p / 32` scales), which forward's `x · W`
-//!   consumes. These are exactly `sshsdp-mx`'s `encode_rows` / `encode_cols` of the band, and a
-//!   band's blocks are exactly the whole matrix's blocks, so the encoded values do not depend on
-//!   where a matrix is cut into bands (a facade test checks the sizes against `sshsdp-mx`).
+//! * `Mxfp8`: **square-block** MXFP8 of the parameter's 2-D view `[rows, cols]` (its last
+//!   dimension is `cols`): E4M3 elements, one byte each, and one E8M0 scale (RCEIL) per 32×32
+//!   tile of the view padded to multiples of 32 — `rows · cols + ⌈rows/32⌉·⌈cols/32⌉` bytes,
+//!   ≈ 1 + 1/1024 per element, about half of bf16 ([`crate::tiles`], `sshsdp-mx`'s
+//!   `encode_square`). A tile's scale covers every 1×32 block (what backward's `dy · Wᵀ`
+//!   contracts over) and every 32×1 block (forward's `x · W`) inside it, so this one encoding
+//!   serves both passes: forward and backward see the same quantised weights, and one copy is
+//!   gathered whether or not buckets are resharded after forward. Cutting at tile edges is what
+//!   lets the owner of a run of tiles re-derive them from its own fp32 masters.
 //!
-//!   Cutting at band edges is what lets the owner of a run of bands re-derive both planes from
-//!   its own fp32 master rows: a column-wise block needs 32 rows, which any finer cut would
-//!   split.
+//!   The finer 1×32 two-plane layout (a row-wise plane for backward, a column-wise one for
+//!   forward: 2.06 bytes per element, more than bf16) is retired from the runtime: it moved
+//!   more bytes than bf16 whenever a bucket was kept through backward, and its per-element
+//!   fidelity gain did not show in training (docs/MXFP8.md has the measurements and the rule).
+//!   `sshsdp-mx` keeps both codecs.
 
 use serde::{Deserialize, Serialize};
 
+use crate::tiles::TileGrid;
 use crate::ParamSpec;
 
 /// Elements per MX scaling block.
 pub const MX_BLOCK: u64 = 32;
-/// Rows of an MXFP8 band: the height of a column-wise block, the finest cut of an MXFP8 matrix.
-pub const MX_BAND: u64 = 32;
 
 /// Format of the runtime parameters that kernels consume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -32,7 +32,7 @@ pub enum RuntimeFormat {
     F32,
     /// bfloat16.
     Bf16,
-    /// MXFP8 (E4M3 elements, E8M0 scales), row-wise and column-wise planes of 32-row bands.
+    /// Square-block MXFP8: E4M3 elements, one E8M0 scale per 32×32 tile.
     Mxfp8,
 }
 
@@ -47,39 +47,25 @@ impl RuntimeFormat {
     }
 }
 
-/// Bytes of the row-wise plane (data and scales) of a `rows × cols` run of an MXFP8 matrix.
-pub fn mx_row_plane_bytes(rows: u64, cols: u64) -> u64 {
-    let cols_p = cols.next_multiple_of(MX_BLOCK);
-    rows * cols_p + rows * (cols_p / MX_BLOCK)
-}
-
-/// Bytes of the column-wise plane (data and scales) of a `rows × cols` run of an MXFP8 matrix.
-pub fn mx_col_plane_bytes(rows: u64, cols: u64) -> u64 {
-    let rows_p = rows.next_multiple_of(MX_BLOCK);
-    cols * rows_p + cols * (rows_p / MX_BLOCK)
-}
-
-/// Bytes of both planes of one full band of a matrix with `cols` columns.
-pub fn mx_band_bytes(cols: u64) -> u64 {
-    mx_row_plane_bytes(MX_BAND, cols) + mx_col_plane_bytes(MX_BAND, cols)
-}
-
-/// Bytes a parameter's runtime encoding takes in `format` (both planes for MXFP8).
+/// Bytes a parameter's runtime encoding takes in `format` (elements and tile scales for
+/// MXFP8).
 pub fn encoded_bytes(spec: &ParamSpec, format: RuntimeFormat) -> u64 {
     match format.element_bytes() {
         Some(size) => spec.numel() * size,
         None => {
             let (rows, cols) = spec.matrix_dims();
-            mx_row_plane_bytes(rows, cols) + mx_col_plane_bytes(rows, cols)
+            TileGrid::new(rows, cols).encoded_bytes()
         }
     }
 }
 
 /// The format a parameter gets when `requested` is asked for, and why it fell back if it did.
 ///
-/// MXFP8 needs a parameter with at least two dimensions whose block padding stays within
-/// `mx_max_padding`: the larger plane's padded elements (`rows · cols_p` or `rows_p · cols`)
-/// over the real ones, minus one. Other parameters fall back to bf16.
+/// MXFP8 needs a parameter with at least two dimensions whose tile padding stays within
+/// `mx_max_padding`: the elements of its tiles, both dimensions padded to 32
+/// (`rows_p · cols_p`), over the real ones, minus one. The padding is never stored, but a
+/// partial tile shares one scale among fewer values and an MX GEMM would pad it. Other
+/// parameters fall back to bf16.
 pub fn resolve_format(
     spec: &ParamSpec,
     requested: RuntimeFormat,
@@ -98,14 +84,13 @@ pub fn resolve_format(
         );
     }
     let (rows, cols) = spec.matrix_dims();
-    let padded =
-        (rows * cols.next_multiple_of(MX_BLOCK)).max(rows.next_multiple_of(MX_BLOCK) * cols);
+    let padded = rows.next_multiple_of(MX_BLOCK) * cols.next_multiple_of(MX_BLOCK);
     let overhead = padded as f64 / spec.numel() as f64 - 1.0;
     if overhead > mx_max_padding {
         return (
             RuntimeFormat::Bf16,
             Some(format!(
-                "{rows}x{cols} pads to {:.1}% more elements in blocks of 32 (limit {:.1}%)",
+                "{rows}x{cols} pads to {:.1}% more elements in 32x32 tiles (limit {:.1}%)",
                 overhead * 100.0,
                 mx_max_padding * 100.0
             )),
@@ -130,30 +115,25 @@ mod tests {
         let (f, why) = resolve_format(&thin, RuntimeFormat::Mxfp8, 0.125);
         assert_eq!(f, RuntimeFormat::Bf16);
         assert!(why.unwrap().contains("pads"));
+        // Both dimensions' padding counts: 40 x 40 pads to 64 x 64 (2.56x), 33 x 64 to 64 x 64.
+        let square = ParamSpec::new("w", vec![40, 40], DType::F32);
+        assert_eq!(
+            resolve_format(&square, RuntimeFormat::Mxfp8, 1.5).0,
+            RuntimeFormat::Bf16
+        );
+        assert_eq!(
+            resolve_format(&square, RuntimeFormat::Mxfp8, 1.6).0,
+            RuntimeFormat::Mxfp8
+        );
         let m = ParamSpec::new("w", vec![256, 512], DType::F32);
         assert_eq!(
             resolve_format(&m, RuntimeFormat::Mxfp8, 0.125),
             (RuntimeFormat::Mxfp8, None)
         );
-        // 256 x 512: both planes hold every element once plus one scale per 32.
-        assert_eq!(encoded_bytes(&m, RuntimeFormat::Mxfp8), 2 * 33 * 256 * 16);
+        // 256 x 512: one byte per element, one scale per 32 x 32 tile.
+        assert_eq!(encoded_bytes(&m, RuntimeFormat::Mxfp8), 256 * 512 + 8 * 16);
         assert_eq!(encoded_bytes(&m, RuntimeFormat::Bf16), 256 * 512 * 2);
-        assert_eq!(mx_band_bytes(96), 33 * (96 + 96));
-    }
-
-    #[test]
-    fn band_sizes_add_up_to_the_matrix() {
-        for (rows, cols) in [(1, 1), (33, 7), (64, 65), (100, 100), (32, 32), (70, 200)] {
-            let full = mx_row_plane_bytes(rows, cols);
-            let bands: u64 = (0..rows.div_ceil(MX_BAND))
-                .map(|i| mx_row_plane_bytes((rows - i * MX_BAND).min(MX_BAND), cols))
-                .sum();
-            assert_eq!(bands, full, "row planes of {rows}x{cols}");
-            let full = mx_col_plane_bytes(rows, cols);
-            let bands: u64 = (0..rows.div_ceil(MX_BAND))
-                .map(|i| mx_col_plane_bytes((rows - i * MX_BAND).min(MX_BAND), cols))
-                .sum();
-            assert_eq!(bands, full, "column planes of {rows}x{cols}");
-        }
+        let odd = ParamSpec::new("w", vec![70, 96], DType::F32);
+        assert_eq!(encoded_bytes(&odd, RuntimeFormat::Mxfp8), 70 * 96 + 3 * 3);
     }
 }

@@ -14,34 +14,39 @@
 //!   offset aligned to `align_bytes`; the element space is the byte space divided by the element
 //!   size, so the gathered buffer *is* the compute buffer (f32) or is widened once (bf16), and
 //!   the pieces cut it every `piece_bytes` (a multiple of 32 bytes: never inside an element).
-//! * **Banded** (MXFP8): an MXFP8 parameter is a run of 32-row bands ([`crate::format`]), a
-//!   parameter that fell back to bf16 a run of bf16 elements. The bucket is cut at the ideal
-//!   positions `i · total / pieces` moved to the nearest band (or element) edge, so pieces
-//!   differ by at most one band and most matrices stay whole in one piece (which keeps Muon's
-//!   orthogonalisation local). A piece's bytes are three [`Section`]s, each padded to the
-//!   largest piece's: row-wise planes, bf16 runs, column-wise planes; every view's bytes in a
-//!   section start on a 32-byte boundary (a plane's data, then its scales, then zero padding),
-//!   so device kernels address them by whole words. Forward decodes the
-//!   column-wise planes and bf16, backward the row-wise planes and bf16, so a pass can gather
-//!   only its own sections ([`Part`]). Elements sit one piece after the other (each piece padded
-//!   to the largest), and the decoded compute buffer holds the parameters back to back, each starting on
-//!   `align_bytes`.
+//! * **Tiled** (MXFP8): a square-block MXFP8 parameter is a run of 32×32 tiles in band-major
+//!   order ([`crate::tiles`]: one E8M0 scale per tile, one copy that forward and backward both
+//!   decode), a parameter that fell back to bf16 a run of bf16 elements. The bucket is cut at
+//!   the ideal positions `i · total / pieces` moved to the nearest tile (or element) edge, so
+//!   pieces differ by at most one tile and the owner of a piece holds whole tiles (a tile's
+//!   scale needs all its values). A piece's part of a matrix is then up to three rectangles
+//!   ([`UpdateView::rects`]); its fp32 elements are those rectangles' elements in the matrix's
+//!   row-major order ([`UpdateView::runs`]). Every view's bytes sit one after the other in the
+//!   piece's one section, each rectangle's data and scales starting on a 4-byte word (device
+//!   kernels write whole words, so no two views share one). Elements sit one piece after the
+//!   other (each piece padded to the largest), and the decoded compute buffer holds the
+//!   parameters back to back, each starting on `align_bytes`.
+//!
+//! The [`Section`]s and [`Part`]s below are what a format with per-pass planes would gather
+//! separately; the formats of this plan keep everything in [`Section::Linear`] (one copy serves
+//! both passes), so a gather always moves [`Part::All`].
 
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use crate::format::{self, mx_band_bytes, mx_col_plane_bytes, mx_row_plane_bytes, MX_BAND};
+use crate::format;
+use crate::tiles::{Rect, TileGrid};
 use crate::{ParamSpec, PlanConfig, RuntimeFormat, MX_BLOCK};
 
 /// One of the three sections of a piece's runtime bytes (in this order in the piece).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Section {
-    /// MXFP8 row-wise planes (decoded for backward).
+    /// Bytes decoded for backward only (no format of this plan has any).
     Row,
-    /// Linear elements: f32 or bf16 (decoded for both passes).
+    /// Bytes decoded for both passes: f32 or bf16 elements, square-block MXFP8 tiles.
     Linear,
-    /// MXFP8 column-wise planes (decoded for forward).
+    /// Bytes decoded for forward only (no format of this plan has any).
     Col,
 }
 
@@ -74,11 +79,33 @@ pub enum Encoding {
     F32,
     /// Little-endian bf16 elements.
     Bf16,
-    /// MXFP8 bands of a matrix with `cols` columns (row-wise and column-wise planes).
+    /// Square-block MXFP8 of the parameter's 2-D view: E4M3 elements, one E8M0 scale per
+    /// 32×32 tile ([`crate::tiles`]).
     Mxfp8 {
+        /// Rows of the parameter's 2-D view.
+        rows: u64,
         /// Columns of the parameter's 2-D view.
         cols: u64,
     },
+}
+
+impl Encoding {
+    /// The tiles of a square-block MXFP8 parameter (`None` for f32 and bf16).
+    pub fn grid(self) -> Option<TileGrid> {
+        match self {
+            Encoding::Mxfp8 { rows, cols } => Some(TileGrid::new(rows, cols)),
+            _ => None,
+        }
+    }
+}
+
+/// Which elements of its parameter a view holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Span {
+    /// A row-major run of elements (f32 and bf16 encodings).
+    Elements(Range<u64>),
+    /// A run of the parameter's 32×32 tiles in band-major order (square-block MXFP8).
+    Tiles(Range<u64>),
 }
 
 /// The part of one parameter that one piece holds: what that piece's owner updates and
@@ -93,22 +120,68 @@ pub struct UpdateView {
     pub piece: usize,
     /// How the elements are encoded.
     pub encoding: Encoding,
-    /// Elements of the parameter (row-major): whole rows of whole bands for MXFP8.
-    pub elements: Range<u64>,
+    /// Which elements of the parameter (a row-major run, or whole tiles for MXFP8).
+    pub span: Span,
     /// Position of the first element in the piece's fp32 elements (master and gradient).
     pub master_offset: u64,
-    /// Bytes in the piece's row-wise section (MXFP8; empty otherwise).
+    /// Bytes in the piece's row-wise section (always empty: no per-pass planes).
     pub row: Range<u64>,
-    /// Bytes in the piece's linear section (f32/bf16; empty for MXFP8).
+    /// Bytes in the piece's linear section: its elements or tiles.
     pub linear: Range<u64>,
-    /// Bytes in the piece's column-wise section (MXFP8; empty otherwise).
+    /// Bytes in the piece's column-wise section (always empty: no per-pass planes).
     pub col: Range<u64>,
 }
 
 impl UpdateView {
     /// Number of elements.
     pub fn len(&self) -> u64 {
-        self.elements.end - self.elements.start
+        match (&self.span, self.encoding.grid()) {
+            (Span::Tiles(t), Some(grid)) => {
+                grid.elements_before(t.end) - grid.elements_before(t.start)
+            }
+            (Span::Elements(e), _) => e.end - e.start,
+            (Span::Tiles(_), None) => 0,
+        }
+    }
+
+    /// Its elements as ascending row-major runs of the parameter, each with its position in
+    /// the piece's fp32 elements (masters, gradients): the runs lie one after the other from
+    /// `master_offset` on. One run for f32 and bf16 views; for MXFP8 up to one per row of the
+    /// partial bands it holds ([`crate::tiles`]).
+    pub fn runs(&self) -> Vec<(Range<u64>, u64)> {
+        let runs = match (&self.span, self.encoding.grid()) {
+            (Span::Tiles(t), Some(grid)) => grid.runs(t.clone()),
+            (Span::Elements(e), _) => vec![e.clone()],
+            (Span::Tiles(_), None) => Vec::new(),
+        };
+        let mut at = self.master_offset;
+        runs.into_iter()
+            .map(|run| {
+                let placed = (run.clone(), at);
+                at += run.end - run.start;
+                placed
+            })
+            .collect()
+    }
+
+    /// The rectangles of a square-block MXFP8 view (row-major, in order; see
+    /// [`crate::tiles`]), each with where its data and its scales start in the piece's linear
+    /// section: its fp32 elements are the rectangles' elements one after the other. Empty for
+    /// f32 and bf16 views.
+    pub fn rects(&self) -> Vec<(Rect, u64, u64)> {
+        let (Span::Tiles(t), Some(grid)) = (&self.span, self.encoding.grid()) else {
+            return Vec::new();
+        };
+        let mut at = self.linear.start;
+        grid.rects(t.clone())
+            .into_iter()
+            .map(|rect| {
+                let data = at;
+                let scales = (data + rect.len()).next_multiple_of(WORD);
+                at = (scales + (rect.encoded_bytes() - rect.len())).next_multiple_of(WORD);
+                (rect, data, scales)
+            })
+            .collect()
     }
 
     /// Whether the view holds no element (never in a plan).
@@ -138,14 +211,19 @@ impl UpdateView {
     /// scales).
     pub fn encoded_bytes(&self, section: Section) -> u64 {
         match (self.encoding, section) {
-            (Encoding::Mxfp8 { cols }, Section::Row) => mx_row_plane_bytes(self.len() / cols, cols),
-            (Encoding::Mxfp8 { cols }, Section::Col) => mx_col_plane_bytes(self.len() / cols, cols),
+            (Encoding::Mxfp8 { .. }, Section::Linear) => {
+                self.rects().iter().map(|(r, _, _)| r.encoded_bytes()).sum()
+            }
             (Encoding::F32, Section::Linear) => 4 * self.len(),
             (Encoding::Bf16, Section::Linear) => 2 * self.len(),
             _ => 0,
         }
     }
 }
+
+/// The alignment of every view's (and every rectangle's data and scales') bytes in a tiled
+/// bucket: device kernels write whole 4-byte words.
+const WORD: u64 = 4;
 
 /// One collective's worth of parameters and the geometry of its buffers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -215,7 +293,7 @@ pub struct PlannedParam {
     pub bucket: usize,
     /// Its first element in the bucket's decoded compute buffer.
     pub compute_offset: u64,
-    /// Bytes of its runtime encoding (both planes for MXFP8).
+    /// Bytes of its runtime encoding (elements and tile scales for MXFP8).
     pub runtime_bytes: u64,
     /// For `Matrix` parameters, the piece whose ranks run its Newton–Schulz (owner-compute).
     pub ns_owner: Option<usize>,
@@ -230,9 +308,10 @@ impl PlannedParam {
         match self.format {
             RuntimeFormat::F32 => Encoding::F32,
             RuntimeFormat::Bf16 => Encoding::Bf16,
-            RuntimeFormat::Mxfp8 => Encoding::Mxfp8 {
-                cols: self.spec.matrix_dims().1,
-            },
+            RuntimeFormat::Mxfp8 => {
+                let (rows, cols) = self.spec.matrix_dims();
+                Encoding::Mxfp8 { rows, cols }
+            }
         }
     }
 }
@@ -270,7 +349,7 @@ pub(crate) fn place(
         let members = &mut params[first..];
         let bucket = match config.runtime_format.element_bytes() {
             Some(size) => linear(members, first, b, config.align_bytes, size, pieces),
-            None => banded(members, first, b, config.align_bytes, pieces),
+            None => tiled(members, first, b, config.align_bytes, pieces),
         };
         buckets.push(bucket);
     }
@@ -329,7 +408,7 @@ fn linear(
                         bucket: b,
                         piece,
                         encoding,
-                        elements: s - a..e - a,
+                        span: Span::Elements(s - a..e - a),
                         master_offset: s - lo,
                         row: 0..0,
                         linear: (s - lo) * size..(e - lo) * size,
@@ -350,42 +429,54 @@ fn linear(
     }
 }
 
-/// A parameter of a banded bucket as a run of atoms (bands or bf16 elements).
+/// A parameter of a tiled bucket as a run of atoms: tiles (square-block MXFP8) or bf16
+/// elements, laid back to back by their encoded bytes.
 struct Run {
     encoding: Encoding,
-    atoms: u64,
     /// Its first byte when the bucket's atoms are laid back to back.
     first: u64,
-    numel: u64,
+    /// Its encoded bytes.
+    bytes: u64,
 }
 
 impl Run {
-    /// Bytes of one atom: a full band's two planes, or one bf16 element.
-    fn atom_bytes(&self) -> u64 {
-        match self.encoding {
-            Encoding::Mxfp8 { cols } => mx_band_bytes(cols),
-            _ => 2,
+    fn end(&self) -> u64 {
+        self.first + self.bytes
+    }
+
+    /// Encoded bytes of atoms `0..a`.
+    fn bytes_before(&self, a: u64) -> u64 {
+        match self.encoding.grid() {
+            Some(grid) => grid.bytes_before(a),
+            None => 2 * a,
         }
     }
 
-    fn end(&self) -> u64 {
-        self.first + self.atoms * self.atom_bytes()
+    /// The atom edge nearest `bytes` into the run (the lower one on a tie).
+    fn nearest_edge(&self, bytes: u64) -> u64 {
+        match self.encoding.grid() {
+            Some(grid) => grid.nearest_edge(bytes),
+            None => (bytes / 2).min(self.bytes / 2),
+        }
     }
 
-    /// Elements of atoms `[a0, a1)`.
-    fn elements(&self, a0: u64, a1: u64) -> Range<u64> {
+    /// The atom edge at bucket position `at` (a cut: an atom edge of some run), clamped to
+    /// the run.
+    fn edge_at(&self, at: u64) -> u64 {
+        self.nearest_edge(at.clamp(self.first, self.end()) - self.first)
+    }
+
+    fn span(&self, a0: u64, a1: u64) -> Span {
         match self.encoding {
-            Encoding::Mxfp8 { cols } => {
-                (a0 * MX_BAND * cols).min(self.numel)..(a1 * MX_BAND * cols).min(self.numel)
-            }
-            _ => a0..a1,
+            Encoding::Mxfp8 { .. } => Span::Tiles(a0..a1),
+            _ => Span::Elements(a0..a1),
         }
     }
 }
 
-/// The banded layout of one bucket of an MXFP8 plan (see the module docs); parameters start on
+/// The tiled layout of one bucket of an MXFP8 plan (see the module docs); parameters start on
 /// `align` bytes of the decoded (f32) compute buffer.
-fn banded(
+fn tiled(
     members: &mut [PlannedParam],
     first: usize,
     b: usize,
@@ -395,88 +486,77 @@ fn banded(
     let mut runs = Vec::with_capacity(members.len());
     let (mut total, mut compute) = (0u64, 0u64);
     for p in members.iter_mut() {
-        let numel = p.spec.numel();
         let encoding = match p.format {
             RuntimeFormat::Mxfp8 => p.encoding(),
             // An MXFP8 plan's fallbacks are bf16; a linear format never reaches here.
             _ => Encoding::Bf16,
         };
-        let atoms = match encoding {
-            Encoding::Mxfp8 { .. } => p.spec.matrix_dims().0.div_ceil(MX_BAND),
-            _ => numel,
+        let bytes = match encoding.grid() {
+            Some(grid) => grid.encoded_bytes(),
+            None => 2 * p.spec.numel(),
         };
-        let run = Run {
+        runs.push(Run {
             encoding,
-            atoms,
             first: total,
-            numel,
-        };
-        total = run.end();
-        runs.push(run);
+            bytes,
+        });
+        total += bytes;
         p.compute_offset = compute.next_multiple_of(align / 4);
-        compute = p.compute_offset + numel;
+        compute = p.compute_offset + p.spec.numel();
     }
     // Cuts at `i · total / pieces`, moved to the nearest atom edge.
     let cut = |ideal: u64| -> u64 {
         match runs.iter().find(|r| ideal < r.end()) {
             None => total,
-            Some(r) => {
-                let atom = r.atom_bytes();
-                r.first + (ideal - r.first + atom / 2) / atom * atom
-            }
+            Some(r) => r.first + r.bytes_before(r.nearest_edge(ideal - r.first)),
         }
     };
     let cuts: Vec<u64> = (0..=pieces as u64)
-        .map(|i| cut(i * total / pieces as u64))
+        .map(|i| cut((u128::from(i) * u128::from(total) / pieces as u128) as u64))
         .collect();
     let mut views: Vec<Vec<UpdateView>> = vec![Vec::new(); pieces];
-    let (mut sections, mut piece_elements) = ([0u64; 3], 0u64);
+    let (mut piece_bytes, mut piece_elements) = (0u64, 0u64);
     for (piece, list) in views.iter_mut().enumerate() {
         let (lo, hi) = (cuts[piece], cuts[piece + 1]);
-        let (mut master_offset, mut used) = (0u64, [0u64; 3]);
+        let (mut master_offset, mut used) = (0u64, 0u64);
         for (k, r) in runs.iter().enumerate() {
-            let atom = r.atom_bytes();
-            let a0 = (lo.max(r.first) - r.first).div_ceil(atom).min(r.atoms);
-            let a1 = (hi.max(r.first) - r.first).div_ceil(atom).min(r.atoms);
+            if hi <= r.first || lo >= r.end() {
+                continue;
+            }
+            let (a0, a1) = (r.edge_at(lo), r.edge_at(hi));
             if a0 >= a1 {
                 continue;
             }
-            let elements = r.elements(a0, a1);
-            let len = elements.end - elements.start;
-            let mut sizes = [0u64; 3];
-            match r.encoding {
-                Encoding::Mxfp8 { cols } => {
-                    sizes[Section::Row as usize] = mx_row_plane_bytes(len / cols, cols);
-                    sizes[Section::Col as usize] = mx_col_plane_bytes(len / cols, cols);
-                }
-                _ => sizes[Section::Linear as usize] = 2 * len,
-            }
-            // Every view's bytes start on a 32-byte boundary of their section, so a device
-            // kernel addresses each plane's data and scales by whole words.
-            let sizes = sizes.map(|n| n.next_multiple_of(MX_BLOCK));
-            let at = |s: Section| used[s as usize]..used[s as usize] + sizes[s as usize];
-            list.push(UpdateView {
+            let mut view = UpdateView {
                 param: first + k,
                 bucket: b,
                 piece,
                 encoding: r.encoding,
-                elements,
+                span: r.span(a0, a1),
                 master_offset,
-                row: at(Section::Row),
-                linear: at(Section::Linear),
-                col: at(Section::Col),
-            });
-            (0..3).for_each(|i| used[i] += sizes[i]);
-            master_offset += len;
+                row: 0..0,
+                linear: used..used,
+                col: 0..0,
+            };
+            // Each rectangle's data and scales start on a word; the view ends on one.
+            let end = match view.rects().last() {
+                Some((rect, _, scales)) => scales + (rect.encoded_bytes() - rect.len()),
+                None => used + 2 * view.len(),
+            };
+            view.linear = used..end.next_multiple_of(WORD);
+            used = view.linear.end;
+            master_offset += view.len();
+            list.push(view);
         }
-        (0..3).for_each(|i| sections[i] = sections[i].max(used[i]));
+        piece_bytes = piece_bytes.max(used);
         piece_elements = piece_elements.max(master_offset);
     }
+    let piece_bytes = piece_bytes.next_multiple_of(MX_BLOCK).max(MX_BLOCK);
     Bucket {
         params: first..first + members.len(),
         used_bytes: total,
-        piece_bytes: sections.iter().sum(),
-        sections,
+        piece_bytes,
+        sections: [0, piece_bytes, 0],
         piece_elements,
         compute_elements: compute,
         views,

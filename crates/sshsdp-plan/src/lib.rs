@@ -8,12 +8,12 @@
 //! * the **runtime layout**, the one every part of the system reads (runtime storage, gathers,
 //!   gradients, optimizers, checkpoints, projection) — each bucket's buffer cut into equal
 //!   **pieces**, one per rank of the update group, with the exact bytes each piece stores and
-//!   gathers: f32/bf16 elements linearly, MXFP8 as row-wise plane | bf16 | column-wise plane
-//!   sections of 32-row bands (see [`format`] and [`Bucket`]); a runtime shard is a run of
-//!   consecutive pieces (all-gathered over the shard group);
+//!   gathers: f32/bf16 elements linearly, square-block MXFP8 as runs of 32×32 tiles cut at tile
+//!   edges (see [`format`], [`tiles`] and [`Bucket`]); a runtime shard is a run of consecutive
+//!   pieces (all-gathered over the shard group);
 //! * the **update layout** — each piece owns the fp32 master elements whose runtime bytes it
-//!   holds ([`UpdateView`]: a contiguous run of one parameter), so the owner re-derives its own
-//!   runtime bytes in place;
+//!   holds ([`UpdateView`]: a row-major run of one parameter, or whole tiles of a matrix), so
+//!   the owner re-derives its own runtime bytes in place;
 //! * **Newton–Schulz owners** — each `Matrix` is orthogonalised on exactly one piece: the one
 //!   holding it whole when there is one, otherwise the least-loaded piece (LPT by the
 //!   iteration's FLOPs, [`newton_schulz_cost`]);
@@ -39,14 +39,12 @@ mod plan;
 pub mod presets;
 pub mod projection;
 mod spec;
+pub mod tiles;
 
 pub use config::{OptimizerFootprint, PlanConfig, Sharding, MAX_ALIGN_BYTES, MAX_STATE_BYTES};
 pub use error::PlanError;
-pub use format::{
-    encoded_bytes, mx_band_bytes, mx_col_plane_bytes, mx_row_plane_bytes, resolve_format,
-    RuntimeFormat, MX_BAND, MX_BLOCK,
-};
-pub use layout::{Bucket, Encoding, Part, PlannedParam, Section, UpdateView};
+pub use format::{encoded_bytes, resolve_format, RuntimeFormat, MX_BLOCK};
+pub use layout::{Bucket, Encoding, Part, PlannedParam, Section, Span, UpdateView};
 pub use memory::{MemoryReport, RankMemory};
 pub use mesh::{Mesh, MAX_WORLD_SIZE};
 pub use owners::newton_schulz_cost;

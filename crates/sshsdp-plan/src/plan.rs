@@ -13,12 +13,13 @@ use crate::mesh::check_index;
 use crate::owners;
 use crate::{format, spec, Mesh, ParamSpec, PlanConfig, PlanError, Role, Sharding};
 
-/// Version of the plan algorithm and its serialized form; part of the fingerprint.
-pub const PLAN_VERSION: u32 = 2;
+/// Version of the plan algorithm and its serialized form; part of the fingerprint. Version 3:
+/// square-block MXFP8 tiles cut at tile edges (version 2 had two 1×32 planes of 32-row bands).
+pub const PLAN_VERSION: u32 = 3;
 
 /// The most elements all parameters of a plan may hold together: 2^48 (a hundred times the
-/// largest models), so that every byte count the layout derives from them (up to 66 bytes per
-/// element for MXFP8's padded planes, plus alignment) fits 64 bits.
+/// largest models), so that every byte count the layout derives from them (at most 4 bytes per
+/// element, plus tile scales and alignment) fits 64 bits.
 pub const MAX_TOTAL_ELEMENTS: u64 = 1 << 48;
 
 /// The most `pieces × parameters` a plan may lay out: 2^24, e.g. 16384 ranks × 1024
@@ -409,8 +410,15 @@ impl Plan {
         let file: PlanFile =
             serde_json::from_str(json).map_err(|e| PlanError::Corrupt(e.to_string()))?;
         if file.version != PLAN_VERSION {
+            let why = if file.version < PLAN_VERSION {
+                "it was written by an older build; this one lays MXFP8 out as square-block \
+                 32x32 tiles cut at tile edges, no longer as 1x32 planes of 32-row bands"
+            } else {
+                "it was written by a newer build"
+            };
             return Err(PlanError::Corrupt(format!(
-                "plan version {} is not supported (this build reads {PLAN_VERSION})",
+                "plan version {} is not supported (this build reads version {PLAN_VERSION}): \
+                 {why}",
                 file.version
             )));
         }

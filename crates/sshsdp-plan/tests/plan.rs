@@ -2,8 +2,8 @@
 //! and the saved form.
 
 use sshsdp_plan::{
-    mx_col_plane_bytes, mx_row_plane_bytes, DType, Mesh, ParamSpec, Plan, PlanConfig, PlanError,
-    Role, RuntimeFormat, Section, Sharding,
+    DType, Mesh, ParamSpec, Plan, PlanConfig, PlanError, Role, RuntimeFormat, Section, Sharding,
+    Span,
 };
 
 fn tiny_model() -> Vec<ParamSpec> {
@@ -55,12 +55,12 @@ fn exact_bf16_layout_on_two_ranks() {
     // second norm.
     let views = plan.piece_views(3, 1).unwrap();
     assert_eq!(views.len(), 2);
-    assert_eq!(views[0].elements, 2048..4096);
+    assert_eq!(views[0].span, Span::Elements(2048..4096));
     assert_eq!(views[0].master_offset, 0);
     assert_eq!(views[0].linear, 0..4096);
     // The second norm sits at element 4160 of the bucket, 4160 − 2112 into piece 1.
     assert_eq!(views[1].master_offset, 2048);
-    assert_eq!(views[1].elements, 0..64);
+    assert_eq!(views[1].span, Span::Elements(0..64));
     assert_eq!(views[1].bytes_in(Section::Linear), 4096..4224);
     assert_eq!(b3.piece_elements, 2112);
     assert_eq!(plan.update_views(1).unwrap().len(), 6);
@@ -106,7 +106,7 @@ fn modes_shard_where_they_should() {
 }
 
 #[test]
-fn mxfp8_parameters_are_bands_and_vectors_fall_back() {
+fn mxfp8_parameters_are_tiles_and_vectors_fall_back() {
     let plan = Plan::build(
         tiny_model(),
         Mesh::flat(4).unwrap(),
@@ -132,27 +132,36 @@ fn mxfp8_parameters_are_bands_and_vectors_fall_back() {
         };
         assert_eq!(p.format, expected, "{}", p.spec.path);
     }
-    // mlp [64, 256]: two bands; each plane holds 16384 bytes of data and 512 scales.
+    // mlp [64, 256]: 16 tiles of 32 x 32, one byte per element and one scale per tile.
     let mlp = plan.param_index("layers.0.mlp.weight").unwrap();
     let p = &plan.params()[mlp];
-    assert_eq!(p.runtime_bytes, 2 * (16384 + 512));
+    assert_eq!(p.runtime_bytes, 64 * 256 + 16);
     let views = plan.param_views(mlp).unwrap();
     let owned: u64 = views.iter().map(|v| v.len()).sum();
     assert_eq!(owned, 64 * 256);
+    let mut next_tile = 0;
     for v in &views {
-        // Whole bands, both planes of exactly those rows, nothing linear.
-        assert_eq!(v.elements.start % (32 * 256), 0);
-        let rows = v.len() / 256;
-        assert_eq!(v.encoded_bytes(Section::Row), mx_row_plane_bytes(rows, 256));
-        assert_eq!(v.encoded_bytes(Section::Col), mx_col_plane_bytes(rows, 256));
-        // Word-addressable: every view starts on 32 bytes and is padded to them.
-        assert_eq!(
-            v.row.end - v.row.start,
-            mx_row_plane_bytes(rows, 256).next_multiple_of(32)
-        );
-        assert!(v.row.start % 32 == 0 && v.col.start % 32 == 0);
-        assert!(v.linear.is_empty());
+        // Whole tiles, one after the other; their rectangles start on tile edges.
+        let Span::Tiles(tiles) = &v.span else {
+            panic!("an MXFP8 view holds tiles")
+        };
+        assert_eq!(tiles.start, next_tile);
+        next_tile = tiles.end;
+        let rects = v.rects();
+        assert!(!rects.is_empty() && rects.len() <= 3);
+        let mut bytes = 0;
+        for (rect, data, scales) in &rects {
+            assert_eq!((rect.rows.start % 32, rect.cols.start % 32), (0, 0));
+            // Word-addressable: data and scales start on 4 bytes, inside the view's bytes.
+            assert!(data % 4 == 0 && scales % 4 == 0 && *scales >= data + rect.len());
+            assert!(v.linear.start <= *data && scales + 1 <= v.linear.end);
+            bytes += rect.encoded_bytes();
+        }
+        assert_eq!(v.encoded_bytes(Section::Linear), bytes);
+        assert_eq!(v.len(), rects.iter().map(|(r, _, _)| r.len()).sum::<u64>());
+        assert!(v.row.is_empty() && v.col.is_empty());
     }
+    assert_eq!(next_tile, 16);
     // A looser limit keeps the padded shapes in MXFP8.
     let loose = PlanConfig {
         mx_max_padding: 0.5,
@@ -269,11 +278,18 @@ fn saved_plans_round_trip_and_corruption_is_an_error() {
         Plan::from_json(&zero_mesh),
         Err(PlanError::InvalidMesh { .. })
     ));
-    let future = json.replacen("\"version\": 2", "\"version\": 99", 1);
+    let future = json.replacen("\"version\": 3", "\"version\": 99", 1);
     assert!(matches!(
         Plan::from_json(&future),
         Err(PlanError::Corrupt(_))
     ));
+    // A plan of the 1x32 two-plane MXFP8 layout (version 2) is refused, saying why.
+    let old = json.replacen("\"version\": 3", "\"version\": 2", 1);
+    let err = Plan::from_json(&old).unwrap_err().to_string();
+    assert!(
+        err.contains("version 2") && err.contains("square-block"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -3,8 +3,8 @@
 
 use proptest::prelude::*;
 use sshsdp_plan::{
-    mx_band_bytes, mx_col_plane_bytes, mx_row_plane_bytes, DType, Encoding, Mesh, ParamSpec, Plan,
-    PlanConfig, Role, RuntimeFormat, Section, Sharding, MX_BAND, MX_BLOCK,
+    DType, Encoding, Mesh, ParamSpec, Plan, PlanConfig, Role, RuntimeFormat, Section, Sharding,
+    Span, MX_BLOCK,
 };
 
 fn arb_shape() -> impl Strategy<Value = Vec<usize>> {
@@ -69,6 +69,7 @@ proptest! {
     fn every_element_is_owned_exactly_once(specs in arb_specs(), mesh in arb_mesh(), config in arb_config()) {
         let plan = Plan::build(specs, mesh, config).unwrap();
         let mut runs: Vec<Vec<(u64, u64)>> = vec![Vec::new(); plan.params().len()];
+        let mut tiles: Vec<Vec<(u64, u64)>> = vec![Vec::new(); plan.params().len()];
         for (b, bucket) in plan.buckets().iter().enumerate() {
             prop_assert_eq!(bucket.views.len(), plan.pieces());
             for piece in 0..plan.pieces() {
@@ -90,19 +91,23 @@ proptest! {
                     let p = &plan.params()[v.param];
                     prop_assert_eq!(v.encoding, p.encoding());
                     match v.encoding {
-                        Encoding::Mxfp8 { cols } => {
-                            // Whole bands: a start on a band edge, an end on one or at the end.
-                            let band = MX_BAND * cols;
-                            prop_assert_eq!(v.elements.start % band, 0);
-                            prop_assert!(v.elements.end % band == 0 || v.elements.end == p.spec.numel());
-                            let rows = v.len() / cols;
-                            prop_assert_eq!(v.encoded_bytes(Section::Row), mx_row_plane_bytes(rows, cols));
-                            prop_assert_eq!(v.encoded_bytes(Section::Col), mx_col_plane_bytes(rows, cols));
-                            for s in [Section::Row, Section::Col] {
-                                let r = v.bytes_in(s);
-                                prop_assert_eq!(r.start % MX_BLOCK, 0);
-                                prop_assert_eq!(r.end - r.start, v.encoded_bytes(s).next_multiple_of(MX_BLOCK));
+                        Encoding::Mxfp8 { rows, cols } => {
+                            // Whole tiles; rectangles on tile edges, word-aligned, in order.
+                            let Span::Tiles(t) = &v.span else { panic!("MXFP8 views hold tiles") };
+                            tiles[v.param].push((t.start, t.end));
+                            prop_assert_eq!((rows, cols), p.spec.matrix_dims());
+                            let mut at = v.linear.start;
+                            let mut bytes = 0;
+                            for (rect, data, scales) in v.rects() {
+                                prop_assert_eq!(rect.rows.start % 32, 0);
+                                prop_assert_eq!(rect.cols.start % 32, 0);
+                                prop_assert!(data >= at && data % 4 == 0 && scales % 4 == 0);
+                                at = scales + (rect.encoded_bytes() - rect.len());
+                                prop_assert!(scales >= data + rect.len() && at <= v.linear.end);
+                                bytes += rect.encoded_bytes();
                             }
+                            prop_assert_eq!(v.encoded_bytes(Section::Linear), bytes);
+                            prop_assert!(v.linear.end - v.linear.start < bytes + 3 * 8);
                         }
                         Encoding::F32 | Encoding::Bf16 => {
                             let size = if v.encoding == Encoding::F32 { 4 } else { 2 };
@@ -111,7 +116,13 @@ proptest! {
                             prop_assert!(held >= size * v.len() && held < size * v.len() + MX_BLOCK);
                         }
                     }
-                    runs[v.param].push((v.elements.start, v.len()));
+                    let mut at = v.master_offset;
+                    for (run, master) in v.runs() {
+                        prop_assert_eq!(master, at);
+                        at += run.end - run.start;
+                        runs[v.param].push((run.start, run.end - run.start));
+                    }
+                    prop_assert_eq!(at, v.master_offset + v.len());
                 }
             }
         }
@@ -125,7 +136,12 @@ proptest! {
                 next = a + len;
             }
             prop_assert_eq!(next, p.spec.numel());
-            prop_assert_eq!(p.split, ranges.len() > 1);
+            let views = plan.param_views(i).unwrap().len();
+            prop_assert_eq!(p.split, views > 1);
+            // A matrix's views hold consecutive tile ranges.
+            let t = &mut tiles[i];
+            t.sort();
+            prop_assert!(t.windows(2).all(|w| w[0].1 == w[1].0));
         }
     }
 
@@ -148,17 +164,17 @@ proptest! {
                     prop_assert!(padding < bound, "padding {} >= bound {}", padding, bound);
                 }
                 None => {
-                    // Cuts move at most half an atom: every piece's bytes are within one band
-                    // of the mean. (Sections are padded to the largest piece's separately, so
-                    // `piece_bytes` itself is not bounded so: a bucket whose bf16 parameters
-                    // all land in one piece pads every other piece's bf16 section.)
-                    let band = members.iter().map(|p| match p.encoding() {
-                        Encoding::Mxfp8 { cols } => mx_band_bytes(cols),
-                        _ => 2,
+                    // Cuts move at most half an atom: every piece's bytes are within one tile
+                    // (or bf16 element) of the mean, plus each view's word alignment.
+                    let tile = members.iter().map(|p| match p.encoding().grid() {
+                        Some(_) => 32 * 32 + 1,
+                        None => 2,
                     }).max().unwrap();
                     for piece in 0..plan.pieces() {
-                        prop_assert!(bucket.covered_bytes(piece) <= encoded / plan.pieces() as u64 + 2 * band);
+                        prop_assert!(bucket.covered_bytes(piece) <= encoded / plan.pieces() as u64 + tile + 1);
                     }
+                    let views = bucket.views.iter().map(Vec::len).max().unwrap_or(0) as u64;
+                    prop_assert!(bucket.piece_bytes <= encoded / plan.pieces() as u64 + tile + 1 + views * 18 + MX_BLOCK);
                 }
             }
             for (k, p) in members.iter().enumerate() {

@@ -9,3 +9,4 @@ mod matmul;
 mod mxfp8;
 mod optim;
 mod planes;
+mod square;

@@ -91,8 +91,8 @@ pub fn set_masters(rt: &Runtime, salt: u32) {
     with_units(rt, |units, masters| {
         for u in units {
             let slice = &mut masters[u.piece][u.in_piece.clone()];
-            for (k, v) in slice.iter_mut().enumerate() {
-                *v = value(u.param, u.in_param.start + k, salt);
+            for (v, i) in slice.iter_mut().zip(u.param_indices()) {
+                *v = value(u.param, i, salt);
             }
         }
     })
@@ -105,10 +105,8 @@ pub fn masters_are(rt: &Runtime, salt: u32) -> bool {
             && units.iter().all(|u| {
                 masters[u.piece][u.in_piece.clone()]
                     .iter()
-                    .enumerate()
-                    .all(|(k, v)| {
-                        v.to_bits() == value(u.param, u.in_param.start + k, salt).to_bits()
-                    })
+                    .zip(u.param_indices())
+                    .all(|(v, i)| v.to_bits() == value(u.param, i, salt).to_bits())
             })
     })
 }
@@ -135,8 +133,7 @@ impl TestState {
 
     fn state_of(unit: &UpdateUnit) -> EncodedState {
         let m = unit
-            .in_param
-            .clone()
+            .param_indices()
             .map(|i| value(unit.param, i, 100))
             .collect();
         (

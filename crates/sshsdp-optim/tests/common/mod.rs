@@ -11,27 +11,11 @@ use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-/// Runs `f` (seeding Burn's RNG and drawing initial weights) while no other test of this
-/// process does: Burn's RNG is process-global and the tests of a file run in parallel, so
-/// another test's seeding or drawing between this test's seed and its draws would change this
-/// test's initial weights.
-pub fn with_rng<T>(f: impl FnOnce() -> T) -> T {
-    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = RNG.lock().unwrap_or_else(|p| p.into_inner());
-    f()
-}
-
-/// The model drawn after seeding Burn's RNG with `seed` (under [`with_rng`]), its lazily
-/// initialised parameters read once so that clones share the values instead of drawing their
-/// own.
+/// The model drawn after seeding Burn's RNG with `seed`, its lazily initialised parameters
+/// drawn at once in module order under the process's RNG lock (`init_seeded`), so that clones
+/// share the values instead of drawing their own and no other test's draws change them.
 pub fn seeded<B: Backend>(seed: u64) -> TinyLm<B> {
-    with_rng(|| {
-        let device = Default::default();
-        B::seed(&device, seed);
-        let model = TinyLm::new(&device);
-        sshsdp_backend::named_params(&model).expect("parameters are readable");
-        model
-    })
+    sshsdp_backend::init_seeded(&Default::default(), seed, |d| TinyLm::new(d))
 }
 
 pub const VOCAB: usize = 32;

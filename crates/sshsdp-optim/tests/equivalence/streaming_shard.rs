@@ -5,13 +5,13 @@
 use std::cell::Cell;
 use std::sync::Mutex;
 
-use crate::common::{batches, rows, with_rng, TinyLm};
+use crate::common::{batches, rows, TinyLm};
 use burn::backend::{Autodiff, NdArray};
 use burn::module::{Module, Param, ParamId};
 use burn::optim::SgdConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use sshsdp_backend::{named_params, shard, Hsdp, HsdpConfig, NamedParam};
+use sshsdp_backend::{named_params, shard, with_burn_rng, Hsdp, HsdpConfig, NamedParam};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
 use sshsdp_optim::ShardedOptimizer;
@@ -76,7 +76,7 @@ fn a_lazy_model_shards_and_trains_like_one_read_whole() {
         for world in [1, 2, 4] {
             // One RNG section per run: the eager model is drawn then read whole; the lazy one
             // is drawn by rank 0 inside `shard`, so the RNG stays held until it is done.
-            let (eager_start, eager_end, eager_losses, lazy) = with_rng(|| {
+            let (eager_start, eager_end, eager_losses, lazy) = with_burn_rng(|| {
                 let device = Default::default();
                 B::seed(&device, 11);
                 let eager = TinyLm::<B>::new(&device);
