@@ -251,8 +251,8 @@ fn main() -> ExitCode {
         let params: u64 = shape.specs(DType::Bf16).iter().map(|s| s.numel()).sum();
         println!(
             "\n### {name} ({:.2}B parameters)\n\n| ranks | layout | runtime shard GiB \
-             (MXFP8/bf16) | gathered peak GiB | fp32 master GiB | optimizer GiB | grad shard GiB | \
-             total GiB | gather GB sent (MXFP8/bf16) | MXFP8 padding | gather s | reduce s | \
+             (MXFP8 ÷ bf16) | gathered peak GiB | fp32 master GiB | optimizer GiB | grad shard GiB | \
+             total GiB | gather GB sent (MXFP8 ÷ bf16) | MXFP8 padding | gather s | reduce s | \
              rebuild s | comm s / step | Muon s |",
             params as f64 / 1e9
         );
