@@ -130,7 +130,7 @@ fn report(path: &PathBuf) -> Result<[Fidelity; 3], String> {
         source.read(&name, 0..x.len(), &mut x)?;
         let f = measure(&x, mx_shape)?;
         println!(
-            "| {name} | {rows}×{cols} | {:.2}% / {:.2}% / {:.2}% | {:.2}% / {:.2}% / {:.2}% | \
+            "| {name} | {rows}×{cols} | {:.3}% / {:.3}% / {:.3}% | {:.2}% / {:.2}% / {:.2}% | \
              {:.3}% / {:.3}% / {:.3}% |",
             100.0 * f[0].rms(),
             100.0 * f[1].rms(),
@@ -145,7 +145,7 @@ fn report(path: &PathBuf) -> Result<[Fidelity; 3], String> {
         total.iter_mut().zip(&f).for_each(|(t, f)| t.add(f));
     }
     println!(
-        "| **all** | | **{:.2}% / {:.2}% / {:.2}%** | {:.2}% / {:.2}% / {:.2}% | {:.3}% / {:.3}% \
+        "| **all** | | **{:.3}% / {:.3}% / {:.3}%** | {:.2}% / {:.2}% / {:.2}% | {:.3}% / {:.3}% \
          / {:.3}% |",
         100.0 * total[0].rms(),
         100.0 * total[1].rms(),
