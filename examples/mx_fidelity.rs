@@ -106,6 +106,23 @@ fn measure(x: &[f32], shape: MxShape) -> Result<[Fidelity; 3], String> {
     Ok([square, rows, cols])
 }
 
+/// One table row's cells: RMS relative error, worst tile, subnormal-or-zero share, each for
+/// square blocks / 1×32 rows / 1×32 columns.
+fn cells(f: &[Fidelity; 3]) -> String {
+    let three = |g: &dyn Fn(&Fidelity) -> f64, digits: usize| {
+        f.iter()
+            .map(|x| format!("{:.digits$}%", 100.0 * g(x)))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    [
+        three(&Fidelity::rms, 3),
+        three(&|x| x.worst_tile, 2),
+        three(&Fidelity::small_share, 3),
+    ]
+    .join(" | ")
+}
+
 fn report(path: &PathBuf) -> Result<[Fidelity; 3], String> {
     let source = SafetensorsSource::open(path).map_err(|e| e.to_string())?;
     let mut names: Vec<String> = source.names().map(str::to_string).collect();
@@ -129,34 +146,10 @@ fn report(path: &PathBuf) -> Result<[Fidelity; 3], String> {
         let mut x = vec![0f32; mx_shape.len()];
         source.read(&name, 0..x.len(), &mut x)?;
         let f = measure(&x, mx_shape)?;
-        println!(
-            "| {name} | {rows}×{cols} | {:.3}% / {:.3}% / {:.3}% | {:.2}% / {:.2}% / {:.2}% | \
-             {:.3}% / {:.3}% / {:.3}% |",
-            100.0 * f[0].rms(),
-            100.0 * f[1].rms(),
-            100.0 * f[2].rms(),
-            100.0 * f[0].worst_tile,
-            100.0 * f[1].worst_tile,
-            100.0 * f[2].worst_tile,
-            100.0 * f[0].small_share(),
-            100.0 * f[1].small_share(),
-            100.0 * f[2].small_share(),
-        );
+        println!("| {name} | {rows}×{cols} | {} |", cells(&f));
         total.iter_mut().zip(&f).for_each(|(t, f)| t.add(f));
     }
-    println!(
-        "| **all** | | **{:.3}% / {:.3}% / {:.3}%** | {:.2}% / {:.2}% / {:.2}% | {:.3}% / {:.3}% \
-         / {:.3}% |",
-        100.0 * total[0].rms(),
-        100.0 * total[1].rms(),
-        100.0 * total[2].rms(),
-        100.0 * total[0].worst_tile,
-        100.0 * total[1].worst_tile,
-        100.0 * total[2].worst_tile,
-        100.0 * total[0].small_share(),
-        100.0 * total[1].small_share(),
-        100.0 * total[2].small_share(),
-    );
+    println!("| **all** | | {} |", cells(&total));
     Ok(total)
 }
 

@@ -11,7 +11,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use sshsdp_mx::Plane;
 
-use crate::e4m3::{byte_of, decode_e4m3, decode_e4m3_fast, FAST_DECODE_MAX, FAST_DECODE_MIN};
+use crate::e4m3::{byte_of, decode_byte};
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::layout::{COL_DATA_W, ROW_DATA_W, TILE_WORDS};
 use crate::quantize::tile_grid;
@@ -19,7 +19,7 @@ use crate::quantize::tile_grid;
 /// The dequantise kernel: tiles `CUBE_POS, CUBE_POS + CUBE_COUNT, ...` of `n_tiles`; the
 /// output holds `f32` bits.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments, clippy::manual_range_contains)]
+#[allow(clippy::too_many_arguments)]
 fn dequantize_tiled_kernel(
     src: &Array<u32>,
     out: &mut Array<u32>,
@@ -60,13 +60,7 @@ fn dequantize_tiled_kernel(
                 let byte_idx = blk * 32 + pos;
                 let b = byte_of(plane[(byte_idx / 4) as usize], byte_idx % 4);
                 let s = byte_of(plane[(256 + blk / 4) as usize], blk % 4);
-                let fast = s >= FAST_DECODE_MIN && s <= FAST_DECODE_MAX;
-                let bits = if fast {
-                    decode_e4m3_fast(b, s)
-                } else {
-                    decode_e4m3(b, s)
-                };
-                out[((r0 + r) * cols + c0 + x) as usize] = bits;
+                out[((r0 + r) * cols + c0 + x) as usize] = decode_byte(b, s);
             }
         }
         sync_cube();

@@ -160,6 +160,19 @@ pub fn decode_e4m3_fast(b: u32, s: u32) -> u32 {
     bits
 }
 
+/// Decodes the E4M3 byte `b` with scale byte `s` to `f32` bits: [`decode_e4m3_fast`] where it is
+/// exact, [`decode_e4m3`] elsewhere.
+#[cube]
+#[allow(clippy::manual_range_contains)]
+pub fn decode_byte(b: u32, s: u32) -> u32 {
+    let fast = s >= FAST_DECODE_MIN && s <= FAST_DECODE_MAX;
+    if fast {
+        decode_e4m3_fast(b, s)
+    } else {
+        decode_e4m3(b, s)
+    }
+}
+
 /// Smallest scale byte for which [`encode_e4m3_fast`] is exact on every device: below it an
 /// `f32` subnormal input could encode to a nonzero byte, and devices may flush subnormals.
 pub const FAST_MIN_SCALE: u32 = 12;

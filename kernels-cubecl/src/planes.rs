@@ -19,10 +19,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use sshsdp_mx::{MxShape, Plane, ScaleRule};
 
-use crate::e4m3::{
-    byte_of, decode_e4m3, decode_e4m3_fast, encode_word, scale_byte, FAST_DECODE_MAX,
-    FAST_DECODE_MIN,
-};
+use crate::e4m3::{byte_of, decode_byte, encode_word, scale_byte};
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::layout::MAX_CUBES;
 use crate::quantize::{load_bits, InputDType};
@@ -177,7 +174,7 @@ fn quantize_plane_kernel(
 
 /// Dequantise kernel: output values `i, i + stride, ...` of `rows * cols`.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments, clippy::manual_range_contains)]
+#[allow(clippy::too_many_arguments)]
 fn dequantize_plane_kernel(
     src: &Array<u32>,
     out: &mut Array<u32>,
@@ -204,13 +201,7 @@ fn dequantize_plane_kernel(
         let byte = g * 32 + pos;
         let b = byte_of(src[(data_word + byte / 4) as usize], byte % 4);
         let s = byte_of(src[(scales_word + g / 4) as usize], g % 4);
-        let fast = s >= FAST_DECODE_MIN && s <= FAST_DECODE_MAX;
-        let bits = if fast {
-            decode_e4m3_fast(b, s)
-        } else {
-            decode_e4m3(b, s)
-        };
-        out[(values_offset + i) as usize] = bits;
+        out[(values_offset + i) as usize] = decode_byte(b, s);
         i += stride;
     }
 }

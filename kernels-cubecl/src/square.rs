@@ -19,8 +19,7 @@ use cubecl::server::Handle;
 use sshsdp_mx::ScaleRule;
 
 use crate::e4m3::{
-    byte_of, decode_e4m3, decode_e4m3_fast, encode_e4m3, encode_e4m3_fast, scale_byte,
-    FAST_DECODE_MAX, FAST_DECODE_MIN, FAST_MIN_SCALE, SCALE_NAN,
+    byte_of, decode_byte, encode_e4m3, encode_e4m3_fast, scale_byte, FAST_MIN_SCALE, SCALE_NAN,
 };
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::planes::grid;
@@ -158,7 +157,7 @@ fn square_data_kernel(
 
 /// Dequantise kernel: values `i, i + stride, ...` of `rows * cols`.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments, clippy::manual_range_contains)]
+#[allow(clippy::too_many_arguments)]
 fn dequantize_square_kernel(
     src: &Array<u32>,
     out: &mut Array<u32>,
@@ -179,13 +178,7 @@ fn dequantize_square_kernel(
         let t = (r / 32) * tile_cols + c / 32;
         let b = byte_of(src[(data_word + i / 4) as usize], i % 4);
         let s = byte_of(src[(scales_word + t / 4) as usize], t % 4);
-        let fast = s >= FAST_DECODE_MIN && s <= FAST_DECODE_MAX;
-        let bits = if fast {
-            decode_e4m3_fast(b, s)
-        } else {
-            decode_e4m3(b, s)
-        };
-        out[(values_offset + r * values_stride + c) as usize] = bits;
+        out[(values_offset + r * values_stride + c) as usize] = decode_byte(b, s);
         i += stride;
     }
 }

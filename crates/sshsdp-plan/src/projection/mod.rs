@@ -25,11 +25,11 @@
 //!
 //! Every size comes from the plan's runtime layout, the one the runtime allocates: `B` is the
 //! bucket's `pieces × piece_bytes` and `G` its `4 × pieces × piece_elements` (fp32 gradients,
-//! padding included). With resharding after forward, an MXFP8 bucket whose runtime shard is one
-//! piece gathers only the part of each piece that the pass decodes ([`crate::Part`]: forward the
-//! bf16 and column-wise sections, backward the row-wise and bf16 sections — about half the bytes
-//! each), and backward gathers *every* such bucket again, the last one of forward included (it
-//! holds forward's plane only); without resharding both planes are gathered once and kept.
+//! padding included). Every format of the plan serves both passes with the same bytes
+//! (square-block MXFP8 included), so a gather moves the whole piece; with resharding after
+//! forward, backward gathers every bucket again but the last one of forward. (A format with
+//! per-pass planes would gather only each pass's [`crate::Part`]; `BucketBytes::per_pass` is
+//! where the model would count it.)
 //! Gradient clipping's and the non-finite check's 8-byte all-gather of a norm is ignored.
 //!
 //! [`StepTraffic::gathered_bytes`] and [`StepTraffic::reduced_bytes`] use the runtime counters'
