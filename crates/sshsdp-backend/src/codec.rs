@@ -20,7 +20,7 @@ use std::ops::Range;
 use half::bf16;
 
 use sshsdp_mx::{ElemFormat, MxShape, ScaleRule};
-use sshsdp_plan::{Encoding, Part, Plan, RuntimeFormat, Section, UpdateView};
+use sshsdp_plan::{Encoding, Part, Plan, RuntimeFormat, Section, Span, UpdateView};
 
 use crate::storage::Elems;
 use crate::HsdpError;
@@ -433,7 +433,8 @@ impl BucketCodec {
                         }
                     }
                     Encoding::Bf16 | Encoding::F32 => {
-                        let Some((run, _)) = v.runs().into_iter().next() else {
+                        // A bf16 view is one row-major run.
+                        let Span::Elements(run) = &v.span else {
                             continue;
                         };
                         ops.push(CodecOp::Bf16 {
