@@ -199,6 +199,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda (single mode only: the same model on one GPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--tf32", action="store_true",
+                   help="f32 matmuls on tensor cores in TF32 (set_float32_matmul_precision('high')): "
+                        "what burn-cubecl's f32 matmul computes on GPUs that have TF32")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
                    help="compute dtype: bf16 is torch.autocast in single mode and FSDP2's "
                         "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32) in fsdp2 mode "
@@ -229,6 +232,8 @@ def train(args, rank, world, dist=None):
     if args.batch % world:
         raise SystemExit(f"the global batch of {args.batch} does not split over {world} ranks")
 
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     torch.manual_seed(args.seed)  # same init on every rank; FSDP2 keeps each rank's shard
     device = torch.device(args.device)
     model = Gpt(256, args.width, args.layers, args.heads, args.seq, args.attn).to(device)
@@ -257,7 +262,8 @@ def train(args, rank, world, dist=None):
               f"{args.width}, {args.layers} layers, {args.heads} heads, context {args.seq}, "
               f"global batch {args.batch}; mode {args.mode}, world {world}, threads "
               f"{torch.get_num_threads()}/process; AdamW lr {args.lr:g} (warm-up "
-              f"{args.lr_warmup}, cosine), clip {args.clip or 'off'}, {args.dtype}, attn {args.attn}, "
+              f"{args.lr_warmup}, cosine), clip {args.clip or 'off'}, {args.dtype}"
+              f"{' (tf32 matmuls)' if args.tf32 else ''}, attn {args.attn}, "
               f"device {args.device}{', compiled' if args.compile else ''}", flush=True)
 
     def global_mean(values):
@@ -302,7 +308,8 @@ def train(args, rank, world, dist=None):
     rate = args.batch * args.seq * (args.steps - args.warmup) / timed
     if lead:
         print(f"pytorch {args.mode} world={world} threads={torch.get_num_threads()} "
-              f"device={args.device} dtype={args.dtype}{' compiled' if args.compile else ''}: "
+              f"device={args.device} dtype={args.dtype}{' tf32' if args.tf32 else ''} "
+              f"attn={args.attn}{' compiled' if args.compile else ''}: "
               f"{rate:.1f} tokens/s (steps {args.steps}, final loss {sum(tail) / len(tail):.4f})",
               flush=True)
 

@@ -128,13 +128,18 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     // host↔device bytes.
     let mut device = None;
     let mut rate = RecentRate::new(task.items_per_step());
+    // The last steps' (seconds, exposed and busy communication ns): the `comm` line.
+    let mut comm = std::collections::VecDeque::new();
     for step in first..last {
         let t0 = Instant::now();
         let lr = learning_rate(args.lr, args.warmup, step, last);
         let loss = task.train_loss(&model, step, rank, world);
-        let local = loss.clone().into_scalar().elem::<f32>();
+        let value = loss.clone();
         let _ = loss.backward();
         model = optim.step(lr, model, &runtime).map_err(|e| e.to_string())?;
+        // Read after the step (as PyTorch's `loss.item()` after `optimizer.step()`): reading it
+        // before backward would stall the host on the device mid-step.
+        let local = value.into_scalar().elem::<f32>();
         let dt = t0.elapsed().as_secs_f64();
         train_s += dt;
         let mut global = [local];
@@ -153,6 +158,10 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
             None
         };
         let counters = runtime.take_counters();
+        comm.push_back((dt, counters.comm_wait_ns, counters.comm_busy_ns));
+        if comm.len() > 10 {
+            comm.pop_front();
+        }
         peak_gathered = peak_gathered.max(counters.peak_resident_bytes);
         if let Some(m) = runtime.device_memory() {
             let (in_use, reserved, _) = device.unwrap_or((0, 0, (0, 0)));
@@ -194,8 +203,8 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
             bar.inc(1);
             if plain && ((step - first) % log_every == 0 || done || ev.is_some()) {
                 let mut line = format!(
-                    "step {step:>5}  loss {global:.4}  lr {lr:.2e}  {} tok/s  rss {:.0} MiB",
-                    human(rate),
+                    // Whole tokens/s (the device check compares rates to within 3 %).
+                    "step {step:>5}  loss {global:.4}  lr {lr:.2e}  {rate:.0} tok/s  rss {:.0} MiB",
                     mib(rss)
                 );
                 if let Some(e) = ev {
@@ -207,6 +216,21 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     }
     if let Some(bar) = &progress {
         bar.finish();
+    }
+    if lead && !comm.is_empty() {
+        let n = comm.len() as f64;
+        let step_s = comm.iter().map(|c| c.0).sum::<f64>() / n;
+        let wait_s = comm.iter().map(|c| c.1 as f64).sum::<f64>() * 1e-9 / n;
+        let busy_s = comm.iter().map(|c| c.2 as f64).sum::<f64>() * 1e-9 / n;
+        println!(
+            "comm        exposed {:.2} ms per step = {:.2} % of the step ({:.2} ms); engine busy \
+             {:.2} ms per step (rank 0, last {} steps)",
+            wait_s * 1e3,
+            100.0 * wait_s / step_s,
+            step_s * 1e3,
+            busy_s * 1e3,
+            comm.len()
+        );
     }
     drop(metrics);
     if args.trace.is_some() {

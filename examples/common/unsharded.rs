@@ -76,9 +76,11 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
         let t0 = Instant::now();
         let lr = learning_rate(args.lr, args.warmup, step, args.steps);
         let loss = task.train_loss(&model, step, 0, 1);
-        let value = loss.clone().into_scalar().elem::<f32>();
+        let read = loss.clone();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr, model, grads);
+        // Read after the step, as the sharded loop does (`train.rs`).
+        let value = read.into_scalar().elem::<f32>();
         let dt = t0.elapsed().as_secs_f64();
         train_s += dt;
         if !value.is_finite() {
@@ -88,8 +90,8 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
         rate.push(dt);
         if step % log_every == 0 || step + 1 == args.steps {
             println!(
-                "step {step:>5}  loss {value:.4}  lr {lr:.2e}  {} tok/s  rss {:.0} MiB",
-                human(rate.items_per_s()),
+                "step {step:>5}  loss {value:.4}  lr {lr:.2e}  {:.0} tok/s  rss {:.0} MiB",
+                rate.items_per_s(),
                 mib(rss_bytes().unwrap_or(0))
             );
         }

@@ -198,8 +198,9 @@ fn dequantize_plane_kernel(
             g = c * per_line + r / 32;
             pos = r % 32;
         }
-        let byte = g * 32 + pos;
-        let b = byte_of(src[(data_word + byte / 4) as usize], byte % 4);
+        // Word arithmetic: a byte offset `g * 32 + pos` would overflow u32 for planes of 4 GiB
+        // or more, while their word offsets (checked to fit u32 at launch) do not.
+        let b = byte_of(src[(data_word + g * 8 + pos / 4) as usize], pos % 4);
         let s = byte_of(src[(scales_word + g / 4) as usize], g % 4);
         out[(values_offset + i) as usize] = decode_byte(b, s);
         i += stride;

@@ -1,64 +1,68 @@
 #!/usr/bin/env bash
-# The H200 check of the device issue, in one call (about 8 minutes; no Rust toolchain there):
+# The H200 check of the device issue, in one call of the device tool (no Rust toolchain there).
+# The call itself (command, carry list, timeout) is in docs/LAUNCH.md ("The H200 call").
 #
-#   1. every CubeCL kernel against its CPU reference on fresh data, with quantise GB/s against a
-#      device copy and MX matmul against the f32 GEMM (scripts/gpu_check.sh: gpu_check);
-#   2. the NCCL engine's conformance at world 1 (scripts/device/nccl_check.sh);
-#   3. a GPT training step on `Autodiff<Hsdp<Cuda>>` (train_gpt --backend cuda: one rank, device
-#      storage, AdamW) with bf16 and with MXFP8 runtime parameters, computing in f32 and in bf16
-#      (the mixed-precision policy: `--compute bf16`);
-#   3a. the same GPT unsharded on plain Burn (train_gpt --unsharded) against one sharded rank
-#      doing the same arithmetic (f32 runtime, no clipping): equal losses, and the decorator's
-#      price as a tokens/s ratio (target ≥ 0.97);
-#   3b. two of those runs again with `--nccl` (the runtime's lanes on NCCL; runtime shards,
-#      all-gathers and gradient reductions on CubeCL's device buffers): their losses must equal
-#      step 3's;
-#   4. the same GPT, data and AdamW in PyTorch on the same GPU, eager and torch.compile, in the
-#      same compute dtypes (f32; bf16 through torch.autocast);
+# Stages, most important first; each runs under its own time cap and under a deadline for the
+# whole script (H200_BUDGET_S, default 420 s): a stage that would not fit is skipped, and one
+# that fails or times out leaves the other rows. Each row is appended to $OUT/h200.md the moment
+# it is known, with the stage's seconds, and the logs are re-packed into $OUT/logs.tgz after
+# every stage: $OUT never holds more than these two files (the tool returns at most 8).
 #
-# and writes one Markdown table of the results to $OUT/h200.md (stdout too); each step's log goes
-# to $OUT/ (gpu_check.log, nccl_check.log, train_<format>_<compute>.log, torch.log).
+#   1. kernels: every CubeCL kernel against its CPU reference on fresh data, quantise and
+#      dequantise GB/s against a measured device copy, MX matmul against the f32 GEMM;
+#   2. NCCL conformance at world 1, with the fault checks (results printed before them);
+#   3. GPT (12 × 768, seq 1024, batch 8) on Autodiff<Hsdp<Cuda>>, one rank, device storage,
+#      AdamW, bf16 compute: bf16 and MXFP8 runtime parameters; tokens/s of the last 10 steps,
+#      MFU against the H200's dense bf16 peak (989 TFLOP/s), host<->device bytes per step;
+#   4. the decorator's price: the same GPT unsharded on plain burn-cuda (f32, Burn's AdamW, no
+#      clipping) against one sharded rank doing the same arithmetic (f32 runtime, --clip 0):
+#      losses must agree, target ratio ≥ 0.97 (sharded step ≤ 1.03× the unsharded one);
+#   5. NCCL carrying the step (--nccl, world 1; MXFP8 runtime, bf16 compute): gathers and
+#      reductions on CubeCL's device buffers; losses within a tolerance of stage 3's run
+#      (clipping's norm is summed with atomic adds, not bit-reproducible); exposed comm %;
+#   6. PyTorch on the same GPU, same GPT, data and AdamW, timed over the same last 10 steps:
+#      like for like (explicit attention, bf16 autocast) and what a PyTorch user runs (SDPA,
+#      torch.compile); then f32 with TF32 matmuls and explicit attention (burn-cubecl's f32
+#      matmul runs in TF32 on tensor cores);
+#   7. if time is left, ours in f32 compute (bf16 and MXFP8 runtime).
 #
-# Build the binaries on the x86-64 build machine, then carry the folder:
-#   cargo build --release -p sshsdp-kernels --features cuda --bin gpu_check
-#   cargo build --release -p sshsdp-comm --features nccl --example nccl_conformance
-#   cargo build --release --features cuda,nccl --example train_gpt
-#   scripts/device/h200.sh --stage device-bin      # the three binaries there, stripped, gzipped
-# On the GPU machine (device tool: carry ["device-bin"]):
-#   scripts/device/h200.sh --bin device-bin
-# Dry run on this machine, without a GPU: `scripts/device/h200.sh --cpu` builds nothing; it needs
-#   cargo build --release -p sshsdp-kernels --bin gpu_check_wgpu
-#   cargo build --release --features wgpu --example train_gpt
-# and runs the same steps on wgpu (lavapipe) with a tiny GPT and PyTorch on the CPU (NCCL is
-# skipped: it needs a GPU).
+# CubeCL's PTX cache is on (a cubecl.toml in the work folder, which is every binary's working
+# directory): after the first process, the others load their kernels instead of compiling them.
+#
+# Build on the x86-64 build machine (one cargo call: one feature set for every binary), stage:
+#   cargo build --release -p sshsdp -p sshsdp-kernels -p sshsdp-comm \
+#       --features sshsdp/cuda,sshsdp/nccl,sshsdp/wgpu,sshsdp-kernels/cuda \
+#       --example train_gpt --example nccl_conformance --bin gpu_check --bin gpu_check_wgpu
+#   scripts/device/h200.sh --stage device-bin   # the binaries, stripped and gzipped (< 64 MiB)
+# On the GPU machine:  scripts/device/h200.sh --bin device-bin
+# Rehearsal here, on wgpu over lavapipe with a tiny GPT and PyTorch on the CPU (no NCCL):
+#   scripts/device/h200.sh --cpu            (binaries from target/release, or --bin DIR)
 #
 # Sizes (environment): H200_WIDTH (768), H200_LAYERS (12), H200_HEADS (12), H200_SEQ (1024),
-# H200_BATCH (8), H200_STEPS (25; ours is timed over its last 10 steps, PyTorch after 5 warm-up
-# steps). NCCL cannot put two ranks on
-# one GPU, so this is world 1: the MXFP8-vs-bf16 communication gain is a multi-GPU figure (see
-# docs/PROJECTION.md), not this table's.
-#
-# Exit status: 0 when every step ran and every check passed, 1 otherwise.
+# H200_BATCH (8), H200_STEPS (20; rates over the last 10). Exit status: 0 when every stage ran
+# and passed, 1 otherwise.
 
 set -u
 set -o pipefail
-cd "$(dirname "$0")/../.."
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+T0=$(date +%s)
 
 MODE=cuda
 BIN_DIR=""
+STAGED=(gpu_check gpu_check_wgpu nccl_conformance train_gpt)
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) MODE=cpu ;;
-        --bin) BIN_DIR="$2"; shift ;;
+        --bin) BIN_DIR="$(cd "$2" && pwd)"; shift ;;
         --stage)
             mkdir -p "$2"
-            for f in target/release/gpu_check target/release/examples/nccl_conformance \
-                target/release/examples/train_gpt; do
-                [ -f "$f" ] || { echo "missing $f: build it first (see this script's header)" >&2; exit 1; }
-                cp "$f" "$2/"
-                strip "$2/$(basename "$f")" 2>/dev/null || true
-                # Compressed: the device tool carries at most 64 MiB.
-                gzip -9f "$2/$(basename "$f")"
+            for name in "${STAGED[@]}"; do
+                f="$ROOT/target/release/$name"
+                [ -f "$f" ] || f="$ROOT/target/release/examples/$name"
+                [ -f "$f" ] || { echo "missing $name: build it first (see this script's header)" >&2; exit 1; }
+                cp "$f" "$2/$name"
+                strip "$2/$name" 2>/dev/null || true
+                gzip -9f "$2/$name"
             done
             du -sh "$2"
             exit 0
@@ -68,239 +72,289 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-# Binaries staged compressed (--stage) are unpacked into a temporary folder first.
-if [ -n "$BIN_DIR" ] && compgen -G "$BIN_DIR/*.gz" >/dev/null; then
-    UNPACKED="$(mktemp -d -t h200-bin.XXXXXX)"
-    for f in "$BIN_DIR"/*.gz; do
-        gunzip -c "$f" >"$UNPACKED/$(basename "$f" .gz)" && chmod +x "$UNPACKED/$(basename "$f" .gz)"
-    done
-    BIN_DIR="$UNPACKED"
-fi
-OUT_DIR="${OUT:-$(mktemp -d -t h200.XXXXXX)}"
+WORK="${H200_WORK:-$(mktemp -d -t h200.XXXXXX)}"
+LOGS="$WORK/logs"
+mkdir -p "$LOGS" "$WORK/bin"
+OUT_DIR="${OUT:-$WORK/out}"
 mkdir -p "$OUT_DIR"
+TABLE="$OUT_DIR/h200.md"
+BUDGET="${H200_BUDGET_S:-420}"
+
+# Binaries: staged (gzipped) ones unpacked into the work folder; else the build's own.
+bin() {
+    local name="$1"
+    if [ -n "$BIN_DIR" ] && [ -f "$BIN_DIR/$name.gz" ]; then
+        [ -x "$WORK/bin/$name" ] || { gunzip -c "$BIN_DIR/$name.gz" >"$WORK/bin/$name" && chmod +x "$WORK/bin/$name"; }
+        echo "$WORK/bin/$name"
+    elif [ -n "$BIN_DIR" ] && [ -f "$BIN_DIR/$name" ]; then
+        echo "$BIN_DIR/$name"
+    elif [ -f "$ROOT/target/release/$name" ]; then
+        echo "$ROOT/target/release/$name"
+    else
+        echo "$ROOT/target/release/examples/$name"
+    fi
+}
+
 if [ "$MODE" = cpu ]; then
     WIDTH="${H200_WIDTH:-64}" LAYERS="${H200_LAYERS:-2}" HEADS="${H200_HEADS:-4}"
-    SEQ="${H200_SEQ:-64}" BATCH="${H200_BATCH:-4}" STEPS="${H200_STEPS:-6}"
-    WARM=2
-    BACKEND=wgpu
-    KERNELS="${BIN_DIR:-target/release}/gpu_check_wgpu"
-    TRAIN="${BIN_DIR:-target/release/examples}/train_gpt"
-    TORCH_DEVICE=cpu
-    # Mesa and the Vulkan loader want a private runtime directory.
+    SEQ="${H200_SEQ:-64}" BATCH="${H200_BATCH:-4}" STEPS="${H200_STEPS:-12}"
+    BACKEND=wgpu HALF=f16 TORCH_DEVICE=cpu
+    KERNELS=("$(bin gpu_check_wgpu)" --small)
+    PYTHON="${PYTHON:-python3}"
+    [ -x /tmp/torchenv/bin/python ] && PYTHON="${PYTHON_CPU:-/tmp/torchenv/bin/python}"
     if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
-        XDG_RUNTIME_DIR="$(mktemp -d)"
-        chmod 700 "$XDG_RUNTIME_DIR"
-        export XDG_RUNTIME_DIR
+        XDG_RUNTIME_DIR="$(mktemp -d)" && chmod 700 "$XDG_RUNTIME_DIR" && export XDG_RUNTIME_DIR
     fi
 else
     WIDTH="${H200_WIDTH:-768}" LAYERS="${H200_LAYERS:-12}" HEADS="${H200_HEADS:-12}"
-    SEQ="${H200_SEQ:-1024}" BATCH="${H200_BATCH:-8}" STEPS="${H200_STEPS:-25}"
-    WARM=5
-    BACKEND=cuda
-    KERNELS="${BIN_DIR:-target/release}/gpu_check"
-    TRAIN="${BIN_DIR:-target/release/examples}/train_gpt"
-    NCCL="${BIN_DIR:-target/release/examples}/nccl_conformance"
-    TORCH_DEVICE=cuda
+    SEQ="${H200_SEQ:-1024}" BATCH="${H200_BATCH:-8}" STEPS="${H200_STEPS:-20}"
+    # lavapipe has no bf16: the rehearsal computes in f16 (the same cast-and-view path).
+    BACKEND=cuda HALF=bf16 TORCH_DEVICE=cuda
+    KERNELS=("$(bin gpu_check)")
+    PYTHON="${PYTHON:-python3}"
 fi
-PYTHON="${PYTHON:-python3}"
-[ "$MODE" = cpu ] && [ -x /tmp/torchenv/bin/python ] && PYTHON="${PYTHON_CPU:-/tmp/torchenv/bin/python}"
+TRAIN="$(bin train_gpt)"
+TEXT="$ROOT/data/corpus.txt"
+WARM=$((STEPS > 10 ? STEPS - 10 : STEPS / 2))
 
+# shellcheck source=h200_lib.sh
+. "$ROOT/scripts/device/h200_lib.sh"
 STATUS=0
-ROWS=()
-row() { ROWS+=("| $1 | $2 | $3 |"); }
+declare -A RATE LOSS
 
-# A pass/fail check: LABEL LOG LINES, then the command (its output goes to $OUT_DIR/LOG, the
-# last LINES lines of which are echoed); one table row.
-check() {
-    local label="$1" log="$2" lines="$3" rc
-    shift 3
-    echo "== $label: $*"
-    "$@" >"$OUT_DIR/$log" 2>&1
-    rc=$?
-    tail -n "$lines" "$OUT_DIR/$log"
-    if [ "$rc" = 0 ]; then
-        row "$label" "pass" "$log"
-    else
-        row "$label" "FAIL (exit $rc)" "$log"
-        STATUS=1
-    fi
-}
-
-# --- 1. kernels (with quantise GB/s against a device copy and MX matmul rates) -----------------
-if [ "$MODE" = cpu ]; then
-    check "kernels against the CPU reference" gpu_check.log 40 timeout 600 "$KERNELS" --small
-else
-    check "kernels against the CPU reference" gpu_check.log 40 \
-        env OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$KERNELS"
-fi
-
-# --- 2. NCCL ------------------------------------------------------------------------------------
-if [ "$MODE" = cuda ]; then
-    check "NCCL conformance, world 1 (with the fault checks)" nccl_check.log 18 \
-        env OUT="" NCCL_CHECK_TIMEOUT=120 NCCL_LIBDIR_OUT="$OUT_DIR/nccl_libdir" \
-        scripts/device/nccl_check.sh "$NCCL"
-else
-    row "NCCL conformance, world 1" "skipped (--cpu)" "needs a GPU"
-fi
-
-# --- 3. GPT steps on Autodiff<Hsdp<B>> -----------------------------------------------------------
-MODEL=(--width "$WIDTH" --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH")
-# tokens/s of the last 10 steps of a train_gpt log (its last "step N ... 12.3k tok/s" line: the
-# summary's throughput would count the first steps' kernel compilation), as a plain number.
-rate_of() {
-    sed -n 's/^step .* \([0-9.]*\)\([kM]\?\) tok\/s.*/\1 \2/p' "$1" | tail -n 1 |
-        awk '{ m = ($2 == "k") ? 1e3 : (($2 == "M") ? 1e6 : 1); printf "%.0f", $1 * m }'
-}
-declare -A RATE
-# Runs train_gpt with ARGS, its output to LOG (under the GPU's watchdog wrapper on CUDA).
-train() {
-    local log="$1"
-    shift
-    if [ "$MODE" = cuda ]; then
-        OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" "$@" >"$log" 2>&1
-    else
-        timeout 600 "$TRAIN" "$@" >"$log" 2>&1
-    fi
-}
-# "A -> B" of a log's train-loss line.
-losses_of() { sed -n 's/^train loss *\([0-9.]* -> [0-9.]*\).*/\1/p' "$1"; }
-# Compute dtypes: f32, and 16-bit compute (the precision policy): bf16 on CUDA; lavapipe has no
-# bf16, so the dry run computes in f16 there (the same cast-and-view path).
-if [ "$MODE" = cpu ]; then HALF=f16; else HALF=bf16; fi
-for compute in f32 "$HALF"; do
-    for format in bf16 mxfp8; do
-        key="${format}_$compute"
-        log="$OUT_DIR/train_$key.log"
-        echo "== train_gpt --backend $BACKEND --format $format --compute $compute"
-        args=(--backend "$BACKEND" --ranks 1 --optim adamw --format "$format" --compute "$compute"
-            --steps "$STEPS" --eval-every 0 --sample-len 0 --out "$OUT_DIR/run_$key" "${MODEL[@]}")
-        train "$log" "${args[@]}"
-        rc=$?
-        grep -E "^(train loss|throughput|memory|device|backend|sharding) " "$log"
-        RATE[$key]="$(rate_of "$log")"
-        label="GPT ${LAYERS}×${WIDTH}, seq $SEQ, batch $BATCH on Autodiff<Hsdp<$BACKEND>>, $format runtime, $compute compute"
-        if [ "$rc" = 0 ] && [ -n "${RATE[$key]}" ]; then
-            loss="$(losses_of "$log")"
-            device="$(sed -n 's/^device *//p' "$log")"
-            row "$label" "${RATE[$key]} tokens/s (last ≤ 10 steps)" "loss $loss; ${device:+$device; }train_$key.log"
-        else
-            row "$label" "FAIL (exit $rc)" "train_$key.log"
-            STATUS=1
-        fi
-    done
-    if [ -n "${RATE[bf16_$compute]:-}" ] && [ -n "${RATE[mxfp8_$compute]:-}" ]; then
-        row "MXFP8 against bf16 runtime parameters (tokens/s), $compute compute" \
-            "$(awk -v a="${RATE[mxfp8_$compute]}" -v b="${RATE[bf16_$compute]}" 'BEGIN { printf "%.2f", a / b }')" \
-            "world 1: decode cost only, no communication saved"
-    fi
-done
-
-# --- 3a. the decorator's overhead: the same GPT, data and AdamW unsharded on plain Burn
-# (`--unsharded`: no `shard`, Burn's AdamW, f32, no clipping) against one sharded rank with f32
-# runtime parameters and no clipping, so both do the same arithmetic: the losses must agree, and
-# the tokens/s ratio is the price of sharding at world 1 (target: the sharded step ≤ 1.03× the
-# unsharded one, i.e. a ratio ≥ 0.97).
-same=(--backend "$BACKEND" --optim adamw --steps "$STEPS" --eval-every 0 --sample-len 0 "${MODEL[@]}")
-echo "== train_gpt --backend $BACKEND --unsharded, and --format f32 --clip 0 sharded"
-train "$OUT_DIR/train_unsharded.log" --unsharded --out "$OUT_DIR/run_unsharded" "${same[@]}"
-rc_plain=$?
-train "$OUT_DIR/train_f32_noclip.log" --ranks 1 --format f32 --clip 0 --out "$OUT_DIR/run_f32_noclip" "${same[@]}"
-rc_sharded=$?
-grep -E "^(train loss|throughput) " "$OUT_DIR/train_unsharded.log" "$OUT_DIR/train_f32_noclip.log"
-plain_rate="$(rate_of "$OUT_DIR/train_unsharded.log")"
-sharded_rate="$(rate_of "$OUT_DIR/train_f32_noclip.log")"
-plain_loss="$(losses_of "$OUT_DIR/train_unsharded.log")"
-sharded_loss="$(losses_of "$OUT_DIR/train_f32_noclip.log")"
-label="GPT ${LAYERS}×${WIDTH} sharded (f32 runtime, no clipping) against the same GPT unsharded on plain Burn (tokens/s)"
-# Same first loss, last loss within 1e-3 (the two runs' kernels may sum in another order).
-agree="$(awk -v a="$plain_loss" -v b="$sharded_loss" 'BEGIN {
-    split(a, x, " -> "); split(b, y, " -> ");
-    d0 = x[1] - y[1]; d1 = x[2] - y[2];
-    print (a != "" && b != "" && d0 * d0 <= 1e-8 && d1 * d1 <= 1e-6) ? "yes" : "no" }')"
-if [ "$rc_plain" = 0 ] && [ "$rc_sharded" = 0 ] && [ -n "$plain_rate" ] && [ -n "$sharded_rate" ] &&
-    [ "$agree" = yes ]; then
-    row "$label" "$(awk -v a="$sharded_rate" -v b="$plain_rate" 'BEGIN { printf "%.2f", a / b }')" \
-        "target ≥ 0.97; $sharded_rate vs $plain_rate tokens/s; loss $sharded_loss vs $plain_loss; train_f32_noclip.log, train_unsharded.log"
-else
-    row "$label" "FAIL (exit $rc_sharded/$rc_plain; loss ${sharded_loss:-?} vs ${plain_loss:-?})" \
-        "train_f32_noclip.log, train_unsharded.log"
-    STATUS=1
-fi
-
-# --- 3b. NCCL carrying the training step (world 1: the runtime's lanes on NCCL communicators;
-# bucket all-gathers write straight into CubeCL's device buffers, which are decoded in place, and
-# device gradients are reduce-scattered where they are). Same seed, data and model as the
-# threads-engine runs above, so the losses must agree; the device line must say the collectives
-# ran on device memory and the runtime shards were there (each update's piece encoded on the
-# device becomes the shard; gathers read it there).
-for pair in "bf16 bf16" "mxfp8 f32"; do
-    read -r format compute <<<"$pair"
-    label="NCCL carries the GPT step (--nccl, world 1), $format runtime, $compute compute"
-    if [ "$MODE" != cuda ] || [ ! -s "$OUT_DIR/nccl_libdir" ]; then
-        row "$label" "skipped" "needs a GPU and libnccl (step 2)"
-        continue
-    fi
-    key="${format}_${compute}_nccl"
-    log="$OUT_DIR/train_$key.log"
-    echo "== train_gpt --backend cuda --nccl --format $format --compute $compute"
-    LD_LIBRARY_PATH="$(cat "$OUT_DIR/nccl_libdir")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        OUT="" GPU_CHECK_TIMEOUT=240 scripts/gpu_check.sh "$TRAIN" --backend cuda --nccl --ranks 1 \
-        --optim adamw --format "$format" --compute "$compute" --steps "$STEPS" --eval-every 0 \
-        --sample-len 0 --out "$OUT_DIR/run_$key" "${MODEL[@]}" >"$log" 2>&1
-    rc=$?
-    grep -E "^(train loss|throughput|device) " "$log"
-    mine="$(losses_of "$log")"
-    host="$(losses_of "$OUT_DIR/train_${format}_$compute.log" 2>/dev/null)"
-    device="$(sed -n 's/^device *//p' "$log")"
-    if [ "$rc" = 0 ] && [ -n "$mine" ] && [ "$mine" = "$host" ] &&
-        grep -q "collectives on device memory" <<<"$device" &&
-        grep -q "runtime shards on the device" <<<"$device"; then
-        row "$label" "$(rate_of "$log") tokens/s" "loss $mine, equal to the threads-engine run; $device; train_$key.log"
-    else
-        row "$label" "FAIL (exit $rc; loss ${mine:-?} vs ${host:-?}; ${device:-no device line})" "train_$key.log"
-        STATUS=1
-    fi
-done
-
-# --- 4. PyTorch ---------------------------------------------------------------------------------
-TORCH_ARGS=(--mode single --device "$TORCH_DEVICE" --steps "$STEPS" --warmup "$WARM" --width "$WIDTH"
-    --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH")
-: >"$OUT_DIR/torch.log"
-version="$($PYTHON -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?')"
-for dtype in f32 bf16; do
-    # Ours in the same compute dtype (bf16 runtime parameters); f16 stands in for bf16 on lavapipe.
-    ours_compute="$dtype"
-    [ "$dtype" = bf16 ] && ours_compute="$HALF"
-    for compiled in "" --compile; do
-        kind="eager"
-        [ -n "$compiled" ] && kind="torch.compile"
-        name="PyTorch $version $kind, $dtype compute"
-        echo "== $name"
-        timeout 300 "$PYTHON" benches/pytorch_gpt.py "${TORCH_ARGS[@]}" --dtype "$dtype" $compiled \
-            >>"$OUT_DIR/torch.log" 2>&1
-        rc=$?
-        rate="$(sed -n 's/^pytorch .*: \([0-9.]*\) tokens\/s.*/\1/p' "$OUT_DIR/torch.log" | tail -n 1)"
-        if [ "$rc" = 0 ] && [ -n "$rate" ]; then
-            ours="${RATE[bf16_$ours_compute]:-}"
-            ratio="–"
-            [ -n "$ours" ] && ratio="$(awk -v a="$ours" -v b="$rate" 'BEGIN { printf "%.2f", a / b }')"
-            row "$name, same GPT and AdamW on $TORCH_DEVICE" "${rate%.*} tokens/s" \
-                "ours (bf16 runtime, $ours_compute compute) / this: $ratio"
-        else
-            row "$name" "FAIL (exit $rc)" "torch.log"
-            STATUS=1
-        fi
-    done
-done
-
-# --- the table ----------------------------------------------------------------------------------
+# --- the table, the logs, the clock --------------------------------------------------------------
 {
     echo "## H200 check ($MODE) on $(hostname), $(date -u +%FT%TZ)"
     echo
-    command -v nvidia-smi >/dev/null 2>&1 &&
-        echo "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)" && echo
-    echo "| check | result | notes |"
-    echo "|---|---|---|"
-    printf '%s\n' "${ROWS[@]}"
-} | tee "$OUT_DIR/h200.md"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        echo "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | head -n 1)"
+        echo
+    fi
+    echo "GPT ${LAYERS}×${WIDTH}, ${HEADS} heads, seq $SEQ, batch $BATCH, $STEPS steps (rates: the last $((STEPS - WARM))); budget ${BUDGET} s"
+    echo
+    echo "| check | result | s | notes |"
+    echo "|---|---|---|---|"
+} >"$TABLE"
+row() { echo "| $1 | $2 | $3 | $4 |" | tee -a "$TABLE"; }
+pack() { tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" logs 2>/dev/null; }
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+# The cap of a stage: its own, or what the deadline leaves (minus a margin for packing up);
+# 0 when too little is left to start it.
+cap() {
+    local own="$1" rest
+    rest=$(($(left) - 10))
+    if [ "$rest" -lt 20 ]; then echo 0; elif [ "$rest" -lt "$own" ]; then echo "$rest"; else echo "$own"; fi
+}
+stage_t0=0
+begin() { stage_t0=$(date +%s); echo "== [$(($(date +%s) - T0)) s] $1"; }
+took() { echo $(($(date +%s) - stage_t0)); }
+# Runs "$@" in the work folder under cap $1, its output to log $2; returns its status.
+run_capped() {
+    local limit="$1" log="$2"
+    shift 2
+    (cd "$WORK" && timeout -k 10 "$limit" "$@") >"$LOGS/$log" 2>&1
+}
+trap pack EXIT
+
+# --- environment ---------------------------------------------------------------------------------
+# CubeCL reads cubecl.toml from its working directory up: the PTX cache, shared by every
+# process of this script (NVRTC runs once per kernel, not once per process).
+cat >"$WORK/cubecl.toml" <<EOF
+[compilation]
+cache = { file = "$WORK/cubecl-cache" }
+EOF
+NCCL_READY=0
+if [ "$MODE" = cuda ]; then
+    begin "environment"
+    # shellcheck source=cuda_env.sh
+    . "$ROOT/scripts/device/cuda_env.sh"
+    {
+        nvidia-smi 2>&1 | head -n 15
+        nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>&1
+    } >"$LOGS/env.log"
+    if cuda_env_setup "$WORK/lib" "$LOGS/env.log" >/dev/null; then
+        nccl_env_setup "$WORK/lib" "$LOGS/env.log" >/dev/null && NCCL_READY=1
+        row "CUDA environment" "ok" "$(took)" "$(sed -n 's/^libnvrtc: .*(nvrtcVersion \(.*\))/NVRTC \1/p' "$LOGS/env.log"); NCCL $([ $NCCL_READY = 1 ] && echo found || echo missing); env.log"
+    else
+        row "CUDA environment" "FAIL" "$(took)" "env.log"
+        STATUS=1
+    fi
+fi
+
+# --- 1. kernels ----------------------------------------------------------------------------------
+begin "kernels"
+limit=$(cap 100)
+if [ "$limit" = 0 ]; then
+    row "kernels against the CPU reference" "skipped (time)" 0 ""
+else
+    run_capped "$limit" kernels.log "${KERNELS[@]}"
+    rc=$?
+    tail -n 30 "$LOGS/kernels.log"
+    if [ "$rc" = 0 ]; then
+        row "kernels against the CPU reference" "pass" "$(took)" "$(kernel_summary "$LOGS/kernels.log"); kernels.log"
+    else
+        row "kernels against the CPU reference" "FAIL (exit $rc)" "$(took)" "kernels.log"
+        STATUS=1
+    fi
+fi
+pack
+
+# --- 2. NCCL conformance -------------------------------------------------------------------------
+if [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
+    begin "NCCL conformance"
+    limit=$(cap 60)
+    if [ "$limit" = 0 ]; then
+        row "NCCL conformance, world 1" "skipped (time)" 0 ""
+    else
+        run_capped "$limit" nccl.log "$(bin nccl_conformance)" 1
+        rc=$?
+        tail -n 40 "$LOGS/nccl.log"
+        if [ "$rc" = 0 ]; then
+            row "NCCL conformance, world 1 (fault checks included)" "pass" "$(took)" "$(grep -m1 '^NCCL ' "$LOGS/nccl.log"); nccl.log"
+        else
+            row "NCCL conformance, world 1 (fault checks included)" "FAIL (exit $rc)" "$(took)" "$(grep -c ' ok$' "$LOGS/nccl.log") checks ok before it stopped; nccl.log"
+            STATUS=1
+        fi
+    fi
+    pack
+else
+    row "NCCL conformance, world 1" "skipped" 0 "$([ "$MODE" = cpu ] && echo 'needs a GPU' || echo 'libnccl not found: env.log')"
+fi
+
+# --- GPT helpers ---------------------------------------------------------------------------------
+MODEL=(--width "$WIDTH" --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH" --text "$TEXT")
+COMMON=(--backend "$BACKEND" --optim adamw --steps "$STEPS" --eval-every 0 --sample-len 0 "${MODEL[@]}")
+# One sharded train_gpt run: KEY CAP then its arguments; sets RATE[KEY], LOSS[KEY]; its row.
+train_row() {
+    local key="$1" own="$2" label="$3" limit rc log="train_$1.log" device comm params
+    shift 3
+    begin "$label"
+    limit=$(cap "$own")
+    if [ "$limit" = 0 ]; then
+        row "$label" "skipped (time)" 0 ""
+        return 1
+    fi
+    run_capped "$limit" "$log" "$TRAIN" --out "$WORK/run_$key" "$@"
+    rc=$?
+    grep -E "^(model|sharding|train loss|throughput|memory|device|comm) " "$LOGS/$log"
+    RATE[$key]="$(rate_of "$LOGS/$log")"
+    LOSS[$key]="$(losses_of "$LOGS/$log")"
+    if [ "$rc" != 0 ] || [ -z "${RATE[$key]}" ]; then
+        row "$label" "FAIL (exit $rc)" "$(took)" "$(grep -m1 -iE 'error|panick' "$LOGS/$log" | head -c 200); $log"
+        STATUS=1
+        return 1
+    fi
+    device="$(sed -n 's/^device *//p' "$LOGS/$log" | sed 's/ (most seen after a step);/;/')"
+    comm="$(sed -n 's/^comm *exposed \([0-9.]* ms per step = [0-9.]* %\).*/exposed comm \1/p' "$LOGS/$log")"
+    params="$(params_of "$LOGS/$log")"
+    local extra=""
+    [ -n "$params" ] && extra="MFU $(mfu "${RATE[$key]}" "$(flops_per_token "$params" "$WIDTH" "$LAYERS" "$SEQ")") of 989 TFLOP/s; "
+    row "$label" "${RATE[$key]} tokens/s" "$(took)" "loss ${LOSS[$key]}; ${extra}${comm:+$comm; }${device:+$device; }$log"
+}
+
+# --- 3. GPT on Autodiff<Hsdp<B>>, bf16 compute ---------------------------------------------------
+for format in bf16 mxfp8; do
+    train_row "${format}_$HALF" 150 "GPT on Autodiff<Hsdp<$BACKEND>>, $format runtime, $HALF compute" \
+        --ranks 1 --format "$format" --compute "$HALF" "${COMMON[@]}"
+    pack
+done
+if [ -n "${RATE[bf16_$HALF]:-}" ] && [ -n "${RATE[mxfp8_$HALF]:-}" ]; then
+    row "MXFP8 against bf16 runtime parameters (tokens/s), $HALF compute" \
+        "$(awk -v a="${RATE[mxfp8_$HALF]}" -v b="${RATE[bf16_$HALF]}" 'BEGIN { printf "%.3f", a / b }')" 0 \
+        "world 1: the decode's cost only, no communication saved (docs/PROJECTION.md has the multi-GPU bytes)"
+fi
+
+# --- 4. the decorator's price against plain Burn -------------------------------------------------
+begin "unsharded on plain Burn"
+limit=$(cap 90)
+label="sharded (f32 runtime, --clip 0) against unsharded plain burn-$BACKEND, f32 compute (tokens/s ratio)"
+if [ "$limit" = 0 ]; then
+    row "$label" "skipped (time)" 0 ""
+else
+    run_capped "$limit" train_unsharded.log "$TRAIN" --unsharded --out "$WORK/run_unsharded" "${COMMON[@]}"
+    rc_plain=$?
+    plain_s=$(took)
+    train_row f32_noclip 90 "GPT on Autodiff<Hsdp<$BACKEND>>, f32 runtime, f32 compute, no clipping" \
+        --ranks 1 --format f32 --clip 0 "${COMMON[@]}"
+    plain_rate="$(rate_of "$LOGS/train_unsharded.log")"
+    plain_loss="$(losses_of "$LOGS/train_unsharded.log")"
+    agree="$(close "$plain_loss" "${LOSS[f32_noclip]:-}" 1e-4 1e-3)"
+    if [ "$rc_plain" = 0 ] && [ -n "$plain_rate" ] && [ -n "${RATE[f32_noclip]:-}" ] && [ "$agree" = yes ]; then
+        row "$label" "$(awk -v a="${RATE[f32_noclip]}" -v b="$plain_rate" 'BEGIN { printf "%.3f", a / b }')" "$plain_s" \
+            "target ≥ 0.97; ${RATE[f32_noclip]} vs $plain_rate tokens/s; loss ${LOSS[f32_noclip]} vs $plain_loss; train_unsharded.log"
+    else
+        row "$label" "FAIL (exit $rc_plain; loss ${LOSS[f32_noclip]:-?} vs ${plain_loss:-?})" "$plain_s" "train_unsharded.log"
+        STATUS=1
+    fi
+fi
+pack
+
+# --- 5. NCCL carrying the step -------------------------------------------------------------------
+label="NCCL carries the GPT step (--nccl, world 1), mxfp8 runtime, $HALF compute"
+if [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
+    if train_row "mxfp8_${HALF}_nccl" 90 "$label" --nccl --ranks 1 --format mxfp8 --compute "$HALF" "${COMMON[@]}"; then
+        log="$LOGS/train_mxfp8_${HALF}_nccl.log"
+        same="$(close "${LOSS[mxfp8_${HALF}_nccl]}" "${LOSS[mxfp8_$HALF]:-}" 1e-3 5e-3)"
+        if [ "$same" = yes ] && grep -q "collectives on device memory" "$log" &&
+            grep -q "runtime shards on the device" "$log"; then
+            row "  … its losses against the threads-engine run, device memory" "pass" 0 \
+                "${LOSS[mxfp8_${HALF}_nccl]} vs ${LOSS[mxfp8_$HALF]:-?} (tolerance 1e-3 first, 5e-3 last)"
+        else
+            row "  … its losses against the threads-engine run, device memory" "FAIL" 0 \
+                "${LOSS[mxfp8_${HALF}_nccl]} vs ${LOSS[mxfp8_$HALF]:-?}; $(sed -n 's/^device *//p' "$log")"
+            STATUS=1
+        fi
+    fi
+    pack
+else
+    row "$label" "skipped" 0 "needs a GPU and libnccl"
+fi
+
+# --- 6. PyTorch ----------------------------------------------------------------------------------
+version="$(cd "$WORK" && timeout 60 "$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?')"
+TORCH=(--mode single --device "$TORCH_DEVICE" --steps "$STEPS" --warmup "$WARM" --width "$WIDTH"
+    --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH" --text "$TEXT")
+# KEY CAP LABEL OURS (the RATE key to compare with) then pytorch_gpt.py's options.
+torch_row() {
+    local key="$1" own="$2" label="$3" ours="$4" limit rc rate ratio="–"
+    shift 4
+    begin "$label"
+    limit=$(cap "$own")
+    if [ "$limit" = 0 ]; then
+        row "$label" "skipped (time)" 0 ""
+        return
+    fi
+    run_capped "$limit" "torch_$key.log" env PYTHONUNBUFFERED=1 "$PYTHON" "$ROOT/benches/pytorch_gpt.py" "${TORCH[@]}" "$@"
+    rc=$?
+    tail -n 2 "$LOGS/torch_$key.log"
+    rate="$(sed -n 's/^pytorch .*: \([0-9.]*\) tokens\/s.*/\1/p' "$LOGS/torch_$key.log" | tail -n 1)"
+    if [ "$rc" = 0 ] && [ -n "$rate" ]; then
+        [ -n "${RATE[$ours]:-}" ] && ratio="$(awk -v a="${RATE[$ours]}" -v b="$rate" 'BEGIN { printf "%.3f", a / b }')"
+        row "$label" "${rate%.*} tokens/s" "$(took)" "ours ($ours) / this: $ratio; torch_$key.log"
+    else
+        row "$label" "FAIL (exit $rc)" "$(took)" "torch_$key.log"
+        STATUS=1
+    fi
+    pack
+}
+torch_row bf16_manual 90 "PyTorch $version eager, bf16 autocast, explicit attention (like for like)" \
+    "bf16_$HALF" --dtype bf16 --attn manual
+torch_row bf16_compiled 150 "PyTorch $version torch.compile, bf16 autocast, SDPA (what PyTorch users run)" \
+    "bf16_$HALF" --dtype bf16 --attn sdpa --compile
+torch_row f32_tf32 90 "PyTorch $version eager, f32 with TF32 matmuls, explicit attention (like for like)" \
+    f32_noclip --dtype f32 --tf32 --attn manual --clip 0
+
+# --- 7. ours in f32 compute, if time is left -----------------------------------------------------
+for format in bf16 mxfp8; do
+    train_row "${format}_f32" 60 "GPT on Autodiff<Hsdp<$BACKEND>>, $format runtime, f32 compute" \
+        --ranks 1 --format "$format" --compute f32 "${COMMON[@]}"
+    pack
+done
+
+# --- timings -------------------------------------------------------------------------------------
+{
+    echo
+    echo "Wall time $(($(date +%s) - T0)) s (budget $BUDGET s); exit status $STATUS."
+} | tee -a "$TABLE"
+pack
 exit "$STATUS"

@@ -8,10 +8,10 @@
 # NCCL_CONFORMANCE_BIN).
 #
 # What it does:
-#   1. finds libnccl.so.2 (python3's nvidia.nccl package, else a search of site-packages and the
-#      usual library directories);
-#   2. makes a temporary directory holding the symlink libnccl.so -> libnccl.so.2 (cudarc loads
-#      "libnccl.so", NCCL ships "libnccl.so.2") and puts it first on LD_LIBRARY_PATH;
+#   1-2. finds libnccl.so.2 (python3's nvidia.nccl package, else site-packages and the usual
+#      library folders) and links it as libnccl.so (cudarc loads "libnccl.so", NCCL ships
+#      "libnccl.so.2") in $NCCL_LIBDIR (kept) or a temporary folder, first on LD_LIBRARY_PATH
+#      (scripts/device/cuda_env.sh);
 #   3. prints the GPU, driver and library basics;
 #   4. runs the binary with world size ${NCCL_CHECK_WORLD:-1} under timeout
 #      ${NCCL_CHECK_TIMEOUT:-420} s, and copies its output to $OUT/ when OUT is set.
@@ -47,52 +47,15 @@ if [ ! -f "$BIN" ]; then
 fi
 chmod +x "$BIN" 2>/dev/null || true
 
-# --- libnccl.so.2 -------------------------------------------------------------------------------
-NCCL_SO=""
-if command -v python3 >/dev/null 2>&1; then
-    NCCL_SO="$(python3 - <<'PY' 2>/dev/null
-import glob, os
-try:
-    import nvidia.nccl as m
-    dirs = list(getattr(m, "__path__", [])) or [os.path.dirname(m.__file__)]
-    for d in dirs:
-        for c in sorted(glob.glob(os.path.join(d, "lib", "libnccl.so*"))):
-            if os.path.basename(c).startswith("libnccl.so.2"):
-                print(c)
-                raise SystemExit
-except ImportError:
-    pass
-PY
-)"
-    if [ -z "$NCCL_SO" ]; then
-        SITES="$(python3 -c 'import site, sys; print(" ".join(site.getsitepackages() + [site.getusersitepackages()] + [p for p in sys.path if p.endswith("-packages")]))' 2>/dev/null)"
-        for d in $SITES; do
-            [ -d "$d" ] || continue
-            NCCL_SO="$(find "$d" -name 'libnccl.so.2*' \( -type f -o -type l \) 2>/dev/null | sort | head -n 1)"
-            [ -n "$NCCL_SO" ] && break
-        done
-    fi
-fi
-if [ -z "$NCCL_SO" ]; then
-    for d in /usr/lib/x86_64-linux-gnu /usr/local/lib /usr/lib64 /usr/local/cuda/lib64 /opt; do
-        [ -d "$d" ] || continue
-        NCCL_SO="$(find "$d" -name 'libnccl.so.2*' \( -type f -o -type l \) 2>/dev/null | sort | head -n 1)"
-        [ -n "$NCCL_SO" ] && break
-    done
-fi
-if [ -z "$NCCL_SO" ]; then
-    say "libnccl.so.2 not found (looked in python3's nvidia.nccl, site-packages and system library directories)"
-    finish 3
-fi
-say "libnccl.so.2: $NCCL_SO"
-
-LIBDIR="$(mktemp -d -t nccl_lib.XXXXXX)"
-ln -sf "$(readlink -f "$NCCL_SO")" "$LIBDIR/libnccl.so"
-export LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# For callers that run other NCCL binaries afterwards (h200.sh's --nccl training step).
-[ -n "${NCCL_LIBDIR_OUT:-}" ] && echo "$LIBDIR" >"$NCCL_LIBDIR_OUT"
+# --- libnccl (scripts/device/cuda_env.sh) ------------------------------------------------------
+# NCCL_LIBDIR: a folder that outlives this script (the link stays for later runs); else a
+# temporary one, removed at the end.
+# shellcheck source=cuda_env.sh
+. "$(dirname "$0")/cuda_env.sh"
+LIBDIR="${NCCL_LIBDIR:-}"
+[ -z "$LIBDIR" ] && LIBDIR="$(mktemp -d -t nccl_lib.XXXXXX)" && TEMP_LIBDIR="$LIBDIR"
+nccl_env_setup "$LIBDIR" "$LOG" || finish 3
 say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 
 # --- machine basics -----------------------------------------------------------------------------
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -117,5 +80,5 @@ case "$RC" in
     124|137) say "== timed out after ${LIMIT}s" ;;
     *) say "== the binary exited with status $RC (crash?)" ;;
 esac
-rm -rf "$LIBDIR"
+[ -n "${TEMP_LIBDIR:-}" ] && rm -rf "$TEMP_LIBDIR"
 finish "$RC"

@@ -78,10 +78,7 @@ impl<R: CubeRuntime> StageUnits for CubeStager<R> {
             narrowed,
             uploaded,
             downloaded: 0,
-            buffer: Box::new(CubeUnits::<R> {
-                client: self.client,
-                handle,
-            }),
+            buffer: Box::new(CubeUnits::<R>::new(self.client, handle)),
         }
     }
 }
@@ -100,10 +97,8 @@ fn decode<B: Backend, R: CubeRuntime>(
     let cube_device: &R::Device = any.downcast_ref().expect("the type was checked");
     let client = R::client(cube_device);
     let len = bytes.len();
-    let units = CubeUnits::<R> {
-        handle: client.create_from_slice(&padded_to_words(bytes)),
-        client,
-    };
+    let handle = client.create_from_slice(&padded_to_words(bytes));
+    let units = CubeUnits::<R>::new(client, handle);
     decode_buffer::<B, R>(codec, &units, len, which, phase, device)
 }
 
@@ -115,6 +110,23 @@ pub(crate) struct CubeUnits<R: CubeRuntime> {
     pub client: ComputeClient<R>,
     /// The buffer: its length is a whole number of 4-byte words (the codec kernels read words).
     pub handle: Handle,
+    /// Where kernels wrote the buffer after its allocation (the update's encode), a
+    /// [`stream_mark`](crate::cube_views::stream_mark) made once they were queued: what an
+    /// engine on another stream must wait for before it reads the buffer (`cube_gather.rs`).
+    /// `None` where the buffer was written with its allocation (an upload) or by an engine
+    /// whose wait has returned.
+    pub written: Option<Handle>,
+}
+
+impl<R: CubeRuntime> CubeUnits<R> {
+    /// A buffer written with its allocation (or by a finished engine call): no mark.
+    pub fn new(client: ComputeClient<R>, handle: Handle) -> Self {
+        Self {
+            client,
+            handle,
+            written: None,
+        }
+    }
 }
 
 /// The f32 compute buffer of the gathered runtime bytes in `units` (`len` of them).
@@ -242,11 +254,15 @@ pub(crate) fn encode_piece_units_if_cube<B: Backend>(
         if is_cube::<B, R>() {
             let units = match codec.encode_ops(piece) {
                 Some(ops) => encode_on_device::<B, R>(codec, &ops, master),
-                None => f32_master::<R>(codec, master).map(|m| CubeUnits {
-                    client: m.client.clone(),
-                    handle: m.handle.clone(),
-                }),
+                None => f32_master::<R>(codec, master)
+                    .map(|m| CubeUnits::new(m.client.clone(), m.handle.clone())),
             };
+            // The encode (or the update that wrote the f32 master) is queued: mark it, so an
+            // engine on another stream reads the units only after it (`cube_gather.rs`).
+            let units = units.map(|mut units| {
+                units.written = Some(crate::cube_views::stream_mark(&units.client));
+                units
+            });
             return Some(units.map(|units| {
                 let kind = codec.empty_units();
                 DeviceUnits {
@@ -303,10 +319,7 @@ fn encode_on_device<B: Backend, R: CubeRuntime>(
         .expect("the type was checked");
     let client = &master.client;
     run(client, ops, Direction::Encode, &master.handle, &out.handle)?;
-    Ok(CubeUnits {
-        client: client.clone(),
-        handle: out.handle,
-    })
+    Ok(CubeUnits::new(client.clone(), out.handle))
 }
 
 /// Which way [`run`] converts.

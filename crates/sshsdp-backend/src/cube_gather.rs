@@ -5,16 +5,31 @@
 //! gather and NCCL's own host path three times.
 //!
 //! # Ordering against CubeCL's streams
-//! cubecl-cuda gives each host thread its own stream and tracks, for every buffer, the stream
-//! and position of its last use. The model thread makes the send buffer (an upload of this
-//! rank's part) and a fresh receive buffer on its stream and hands both to the shard lane. The
-//! lane asks CubeCL for their device resources, which makes the lane's own CubeCL stream wait
-//! for the model stream's work up to those buffers (including kernels still reading memory the
-//! allocator recycled into them), and waits for that stream; only then does NCCL, on its own
-//! stream, read and write them. The lane holds the resources until NCCL's bounded wait has
-//! returned, so the allocation cannot be recycled under NCCL; the model thread decodes the
-//! receive buffer only after the lane's reply. cubecl-cuda and cudarc both use the device's
-//! primary context, so CubeCL's addresses are valid for NCCL.
+//! cubecl-cuda gives each host thread its own stream and stamps every allocation with its
+//! stream's position; a thread touching another stream's buffer waits for that stream only if
+//! it has not synchronised with it past the buffer's stamp (see
+//! [`stream_mark`](crate::cube_views::stream_mark)). NCCL runs on its own stream, outside that
+//! scheme, so a lane readies the buffers first (`ready_addresses`): `get_resource` on each makes
+//! the lane's CubeCL stream wait for the streams that own them where needed, and a host wait on
+//! the lane's stream makes that wait complete before NCCL is called.
+//!
+//! What a gather waits for, and why that is enough:
+//! * **The send buffer.** A device shard was written by the last update's encode on the model
+//!   stream; its [`CubeUnits::written`] mark, made once that encode was queued, goes into the
+//!   ready call, so the lane waits for the encode. A host shard's part is uploaded by the lane
+//!   itself (its own stream: ordered).
+//! * **The receive buffer** is allocated by the lane on its own stream, so it makes the lane
+//!   wait for nothing.
+//!
+//! So the lane waits for the model stream at most once per update (the first gather after it;
+//! the wait covers what the model stream had queued then), and the prefetched gather of bucket
+//! k+1 no longer waits for bucket k's forward, which the model thread queued before the lane
+//! took the job: gathers overlap compute. The model thread decodes the receive buffer after
+//! the lane's reply (NCCL's wait returned); touching it, the model stream waits for the lane's
+//! stream (the allocation), and CubeCL keeps a buffer used on two streams alive until both are
+//! done with it. The lane holds the resources until NCCL's bounded wait has returned, so no
+//! allocation is recycled under NCCL. cubecl-cuda and cudarc both use the device's primary
+//! context, so CubeCL's addresses are valid for NCCL.
 
 use std::any::Any;
 use std::ops::Range;
@@ -51,8 +66,9 @@ pub(crate) enum SendUnits<'a> {
 }
 
 /// The buffers of an all-gather of `send` into `full_len` units on `device` (a CUDA device of
-/// a `CubeBackend`): the job for a lane (which hands back the receive buffer) and the bytes
-/// uploaded (this rank's part of a host shard, or none).
+/// a `CubeBackend`): the job for a lane (which allocates the receive buffer, uploads a host
+/// part, and hands back the receive buffer) and the bytes it will upload (this rank's part of
+/// a host shard, or none).
 pub(crate) fn gather_buffers<B: Backend>(
     device: &B::Device,
     send: SendUnits<'_>,
@@ -63,10 +79,14 @@ pub(crate) fn gather_buffers<B: Backend>(
     let client = CudaRuntime::client(device);
     let (send, count, kind, uploaded) = match send {
         SendUnits::Host(shard, part) => {
-            let bytes = shard.le_bytes(part.clone());
+            let bytes = padded_to_words(shard.le_bytes(part.clone()));
             let uploaded = bytes.len() as u64;
-            let send = client.create_from_slice(&padded_to_words(bytes));
-            (send, part.len(), shard.zeros_like(0), uploaded)
+            (
+                Outgoing::Upload(bytes),
+                part.len(),
+                shard.zeros_like(0),
+                uploaded,
+            )
         }
         SendUnits::Device(units, part) => {
             let cube: &CubeUnits<CudaRuntime> = units.buffer.downcast_ref().ok_or_else(|| {
@@ -81,14 +101,19 @@ pub(crate) fn gather_buffers<B: Backend>(
                 .clone()
                 .offset_start(start)
                 .offset_end(size - end);
-            (send, part.len(), units.kind.zeros_like(0), 0)
+            let written = cube.written.clone();
+            (
+                Outgoing::Device { send, written },
+                part.len(),
+                units.kind.zeros_like(0),
+                0,
+            )
         }
     };
-    let recv = client.empty(word_buffer_len(kind.unit_bytes() as usize * full_len));
     let job = CudaGatherJob {
         client,
         send,
-        recv,
+        recv: None,
         kind: kind.kind(),
         count,
         full_len,
@@ -119,11 +144,23 @@ pub(crate) fn ready_addresses(
     Ok(addresses)
 }
 
+/// What a gather sends.
+enum Outgoing {
+    /// This rank's part of a host shard (whole words), uploaded by the lane.
+    Upload(Vec<u8>),
+    /// A range of a device buffer, and the mark of its last write (see the module docs).
+    Device {
+        send: Handle,
+        written: Option<Handle>,
+    },
+}
+
 /// A gather's CubeCL buffers on the way to the shard lane.
 struct CudaGatherJob {
     client: ComputeClient<CudaRuntime>,
-    send: Handle,
-    recv: Handle,
+    send: Outgoing,
+    /// The receive buffer, allocated by the lane in `ready`.
+    recv: Option<Handle>,
     kind: ElementKind,
     count: usize,
     /// Units of the receive buffer.
@@ -144,7 +181,20 @@ impl DeviceGatherJob for CudaGatherJob {
     }
 
     fn ready(&mut self) -> CommResult<(u64, u64)> {
-        let handles = [self.send.clone(), self.recv.clone()];
+        // On the lane's thread: both new buffers are the lane stream's own.
+        let recv = self.client.empty(word_buffer_len(
+            self.empty.unit_bytes() as usize * self.full_len,
+        ));
+        let mut handles = match &self.send {
+            Outgoing::Upload(bytes) => vec![self.client.create_from_slice(bytes)],
+            Outgoing::Device { send, written } => {
+                let mut handles = vec![send.clone()];
+                handles.extend(written.iter().cloned());
+                handles
+            }
+        };
+        handles.insert(1, recv.clone());
+        self.recv = Some(recv);
         let addresses = ready_addresses(&self.client, &handles, &mut self.resources)?;
         Ok((addresses[0], addresses[1]))
     }
@@ -152,11 +202,11 @@ impl DeviceGatherJob for CudaGatherJob {
     fn into_units(self: Box<Self>) -> DeviceUnits {
         let job = *self;
         drop(job.resources);
+        let recv = job
+            .recv
+            .expect("the lane readied the job before the engine wrote into it");
         DeviceUnits {
-            buffer: Box::new(CubeUnits::<CudaRuntime> {
-                client: job.client,
-                handle: job.recv,
-            }),
+            buffer: Box::new(CubeUnits::<CudaRuntime>::new(job.client, recv)),
             len: job.full_len,
             kind: job.empty,
             narrowed: None,

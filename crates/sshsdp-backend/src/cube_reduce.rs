@@ -27,7 +27,7 @@ use sshsdp_plan::Sharding;
 use crate::comm::MeshComm;
 use crate::config::Precision;
 use crate::cube_codec::{float_tensor, CubeUnits};
-use crate::cube_views::{for_each_runtime, is_cube};
+use crate::cube_views::{for_each_runtime, is_cube, stream_mark};
 use crate::storage::{word_buffer_len, DeviceUnits, Elems};
 use crate::worker::DeviceReduceJob;
 use crate::HsdpError;
@@ -151,6 +151,12 @@ struct CubeReduceJob<R: CubeRuntime> {
     piece_len: usize,
     /// Staged path: the first stage's result.
     host_shard: Option<Elems>,
+    /// Engine path: a [`stream_mark`] made once the kernels writing `full` were queued (the
+    /// job is made after them). `full`'s own stamp is its allocation's, and a lane that synced
+    /// with the model stream after that allocation but before the writes (a gradient
+    /// accumulated in place; under DDP no fresh buffer is in the first stage's ready call)
+    /// would otherwise hand NCCL a buffer still being written.
+    written: Option<Handle>,
     /// Resources pinned while the engine works.
     resources: Vec<Box<dyn Send>>,
     uploaded: u64,
@@ -194,6 +200,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
             }
             (true, Sharding::Hierarchical) => (buffer(shard_len), buffer(piece_len)),
         };
+        let written = addresses.map(|_| stream_mark(&client));
         Self {
             full: full.handle,
             client,
@@ -207,6 +214,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
             piece,
             piece_len,
             host_shard: None,
+            written,
             resources: Vec::new(),
             uploaded: 0,
             downloaded: 0,
@@ -223,7 +231,8 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
 
 impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
     fn within_shard_group(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()> {
-        let handles = [self.full.clone(), self.shard.clone()];
+        let mut handles = vec![self.full.clone(), self.shard.clone()];
+        handles.extend(self.written.iter().cloned());
         if let Some(at) = self.ready(&handles)? {
             // SAFETY: both buffers are live CubeCL allocations of `full_len` and `shard_len`
             // units on the engine's GPU (the runtime takes this path only there), pinned in
@@ -310,10 +319,7 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
             narrowed: None,
             uploaded: job.uploaded,
             downloaded: job.downloaded,
-            buffer: Box::new(CubeUnits::<R> {
-                client: job.client,
-                handle: job.piece,
-            }),
+            buffer: Box::new(CubeUnits::<R>::new(job.client, job.piece)),
         }
     }
 }

@@ -25,7 +25,7 @@ pub(crate) fn upload_units<B: Backend>(device: &B::Device, units: &Elems) -> Opt
             let client = client_of::<B, R>(device);
             let handle = client.create_from_slice(&units.word_bytes());
             return Some(DeviceUnits {
-                buffer: Box::new(CubeUnits::<R> { client, handle }),
+                buffer: Box::new(CubeUnits::<R>::new(client, handle)),
                 len: units.len(),
                 kind: units.zeros_like(0),
                 narrowed: None,

@@ -47,6 +47,25 @@ pub(crate) fn client_of<B: Backend, R: CubeRuntime>(
     <R as cubecl::Runtime>::client(device)
 }
 
+/// A mark of "now" in the calling thread's CubeCL stream: a fresh 4-byte allocation.
+///
+/// CubeCL stamps each allocation with its stream's cursor (the count of commands resolved on
+/// it), and a thread that touches a buffer of another stream waits for that stream only if it
+/// has not synchronised with it at or past the buffer's stamp (`cubecl-runtime`'s
+/// `MultiStream::align_streams`). The stamp is the *allocation's*, not the last write's: a
+/// buffer written by kernels queued after its allocation (an encode into a zeroed buffer, an
+/// update) can look synchronised to another stream while those kernels are still queued. A
+/// mark made on the producing thread once the writes are queued carries a stamp past them;
+/// handing it to `get_resource` together with the buffer makes the other stream wait for the
+/// writes. Such a wait covers everything the producing stream has queued at that moment; once
+/// the other stream has synchronised past the mark, later reads of the buffer wait for
+/// nothing. Keep the mark alive as long as the buffer may be read from another stream.
+pub(crate) fn stream_mark<R: CubeRuntime>(
+    client: &cubecl::client::ComputeClient<R>,
+) -> cubecl::server::Handle {
+    client.empty(4)
+}
+
 /// Whether `B`'s float tensors are `CubeTensor<R>`.
 pub(crate) fn is_cube<B: Backend, R: CubeRuntime>() -> bool {
     TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<CubeTensor<R>>()

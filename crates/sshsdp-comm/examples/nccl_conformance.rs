@@ -372,10 +372,20 @@ struct RankReport {
     timings: CommResult<Vec<Timing>>,
 }
 
+/// How long after the wait starts the flag is written (from another thread) to release the
+/// blocked stream: past the wait's limit, within the check's bound (ten limits).
+const RELEASE_AFTER_LIMITS: u32 = 4;
+
 /// The failure semantics on a real communicator (last: it aborts `c`). A stream blocked by
 /// `cuStreamWaitValue32` on a flag nobody writes stands in for a peer that never arrives: the
 /// bounded wait must time out near its limit and abort the communicator, and a later call must
-/// fail before it enqueues. The flag is then written from the host so the stream drains.
+/// fail before it enqueues.
+///
+/// `ncclCommAbort` frees the communicator's memory and synchronises, which cannot finish while
+/// the stream is blocked (NVIDIA/nccl#549, #829): a thread started before the wait writes the
+/// flag from the host after [`RELEASE_AFTER_LIMITS`] limits, so the abort returns, a little
+/// after that, instead of hanging. A real dead peer is different: NCCL's kernels stop on the
+/// abort flag, which the driver does not block.
 fn fault_checks(mut c: NcclComm, out: &mut Vec<(String, Outcome)>) {
     use cudarc::driver::sys as cu;
     let limit = std::time::Duration::from_millis(500);
@@ -397,9 +407,23 @@ fn fault_checks(mut c: NcclComm, out: &mut Vec<(String, Outcome)>) {
             cu::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
         )
     };
+    // The release: a synchronous 4-byte copy from host memory into the flag on the null
+    // stream (which does not wait for the non-blocking one), from another thread.
+    let flag_at = ptr;
+    let ctx = c.context().clone();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(limit * RELEASE_AFTER_LIMITS);
+        let released = 1u32.to_le_bytes();
+        let bound = ctx.bind_to_thread();
+        // SAFETY: the flag is a live 4-byte device allocation (dropped only after this thread
+        // is joined); the copy reads 4 bytes of `released`.
+        let copied = unsafe { cu::cuMemcpyHtoD_v2(flag_at, released.as_ptr().cast(), 4) };
+        (bound.is_ok(), copied)
+    });
     let start = std::time::Instant::now();
     let waited = c.synchronize();
     let took = start.elapsed();
+    println!("fault check: the stuck wait returned after {took:?} ({waited:?})");
     let timed_out = match (&queued, &waited) {
         (cu::cudaError_enum::CUDA_SUCCESS, Err(CommError::Timeout { .. }))
             if took >= limit && took < limit * 10 =>
@@ -417,12 +441,42 @@ fn fault_checks(mut c: NcclComm, out: &mut Vec<(String, Outcome)>) {
         other => Err(format!("after the abort a call returned {other:?}")),
     };
     out.push(("fault: calls after abort fail".into(), later));
-    let released = 1u32.to_le_bytes();
-    // SAFETY: a synchronous 4-byte copy from host memory into the live flag (the null stream
-    // does not wait for the non-blocking one), which releases the blocked stream.
-    let _ = unsafe { cu::cuMemcpyHtoD_v2(ptr, released.as_ptr().cast(), 4) };
+    let released = match release.join() {
+        Ok((true, cu::cudaError_enum::CUDA_SUCCESS)) => Ok(()),
+        Ok((bound, copied)) => Err(format!(
+            "releasing the stream: context bound {bound}, copy {copied:?}"
+        )),
+        Err(_) => Err("the releasing thread panicked".into()),
+    };
+    out.push(("fault: blocked stream released".into(), released));
     drop(_sync);
     let _ = c.stream().synchronize();
+}
+
+/// Prints `checks` (and rank 0's timings) at once, so that they are on record before the fault
+/// checks, which abort the communicator and may misbehave on a broken driver.
+fn print_so_far(rank: usize, checks: &[(String, Outcome)], timings: &CommResult<Vec<Timing>>) {
+    use std::io::Write;
+    for (name, outcome) in checks {
+        match outcome {
+            Ok(()) => println!("rank {rank}: {name:<32} ok"),
+            Err(why) => println!("rank {rank}: {name:<32} FAILED ({why})"),
+        }
+    }
+    if rank == 0 {
+        if let Ok(rows) = timings {
+            for t in rows {
+                println!(
+                    "rank 0: {:<16} {:>6} MiB {:>10.3} ms {:>8.1} GB/s",
+                    t.op,
+                    t.bytes >> 20,
+                    t.secs * 1e3,
+                    t.bytes as f64 / t.secs / 1e9
+                );
+            }
+        }
+    }
+    let _ = std::io::stdout().flush();
 }
 
 fn run_rank(c: NcclComm) -> RankReport {
@@ -434,6 +488,7 @@ fn run_rank(c: NcclComm) -> RankReport {
     device_checks_typed::<Bf16Bits>(&c, &mut checks);
     device_checks_typed::<u8>(&c, &mut checks);
     let timings = timings(&c);
+    print_so_far(c.rank(), &checks, &timings);
     fault_checks(c, &mut checks);
     RankReport { checks, timings }
 }

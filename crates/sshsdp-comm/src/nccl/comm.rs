@@ -12,6 +12,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSli
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{result, sys};
 
+use super::enqueue::enqueue_lock;
 use super::watch::{timeout_from_env, wait_until, Liveness, Progress};
 use super::{cuda_error, nccl_dtype, nccl_error, probe, DeviceElement};
 use crate::collective::{check_chunks, check_counts, check_root, counts_mismatch, equal_chunks};
@@ -325,6 +326,14 @@ impl NcclComm {
         bind(&self.stream)
     }
 
+    /// [`NcclComm::enter`] for a call that enqueues NCCL work: also takes this GPU's enqueue
+    /// lock (`enqueue.rs`), held by the returned guard until the call has enqueued (never
+    /// across a wait).
+    fn enter_enqueue(&self, op: &str) -> CommResult<std::sync::MutexGuard<'static, ()>> {
+        self.enter(op)?;
+        Ok(enqueue_lock(self.device()))
+    }
+
     /// One look at the work queued on this communicator's stream.
     fn progress(&self) -> Progress {
         let mut state = sys::ncclResult_t::ncclSuccess;
@@ -403,7 +412,7 @@ impl NcclComm {
         if chunk == 0 {
             return Ok(());
         }
-        self.enter(OP)?;
+        let _serial = self.enter_enqueue(OP)?;
         let (ptr, _write) = buf.device_ptr_mut(&self.stream);
         let send = ptr + (self.rank * chunk * std::mem::size_of::<D>()) as CUdeviceptr;
         // SAFETY: `ptr` is a live device allocation of `size · chunk` elements of D on this
@@ -438,7 +447,7 @@ impl NcclComm {
         if send.is_empty() {
             return Ok(());
         }
-        self.enter(OP)?;
+        let _serial = self.enter_enqueue(OP)?;
         let (src, _read) = send.device_ptr(&self.stream);
         let (dst, _write) = recv.device_ptr_mut(&self.stream);
         // SAFETY: `src` holds send.len() elements and `dst` size · send.len(), both live device
@@ -474,7 +483,7 @@ impl NcclComm {
         if count == 0 {
             return Ok(());
         }
-        self.enter(OP)?;
+        let _serial = self.enter_enqueue(OP)?;
         let (src, _read) = send.device_ptr(&self.stream);
         let (dst, _write) = recv.device_ptr_mut(&self.stream);
         // SAFETY: `src` holds size · recv.len() elements and `dst` recv.len(), both live device
@@ -531,7 +540,7 @@ impl NcclComm {
         if let Some(msg) = counts_mismatch(OP, &sends, &recvs) {
             return Err(CommError::Mismatch(msg));
         }
-        self.enter(OP)?;
+        let _serial = self.enter_enqueue(OP)?;
         let elem = std::mem::size_of::<D>() as u64;
         let (src, _read) = send.device_ptr(&self.stream);
         let (dst, _write) = recv.device_ptr_mut(&self.stream);
@@ -596,7 +605,7 @@ impl NcclComm {
         if chunk == 0 {
             return Ok(());
         }
-        self.enter(OP)?;
+        let _serial = self.enter_enqueue(OP)?;
         let (ptr, _write) = buf.device_ptr_mut(&self.stream);
         let recv = ptr + (self.rank * chunk * std::mem::size_of::<D>()) as CUdeviceptr;
         // SAFETY: `ptr` is a live device allocation of size · chunk elements on this GPU,
@@ -629,7 +638,7 @@ impl NcclComm {
             return Ok(());
         }
         let count = buf.len();
-        self.enter(OP)?;
+        let _serial = self.enter_enqueue(OP)?;
         let (ptr, _write) = buf.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` is a live device allocation of `count` elements on this GPU, borrowed
         // mutably; NCCL supports sendbuff == recvbuff for all-reduce.
@@ -661,7 +670,7 @@ impl NcclComm {
             return Ok(());
         }
         let count = buf.len();
-        self.enter(OP)?;
+        let _serial = self.enter_enqueue(OP)?;
         let (ptr, _write) = buf.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` is a live device allocation of `count` elements on this GPU, borrowed
         // mutably; NCCL supports sendbuff == recvbuff for broadcast. root < size fits i32.

@@ -92,6 +92,7 @@
 //! ```
 
 mod comm;
+mod enqueue;
 mod host;
 mod lanes;
 mod probe;

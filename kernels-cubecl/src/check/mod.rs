@@ -2,6 +2,8 @@
 //! references on fresh random data, then throughput against a device-to-device copy
 //! (quantise) and the `f32` GEMM of the same shape (MXFP8 matmul), generic over the runtime.
 
+mod square;
+
 use std::time::Instant;
 
 use crate::{
@@ -137,7 +139,9 @@ fn row(kernel: &str, shape: &str, secs: f64, rate: String, reference: String) {
     );
 }
 
-fn quantize<R: Runtime>(ck: &mut Check<R>, rng: &mut Rng, (rows, cols): (usize, usize)) {
+/// The 1×32 two-plane kernels (kept for `mx_matmul`'s operands) and the device copy; returns
+/// the copy's GB/s.
+fn quantize<R: Runtime>(ck: &mut Check<R>, rng: &mut Rng, (rows, cols): (usize, usize)) -> f64 {
     let c = ck.client.clone();
     let x = rng.wide(rows * cols, 10);
     let shape = MxShape::new(rows, cols);
@@ -229,6 +233,7 @@ fn quantize<R: Runtime>(ck: &mut Check<R>, rng: &mut Rng, (rows, cols): (usize, 
         format!("{d_gbs:.1} GB/s (rd+wr)"),
         format!("{:.0}% of copy", 100.0 * d_gbs / copy_gbs),
     );
+    copy_gbs
 }
 
 /// `max |got - want| / (|A|·|B|ᵀ)` over sampled outputs of an NT product of row-major data.
@@ -459,7 +464,8 @@ pub fn run<R: Runtime>(client: ComputeClient<R>, small: bool, seed: u64) -> usiz
         failures: 0,
     };
     let mut rng = Rng(seed);
-    quantize(&mut ck, &mut rng, sizes.q);
+    let copy_gbs = quantize(&mut ck, &mut rng, sizes.q);
+    square::square(&mut ck, &mut rng, sizes.q, copy_gbs);
     matmul(&mut ck, &mut rng, sizes.mm);
     newton_schulz(&mut ck, &mut rng, sizes.ns);
     adamw(&mut ck, &mut rng, sizes.adamw);
