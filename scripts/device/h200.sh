@@ -2,29 +2,31 @@
 # The H200 check of the device issue, in one call of the device tool (no Rust toolchain there).
 # The call itself (command, carry list, timeout) is in docs/LAUNCH.md ("The H200 call").
 #
-# Stages, most important first; each runs under its own time cap and under a deadline for the
-# whole script (H200_BUDGET_S, default 420 s): a stage that would not fit is skipped, and one
-# that fails or times out leaves the other rows. Each row is appended to $OUT/h200.md the moment
-# it is known, with the stage's seconds, and the logs are re-packed into $OUT/logs.tgz after
-# every stage: $OUT never holds more than these two files (the tool returns at most 8).
+# Stages, most important first (H200_STAGES selects some: names in brackets; default all); each
+# runs under its own time cap and under a deadline for the whole script (H200_BUDGET_S, default
+# 420 s): a stage that would not fit is skipped, and one that fails or times out leaves the other
+# rows. Each row is appended to $OUT/h200.md the moment it is known, with the stage's seconds,
+# and the logs are re-packed into $OUT/logs.tgz after every stage: $OUT never holds more than
+# these two files (the tool returns at most 8). docs/H200.md has the first call's table.
 #
-#   1. kernels: every CubeCL kernel against its CPU reference on fresh data, quantise and
-#      dequantise GB/s against a measured device copy, MX matmul against the f32 GEMM;
-#   2. NCCL conformance at world 1, with the fault checks (results printed before them);
-#   3. GPT (12 × 768, seq 1024, batch 8) on Autodiff<Hsdp<Cuda>>, one rank, device storage,
-#      AdamW, bf16 compute: bf16 and MXFP8 runtime parameters; tokens/s of the last 10 steps,
-#      MFU against the H200's dense bf16 peak (989 TFLOP/s), host<->device bytes per step;
-#   4. the decorator's price: the same GPT unsharded on plain burn-cuda (f32, Burn's AdamW, no
-#      clipping) against one sharded rank doing the same arithmetic (f32 runtime, --clip 0):
-#      losses must agree, target ratio ≥ 0.97 (sharded step ≤ 1.03× the unsharded one);
-#   5. NCCL carrying the step (--nccl, world 1; MXFP8 runtime, bf16 compute): gathers and
-#      reductions on CubeCL's device buffers; losses within a tolerance of stage 3's run
-#      (clipping's norm is summed with atomic adds, not bit-reproducible); exposed comm %;
-#   6. PyTorch on the same GPU, same GPT, data and AdamW, timed over the same last 10 steps:
-#      like for like (explicit attention, bf16 autocast) and what a PyTorch user runs (SDPA,
-#      torch.compile); then f32 with TF32 matmuls and explicit attention (burn-cubecl's f32
-#      matmul runs in TF32 on tensor cores);
-#   7. if time is left, ours in f32 compute (bf16 and MXFP8 runtime).
+#   1. [kernels] every CubeCL kernel against its CPU reference on fresh data (the square-block
+#      MXFP8 codec the runtime uses included), their GB/s against a measured device copy, MX
+#      matmul against the f32 GEMM;
+#   2. [nccl] NCCL conformance at world 1, with the fault checks (results printed before them);
+#   3. [ncclgpt] the device path: GPT (12 × 768, seq 1024, batch 8) on Autodiff<Hsdp<Cuda>> with
+#      the runtime's lanes on NCCL (gathers and reductions on CubeCL's buffers, runtime shards
+#      on the device): MXFP8 and bf16 runtime, bf16 compute; f32 runtime with --clip 0 against
+#      the same GPT unsharded on plain burn-cuda (f32, Burn's AdamW): equal losses, target ratio
+#      ≥ 0.97; tokens/s of the last 10 steps, MFU against 989 TFLOP/s, exposed communication,
+#      host<->device bytes per step;
+#   4. [gpt, plain] the staged path: the same on the threads engine (host collectives, device
+#      buffers staged through the host), and its price against plain Burn;
+#   5. the device path's losses against the staged path's, within a tolerance (clipping's norm
+#      is summed with atomic adds: not bit-reproducible);
+#   6. [torch] PyTorch on the same GPU, same GPT, data and AdamW, over the same last 10 steps:
+#      like for like (explicit attention, bf16 autocast), what PyTorch users run (SDPA,
+#      torch.compile), f32 with TF32 matmuls (what burn-cubecl's f32 matmul computes);
+#   7. [f32] if time is left, ours in f32 compute on the staged path.
 #
 # CubeCL's PTX cache is on (a cubecl.toml in the work folder, which is every binary's working
 # directory): after the first process, the others load their kernels instead of compiling them.
@@ -136,6 +138,9 @@ declare -A RATE LOSS
     echo "|---|---|---|---|"
 } >"$TABLE"
 row() { echo "| $1 | $2 | $3 | $4 |" | tee -a "$TABLE"; }
+# Whether stage $1 is selected (H200_STAGES: space-separated names, default all: kernels nccl
+# ncclgpt gpt plain torch f32).
+want() { case " ${H200_STAGES:-all} " in *" all "* | *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 pack() { tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" logs 2>/dev/null; }
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 # The cap of a stage: its own, or what the deadline leaves (minus a margin for packing up);
@@ -182,6 +187,7 @@ if [ "$MODE" = cuda ]; then
 fi
 
 # --- 1. kernels ----------------------------------------------------------------------------------
+if want kernels; then
 begin "kernels"
 limit=$(cap 100)
 if [ "$limit" = 0 ]; then
@@ -198,9 +204,12 @@ else
     fi
 fi
 pack
+fi
 
 # --- 2. NCCL conformance -------------------------------------------------------------------------
-if [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
+if ! want nccl; then
+    :
+elif [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
     begin "NCCL conformance"
     limit=$(cap 60)
     if [ "$limit" = 0 ]; then
@@ -252,69 +261,95 @@ train_row() {
     row "$label" "${RATE[$key]} tokens/s" "$(took)" "loss ${LOSS[$key]}; ${extra}${comm:+$comm; }${device:+$device; }$log"
 }
 
-# --- 3. GPT on Autodiff<Hsdp<B>>, bf16 compute ---------------------------------------------------
-for format in bf16 mxfp8; do
-    train_row "${format}_$HALF" 150 "GPT on Autodiff<Hsdp<$BACKEND>>, $format runtime, $HALF compute" \
-        --ranks 1 --format "$format" --compute "$HALF" "${COMMON[@]}"
-    pack
-done
-if [ -n "${RATE[bf16_$HALF]:-}" ] && [ -n "${RATE[mxfp8_$HALF]:-}" ]; then
-    row "MXFP8 against bf16 runtime parameters (tokens/s), $HALF compute" \
-        "$(awk -v a="${RATE[mxfp8_$HALF]}" -v b="${RATE[bf16_$HALF]}" 'BEGIN { printf "%.3f", a / b }')" 0 \
-        "world 1: the decode's cost only, no communication saved (docs/PROJECTION.md has the multi-GPU bytes)"
-fi
-
-# --- 4. the decorator's price against plain Burn -------------------------------------------------
-begin "unsharded on plain Burn"
-limit=$(cap 90)
-label="sharded (f32 runtime, --clip 0) against unsharded plain burn-$BACKEND, f32 compute (tokens/s ratio)"
-if [ "$limit" = 0 ]; then
-    row "$label" "skipped (time)" 0 ""
-else
+# The unsharded run on plain Burn (f32, Burn's AdamW, no clipping), once: PLAIN_RATE, PLAIN_LOSS.
+PLAIN_RATE="" PLAIN_LOSS="" PLAIN_RC=""
+plain_run() {
+    [ -n "$PLAIN_RC" ] && return
+    begin "unsharded on plain Burn"
+    local limit
+    limit=$(cap 90)
+    [ "$limit" = 0 ] && { PLAIN_RC=skipped; return; }
     run_capped "$limit" train_unsharded.log "$TRAIN" --unsharded --out "$WORK/run_unsharded" "${COMMON[@]}"
-    rc_plain=$?
-    plain_s=$(took)
-    train_row f32_noclip 90 "GPT on Autodiff<Hsdp<$BACKEND>>, f32 runtime, f32 compute, no clipping" \
-        --ranks 1 --format f32 --clip 0 "${COMMON[@]}"
-    plain_rate="$(rate_of "$LOGS/train_unsharded.log")"
-    plain_loss="$(losses_of "$LOGS/train_unsharded.log")"
-    agree="$(close "$plain_loss" "${LOSS[f32_noclip]:-}" 1e-4 1e-3)"
-    if [ "$rc_plain" = 0 ] && [ -n "$plain_rate" ] && [ -n "${RATE[f32_noclip]:-}" ] && [ "$agree" = yes ]; then
-        row "$label" "$(awk -v a="${RATE[f32_noclip]}" -v b="$plain_rate" 'BEGIN { printf "%.3f", a / b }')" "$plain_s" \
-            "target ≥ 0.97; ${RATE[f32_noclip]} vs $plain_rate tokens/s; loss ${LOSS[f32_noclip]} vs $plain_loss; train_unsharded.log"
+    PLAIN_RC=$?
+    PLAIN_RATE="$(rate_of "$LOGS/train_unsharded.log")"
+    PLAIN_LOSS="$(losses_of "$LOGS/train_unsharded.log")"
+    row "GPT unsharded on plain burn-$BACKEND (no fusion), f32 compute, Burn's AdamW, no clipping" \
+        "${PLAIN_RATE:-FAIL (exit $PLAIN_RC)} tokens/s" "$(took)" "loss ${PLAIN_LOSS:-?}; train_unsharded.log"
+}
+# The decorator's price: sharded run KEY (f32 runtime, --clip 0: the same arithmetic) against
+# the unsharded one; losses must agree, target ratio ≥ 0.97 (sharded step ≤ 1.03×).
+price_row() {
+    local key="$1" what="$2" agree
+    plain_run
+    agree="$(close "$PLAIN_LOSS" "${LOSS[$key]:-}" 1e-4 1e-3)"
+    local label="sharded ($what) against unsharded plain burn-$BACKEND, f32 compute (tokens/s ratio)"
+    if [ "$PLAIN_RC" = 0 ] && [ -n "$PLAIN_RATE" ] && [ -n "${RATE[$key]:-}" ] && [ "$agree" = yes ]; then
+        row "$label" "$(awk -v a="${RATE[$key]}" -v b="$PLAIN_RATE" 'BEGIN { printf "%.3f", a / b }')" 0 \
+            "target ≥ 0.97; ${RATE[$key]} vs $PLAIN_RATE tokens/s; losses agree (${LOSS[$key]} vs $PLAIN_LOSS)"
     else
-        row "$label" "FAIL (exit $rc_plain; loss ${LOSS[f32_noclip]:-?} vs ${plain_loss:-?})" "$plain_s" "train_unsharded.log"
+        row "$label" "FAIL (loss ${LOSS[$key]:-?} vs ${PLAIN_LOSS:-?})" 0 "train_$key.log, train_unsharded.log"
         STATUS=1
     fi
-fi
-pack
+}
 
-# --- 5. NCCL carrying the step -------------------------------------------------------------------
-label="NCCL carries the GPT step (--nccl, world 1), mxfp8 runtime, $HALF compute"
-if [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
-    if train_row "mxfp8_${HALF}_nccl" 90 "$label" --nccl --ranks 1 --format mxfp8 --compute "$HALF" "${COMMON[@]}"; then
-        log="$LOGS/train_mxfp8_${HALF}_nccl.log"
-        same="$(close "${LOSS[mxfp8_${HALF}_nccl]}" "${LOSS[mxfp8_$HALF]:-}" 1e-3 5e-3)"
-        if [ "$same" = yes ] && grep -q "collectives on device memory" "$log" &&
-            grep -q "runtime shards on the device" "$log"; then
-            row "  … its losses against the threads-engine run, device memory" "pass" 0 \
-                "${LOSS[mxfp8_${HALF}_nccl]} vs ${LOSS[mxfp8_$HALF]:-?} (tolerance 1e-3 first, 5e-3 last)"
-        else
-            row "  … its losses against the threads-engine run, device memory" "FAIL" 0 \
-                "${LOSS[mxfp8_${HALF}_nccl]} vs ${LOSS[mxfp8_$HALF]:-?}; $(sed -n 's/^device *//p' "$log")"
-            STATUS=1
-        fi
-    fi
+# --- 3. the device path: NCCL carrying the step --------------------------------------------------
+# The runtime's lanes on NCCL communicators (world 1): bucket all-gathers write CubeCL's device
+# buffers, gradients are reduce-scattered where they are, runtime shards live on the device.
+if ! want ncclgpt; then
+    :
+elif [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
+    for format in mxfp8 bf16; do
+        train_row "${format}_${HALF}_nccl" 150 "GPT on Autodiff<Hsdp<cuda>> over NCCL (device path), $format runtime, $HALF compute" \
+            --nccl --ranks 1 --format "$format" --compute "$HALF" "${COMMON[@]}"
+        pack
+    done
+    train_row f32_noclip_nccl 90 "GPT on Autodiff<Hsdp<cuda>> over NCCL (device path), f32 runtime, f32 compute, no clipping" \
+        --nccl --ranks 1 --format f32 --clip 0 "${COMMON[@]}"
+    price_row f32_noclip_nccl "NCCL device path, f32 runtime, --clip 0"
     pack
 else
-    row "$label" "skipped" 0 "needs a GPU and libnccl"
+    row "GPT over NCCL (device path)" "skipped" 0 "needs a GPU and libnccl"
 fi
+
+# --- 4. the staged path: the threads engine (host collectives; device buffers staged) -------------
+if want gpt; then
+    for format in bf16 mxfp8; do
+        train_row "${format}_$HALF" 150 "GPT on Autodiff<Hsdp<$BACKEND>>, threads engine (staged), $format runtime, $HALF compute" \
+            --ranks 1 --format "$format" --compute "$HALF" "${COMMON[@]}"
+        pack
+    done
+    if [ -n "${RATE[bf16_$HALF]:-}" ] && [ -n "${RATE[mxfp8_$HALF]:-}" ]; then
+        row "MXFP8 against bf16 runtime parameters (tokens/s), staged, $HALF compute" \
+            "$(awk -v a="${RATE[mxfp8_$HALF]}" -v b="${RATE[bf16_$HALF]}" 'BEGIN { printf "%.3f", a / b }')" 0 \
+            "world 1: no communication saved (docs/PROJECTION.md has the multi-GPU bytes)"
+    fi
+fi
+if want plain; then
+    train_row f32_noclip 90 "GPT on Autodiff<Hsdp<$BACKEND>>, threads engine (staged), f32 runtime, f32 compute, no clipping" \
+        --ranks 1 --format f32 --clip 0 "${COMMON[@]}"
+    price_row f32_noclip "threads engine, f32 runtime, --clip 0"
+    pack
+fi
+
+# --- 5. the device path against the staged one: same seed, data and model ------------------------
+# Losses within a tolerance (clipping's norm is summed with atomic adds: not bit-reproducible).
+for format in mxfp8 bf16; do
+    a="${LOSS[${format}_${HALF}_nccl]:-}" b="${LOSS[${format}_$HALF]:-}"
+    [ -n "$a" ] && [ -n "$b" ] || continue
+    if [ "$(close "$a" "$b" 1e-3 5e-3)" = yes ]; then
+        row "NCCL device path against the threads engine, $format runtime: losses" "agree" 0 "$a vs $b (tolerance 1e-3 first, 5e-3 last)"
+    else
+        row "NCCL device path against the threads engine, $format runtime: losses" "FAIL" 0 "$a vs $b"
+        STATUS=1
+    fi
+done
 
 # --- 6. PyTorch ----------------------------------------------------------------------------------
 version="$(cd "$WORK" && timeout 60 "$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?')"
 TORCH=(--mode single --device "$TORCH_DEVICE" --steps "$STEPS" --warmup "$WARM" --width "$WIDTH"
     --layers "$LAYERS" --heads "$HEADS" --seq "$SEQ" --batch "$BATCH" --text "$TEXT")
-# KEY CAP LABEL OURS (the RATE key to compare with) then pytorch_gpt.py's options.
+# KEY CAP LABEL OURS (the RATE keys to compare with, the first measured) then pytorch_gpt.py's
+# options.
 torch_row() {
     local key="$1" own="$2" label="$3" ours="$4" limit rc rate ratio="–"
     shift 4
@@ -329,7 +364,12 @@ torch_row() {
     tail -n 2 "$LOGS/torch_$key.log"
     rate="$(sed -n 's/^pytorch .*: \([0-9.]*\) tokens\/s.*/\1/p' "$LOGS/torch_$key.log" | tail -n 1)"
     if [ "$rc" = 0 ] && [ -n "$rate" ]; then
-        [ -n "${RATE[$ours]:-}" ] && ratio="$(awk -v a="${RATE[$ours]}" -v b="$rate" 'BEGIN { printf "%.3f", a / b }')"
+        for key in $ours; do
+            [ -n "${RATE[$key]:-}" ] || continue
+            ratio="$(awk -v a="${RATE[$key]}" -v b="$rate" 'BEGIN { printf "%.3f", a / b }')"
+            ours="$key"
+            break
+        done
         row "$label" "${rate%.*} tokens/s" "$(took)" "ours ($ours) / this: $ratio; torch_$key.log"
     else
         row "$label" "FAIL (exit $rc)" "$(took)" "torch_$key.log"
@@ -337,15 +377,17 @@ torch_row() {
     fi
     pack
 }
+if want torch; then
 torch_row bf16_manual 90 "PyTorch $version eager, bf16 autocast, explicit attention (like for like)" \
-    "bf16_$HALF" --dtype bf16 --attn manual
+    "bf16_${HALF}_nccl bf16_$HALF" --dtype bf16 --attn manual
 torch_row bf16_compiled 150 "PyTorch $version torch.compile, bf16 autocast, SDPA (what PyTorch users run)" \
-    "bf16_$HALF" --dtype bf16 --attn sdpa --compile
+    "bf16_${HALF}_nccl bf16_$HALF" --dtype bf16 --attn sdpa --compile
 torch_row f32_tf32 90 "PyTorch $version eager, f32 with TF32 matmuls, explicit attention (like for like)" \
-    f32_noclip --dtype f32 --tf32 --attn manual --clip 0
+    "f32_noclip_nccl f32_noclip" --dtype f32 --tf32 --attn manual --clip 0
+fi
 
 # --- 7. ours in f32 compute, if time is left -----------------------------------------------------
-for format in bf16 mxfp8; do
+want f32 && for format in bf16 mxfp8; do
     train_row "${format}_f32" 60 "GPT on Autodiff<Hsdp<$BACKEND>>, $format runtime, f32 compute" \
         --ranks 1 --format "$format" --compute f32 "${COMMON[@]}"
     pack

@@ -372,54 +372,53 @@ struct RankReport {
     timings: CommResult<Vec<Timing>>,
 }
 
-/// How long after the wait starts the flag is written (from another thread) to release the
-/// blocked stream: past the wait's limit, within the check's bound (ten limits).
+/// How long after the wait starts the blocked stream is released (from another thread): past
+/// the wait's limit, within the check's bound (ten limits).
 const RELEASE_AFTER_LIMITS: u32 = 4;
 
-/// The failure semantics on a real communicator (last: it aborts `c`). A stream blocked by
-/// `cuStreamWaitValue32` on a flag nobody writes stands in for a peer that never arrives: the
-/// bounded wait must time out near its limit and abort the communicator, and a later call must
-/// fail before it enqueues.
+/// A host function queued on a stream: the stream waits, as behind a collective whose peer
+/// never arrives, until the flag it points to is set.
+unsafe extern "C" fn block_until_released(flag: *mut std::ffi::c_void) {
+    // SAFETY: `flag` is the `AtomicBool` of an `Arc` kept alive by `fault_checks` until the
+    // stream has drained (it synchronises the stream before dropping its handle).
+    let flag = unsafe { &*(flag as *const std::sync::atomic::AtomicBool) };
+    while !flag.load(std::sync::atomic::Ordering::Acquire) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// The failure semantics on a real communicator (last: it aborts `c`). A stream blocked by a
+/// host function (`cuLaunchHostFunc`) that waits for a flag stands in for a peer that never
+/// arrives: the bounded wait must time out near its limit and abort the communicator, and a
+/// later call must fail before it enqueues.
 ///
 /// `ncclCommAbort` frees the communicator's memory and synchronises, which cannot finish while
-/// the stream is blocked (NVIDIA/nccl#549, #829): a thread started before the wait writes the
-/// flag from the host after [`RELEASE_AFTER_LIMITS`] limits, so the abort returns, a little
-/// after that, instead of hanging. A real dead peer is different: NCCL's kernels stop on the
-/// abort flag, which the driver does not block.
+/// the stream is blocked (NVIDIA/nccl#549, #829): a thread started before the wait sets the
+/// flag after [`RELEASE_AFTER_LIMITS`] limits, so the abort returns a little after that instead
+/// of hanging. (A stream memory wait, `cuStreamWaitValue32`, was the first stand-in: the H200's
+/// CUDA 13 driver refused it with `CUDA_ERROR_INVALID_VALUE`.)
 fn fault_checks(mut c: NcclComm, out: &mut Vec<(String, Outcome)>) {
     use cudarc::driver::sys as cu;
+    use std::sync::atomic::{AtomicBool, Ordering};
     let limit = std::time::Duration::from_millis(500);
     c.set_timeout(limit);
-    let flag = match zeros::<u8>(&c, 4) {
-        Ok(f) => f,
-        Err(e) => {
-            out.push(("fault: stuck stream times out".into(), Err(e.to_string())));
-            return;
-        }
-    };
-    let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&flag, c.stream());
-    // SAFETY: `flag` is a live 4-byte device allocation; the wait blocks only this stream.
+    let released = std::sync::Arc::new(AtomicBool::new(false));
+    // SAFETY: the host function only reads the flag, which outlives the queued call (see
+    // `block_until_released`); it makes no CUDA call.
     let queued = unsafe {
-        cu::cuStreamWaitValue32_v2(
+        cu::cuLaunchHostFunc(
             c.stream().cu_stream(),
-            ptr,
-            1,
-            cu::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
+            Some(block_until_released),
+            std::sync::Arc::as_ptr(&released) as *mut std::ffi::c_void,
         )
     };
-    // The release: a synchronous 4-byte copy from host memory into the flag on the null
-    // stream (which does not wait for the non-blocking one), from another thread.
-    let flag_at = ptr;
-    let ctx = c.context().clone();
-    let release = std::thread::spawn(move || {
-        std::thread::sleep(limit * RELEASE_AFTER_LIMITS);
-        let released = 1u32.to_le_bytes();
-        let bound = ctx.bind_to_thread();
-        // SAFETY: the flag is a live 4-byte device allocation (dropped only after this thread
-        // is joined); the copy reads 4 bytes of `released`.
-        let copied = unsafe { cu::cuMemcpyHtoD_v2(flag_at, released.as_ptr().cast(), 4) };
-        (bound.is_ok(), copied)
-    });
+    let release = {
+        let released = released.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(limit * RELEASE_AFTER_LIMITS);
+            released.store(true, Ordering::Release);
+        })
+    };
     let start = std::time::Instant::now();
     let waited = c.synchronize();
     let took = start.elapsed();
@@ -441,16 +440,16 @@ fn fault_checks(mut c: NcclComm, out: &mut Vec<(String, Outcome)>) {
         other => Err(format!("after the abort a call returned {other:?}")),
     };
     out.push(("fault: calls after abort fail".into(), later));
-    let released = match release.join() {
-        Ok((true, cu::cudaError_enum::CUDA_SUCCESS)) => Ok(()),
-        Ok((bound, copied)) => Err(format!(
-            "releasing the stream: context bound {bound}, copy {copied:?}"
+    let joined = release.join();
+    // The stream drains once the flag is set; the flag may be dropped only after that.
+    let drained = c.stream().synchronize();
+    let released = match (joined, drained) {
+        (Ok(()), Ok(())) => Ok(()),
+        (joined, drained) => Err(format!(
+            "releasing the stream: thread {joined:?}, stream {drained:?}"
         )),
-        Err(_) => Err("the releasing thread panicked".into()),
     };
     out.push(("fault: blocked stream released".into(), released));
-    drop(_sync);
-    let _ = c.stream().synchronize();
 }
 
 /// Prints `checks` (and rank 0's timings) at once, so that they are on record before the fault
