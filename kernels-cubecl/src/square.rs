@@ -9,8 +9,9 @@
 //! `rows · cols` bytes row-major from word `data_word`, its scales one byte per tile (tiles
 //! row-major) from word `scales_word`.
 //!
-//! Quantisation is two launches on the client's stream: one unit per scale *word* (four
-//! tiles: amax over each tile, its scale byte), then one unit per data word (four elements,
+//! Quantisation is two launches on the client's stream: one cube of 32 × 8 units per scale
+//! *word* (four tiles: amax over each tile, read in rows of 32 consecutive values and reduced in
+//! shared memory; its scale bytes), then one unit per data word (four elements,
 //! each encoded with its own tile's scale read back from the buffer: with `cols` not a multiple
 //! of 4 a word spans rows and tiles). Dequantisation runs one unit per value.
 
@@ -23,7 +24,7 @@ use crate::e4m3::{
 };
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::planes::grid;
-use crate::quantize::{load_bits, InputDType};
+use crate::quantize::{load_bits, tile_grid, InputDType};
 
 /// Where a rectangle's values are and where its square-block bytes sit in their buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -75,7 +76,10 @@ fn encode_byte(v: u32, s: u32) -> u32 {
     b
 }
 
-/// Scales kernel: scale words `i, i + stride, ...` (four tiles each).
+/// Scales kernel: one cube of 32 × 8 units per scale word (four tiles; words
+/// `CUBE_POS, CUBE_POS + CUBE_COUNT, ...`). Unit (x, y) reads column x of each tile on rows y,
+/// y + 8, y + 16 and y + 24, so each row of units reads 32 consecutive values; the cube then
+/// reduces each tile's 256 partial maxima in shared memory, and one unit writes the word.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn square_scales_kernel(
@@ -89,31 +93,59 @@ fn square_scales_kernel(
     #[comptime] rceil: bool,
     #[comptime] bf16: bool,
 ) {
+    // Four tiles' partial maxima, 256 each.
+    let mut partial = SharedMemory::<u32>::new(1024usize);
+    let x = UNIT_POS_X;
+    let y = UNIT_POS_Y;
+    let u = UNIT_POS;
     let tile_cols = cols.div_ceil(32);
     let tiles = rows.div_ceil(32) * tile_cols;
     let scale_words = tiles.div_ceil(4);
-    let mut w = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
-    let stride = CUBE_COUNT as u32 * CUBE_DIM;
+    let mut w = CUBE_POS as u32;
+    let stride = CUBE_COUNT as u32;
     while w < scale_words {
-        let mut packed = 0u32;
         for k in 0..4u32 {
             let t = w * 4 + k;
+            let mut amax = 0u32;
             if t < tiles {
                 let r0 = (t / tile_cols) * 32;
-                let c0 = (t % tile_cols) * 32;
-                let r1 = min(r0 + 32, rows);
-                let c1 = min(c0 + 32, cols);
-                let mut amax = 0u32;
-                for r in r0..r1 {
-                    for c in c0..c1 {
-                        let v = load_bits(input, values_offset + r * values_stride + c, bf16);
-                        amax = max(amax, v & 0x7FFF_FFFF);
+                let c = (t % tile_cols) * 32 + x;
+                if c < cols {
+                    for i in 0..4u32 {
+                        let r = r0 + y + 8 * i;
+                        if r < rows {
+                            let v = load_bits(input, values_offset + r * values_stride + c, bf16);
+                            amax = max(amax, v & 0x7FFF_FFFF);
+                        }
                     }
                 }
-                packed |= scale_byte(amax, rceil) << (k * 8);
             }
+            partial[(k * 256 + u) as usize] = amax;
         }
-        out[(scales_word + w) as usize] = packed;
+        sync_cube();
+        let mut half = 128u32;
+        while half > 0 {
+            if u < half {
+                for k in 0..4u32 {
+                    let a = partial[(k * 256 + u) as usize];
+                    let b = partial[(k * 256 + u + half) as usize];
+                    partial[(k * 256 + u) as usize] = max(a, b);
+                }
+            }
+            sync_cube();
+            half /= 2;
+        }
+        if u == 0 {
+            let mut packed = 0u32;
+            for k in 0..4u32 {
+                if w * 4 + k < tiles {
+                    packed |= scale_byte(partial[(k * 256) as usize], rceil) << (k * 8);
+                }
+            }
+            out[(scales_word + w) as usize] = packed;
+        }
+        // The next word's partial maxima overwrite these only after unit 0 has read them.
+        sync_cube();
         w += stride;
     }
 }
@@ -240,7 +272,7 @@ pub fn quantize_square<R: Runtime>(
     let input_words = (input.size_in_used() as usize).div_ceil(4);
     let out_words = out.size_in_used() as usize / 4;
     let bf16 = dtype == InputDType::Bf16;
-    let (count, dim) = grid(scale_words);
+    let (count, dim) = tile_grid(scale_words as u32);
     // SAFETY: lengths are the handles' sizes in words (a bf16 input's last word may be half
     // used); every index the kernels form is below the checked value and byte extents.
     unsafe {
