@@ -61,6 +61,20 @@
 //! [`NcclComm`] is neither `Send` nor `Sync` (it owns a raw `ncclComm_t`): create it on the thread
 //! that uses it. `ncclCommInitRank` blocks until every rank has joined.
 //!
+//! # Threads on one GPU
+//!
+//! A rank's lanes are threads, each with its own communicator on the rank's GPU. NCCL allows one
+//! thread at a time to issue operations to the communicators of a device, so every enqueue
+//! (collective, or group) holds that GPU's enqueue lock; waits do not (`enqueue.rs`). Peers are
+//! connected in `ncclCommInitRank` (`NCCL_RUNTIME_CONNECT=0` unless set), so no enqueue waits
+//! for a peer under the lock.
+//!
+//! # One rank
+//!
+//! At world 1, [`ReduceOp::Avg`](crate::ReduceOp::Avg) runs as `ncclSum` (the same values
+//! exactly): NCCL 2.28.9's `ncclAvg` reduce-scatter left the tail of its output unwritten at one
+//! rank on an H200 (`docs/H200.md`).
+//!
 //! # Failures
 //!
 //! Waits never block without a bound ([`NcclComm::synchronize`], and every host-path call,
