@@ -82,6 +82,8 @@ struct Case {
     compute: Precision,
     /// Where the runtime shards live (`None`: the default placement).
     shards: Option<Placement>,
+    /// Elements per bucket (`None`: the default, one bucket for this model).
+    bucket: Option<u64>,
 }
 
 impl Case {
@@ -95,6 +97,7 @@ impl Case {
             placement: (Placement::Host, Placement::Host),
             compute: Precision::F32,
             shards: None,
+            bucket: None,
         }
     }
 
@@ -188,6 +191,9 @@ where
             .with_mixed_precision(MixedPrecision::new(case.compute, Precision::F32));
         if let Some(shards) = case.shards {
             config = config.with_shard_placement(shards);
+        }
+        if let Some(elements) = case.bucket {
+            config = config.with_bucket_elements(elements);
         }
         let (mut model, runtime) = shard::<A<I>, _, _>(model, config, comm, &device).unwrap();
         let adamw = AdamWConfig::new().build();
@@ -428,6 +434,42 @@ fn device_runtime_shards_without_device_masters_or_a_cubecl_backend_are_refused(
     );
     let on_ndarray = shard_error::<NdArray<f32>>(Placement::Device);
     assert!(on_ndarray.contains("CubeCL backend"), "{on_ndarray}");
+}
+
+/// MXFP8 with small buckets (each matrix a bucket of its own, vectors grouped) on Wgpu, host
+/// and device storage, at world 1 and 2, trains like NdArray.
+#[test]
+fn mxfp8_in_many_buckets_on_wgpu_trains_like_ndarray() {
+    for mesh in [(1, 1), (1, 2)] {
+        for placement in [
+            (Placement::Host, Placement::Host),
+            (Placement::Device, Placement::Device),
+        ] {
+            let case = Case {
+                mesh,
+                placement,
+                bucket: Some(5000),
+                ..Case::new(RuntimeFormat::Mxfp8)
+            };
+            let none = Checkpoints::default();
+            let cpu_case = Case {
+                placement: (Placement::Host, Placement::Host),
+                ..case
+            };
+            let cpu = run::<NdArray<f32>>(cpu_case, 0..3, none, Default::default());
+            let gpu = run::<Wgpu>(case, 0..3, none, Default::default());
+            eprintln!(
+                "{case:?}\n  NdArray {:?}\n  Wgpu    {:?}",
+                cpu.losses, gpu.losses
+            );
+            for (step, (a, b)) in gpu.losses.iter().zip(&cpu.losses).enumerate() {
+                assert!(
+                    (a - b).abs() <= 2e-3 * b.abs(),
+                    "{case:?} step {step}: Wgpu {a} vs NdArray {b}"
+                );
+            }
+        }
+    }
 }
 
 #[test]

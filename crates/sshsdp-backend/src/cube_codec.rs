@@ -26,22 +26,24 @@ use sshsdp_plan::Part;
 
 use crate::codec::{BucketCodec, CodecOp, Phase, MX_FORMAT};
 use crate::config::Precision;
-use crate::cube_views::{client_of, for_each_runtime, is_cube, member_views};
+use crate::cube_views::{client_of, for_each_runtime, is_cube, lane_client, member_views};
 use crate::storage::{padded_to_words, DeviceUnits, Elems};
 use crate::views::{ComputeBuf, Member};
 use crate::worker::StageUnits;
 use crate::HsdpError;
 
 /// Uploads gathered host units into a CubeCL buffer of `device` on the shard lane, if `B` is a
-/// CubeCL backend this build supports (`None` otherwise). f32 units are narrowed on the host to
-/// a 16-bit `compute` dtype first (half the bytes to upload; the same rounding as Burn's cast).
+/// CubeCL backend this build supports (`None` otherwise). Called on the model's thread: the
+/// upload is queued on its stream where streams must not share buffers ([`lane_client`]). f32
+/// units are narrowed on the host to a 16-bit `compute` dtype first (half the bytes to upload;
+/// the same rounding as Burn's cast).
 pub(crate) fn stager_if_cube<B: Backend>(
     device: &B::Device,
     compute: Precision,
 ) -> Option<Box<dyn StageUnits>> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            let client = client_of::<B, R>(device);
+            let client = lane_client(client_of::<B, R>(device));
             let narrow = (compute != Precision::F32).then_some(compute);
             return Some(Box::new(CubeStager::<R> { client, narrow }));
         }

@@ -27,7 +27,7 @@ use sshsdp_plan::Sharding;
 use crate::comm::MeshComm;
 use crate::config::Precision;
 use crate::cube_codec::{float_tensor, CubeUnits};
-use crate::cube_views::{for_each_runtime, is_cube, stream_mark};
+use crate::cube_views::{for_each_runtime, is_cube, lane_client, stream_mark};
 use crate::storage::{word_buffer_len, DeviceUnits, Elems};
 use crate::worker::DeviceReduceJob;
 use crate::HsdpError;
@@ -188,7 +188,8 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
             DType::BF16 => ElementKind::Bf16,
             _ => ElementKind::F32,
         };
-        let client = full.client.clone();
+        // The lanes read the gradient and upload the reduced piece through it.
+        let client = lane_client(full.client.clone());
         let unit = if kind == ElementKind::Bf16 { 2 } else { 4 };
         let buffer = |len: usize| client.empty(word_buffer_len(unit * len));
         let shard_len = full_len / shards.max(1);

@@ -47,6 +47,32 @@ pub(crate) fn client_of<B: Backend, R: CubeRuntime>(
     <R as cubecl::Runtime>::client(device)
 }
 
+/// `client` for work a lane thread queues on behalf of the calling (model) thread.
+///
+/// On wgpu it is pinned to the calling thread's stream. CubeCL-wgpu's streams are queues of
+/// tasks over one device queue, and a queued task holds the raw buffer, not the allocation: a
+/// buffer allocated on a lane's stream, read by kernels queued on the model's stream and then
+/// dropped returns to the lane stream's pool at once, and the lane's next upload into that
+/// memory can reach the device queue before the model's kernels that read the old contents
+/// (the MXFP8 decode of a gathered bucket, whose bytes are dropped right after the decode is
+/// queued, read the next bucket's bytes: NaN losses with more than one bucket). One stream
+/// orders every allocation, write and read. (On the device there is no concurrency to lose:
+/// wgpu has one queue.) CUDA keeps the lanes' own streams: its multi-stream runtime waits on
+/// events across streams and frees a shared buffer only once the other stream has passed it.
+pub(crate) fn lane_client<R: CubeRuntime>(
+    client: cubecl::prelude::ComputeClient<R>,
+) -> cubecl::prelude::ComputeClient<R> {
+    #[cfg(feature = "wgpu")]
+    if TypeId::of::<R>() == TypeId::of::<cubecl::wgpu::WgpuRuntime>() {
+        let mut client = client;
+        // SAFETY: the stream exists (it is the calling thread's) and is used from other
+        // threads only through this client, whose calls the device's server serialises.
+        unsafe { client.set_stream(cubecl::stream_id::StreamId::current()) };
+        return client;
+    }
+    client
+}
+
 /// A mark of "now" in the calling thread's CubeCL stream: a fresh 4-byte allocation.
 ///
 /// CubeCL stamps each allocation with its stream's cursor (the count of commands resolved on
