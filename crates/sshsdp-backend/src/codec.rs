@@ -9,18 +9,18 @@
 //! * **Tiled** (MXFP8 runtime format): each view of a piece is encoded into its bytes in the
 //!   piece: square-block MXFP8 of each of its rectangles (`sshsdp-mx`'s `encode_square`, from
 //!   the piece's fp32 elements, where the rectangle is row-major), or little-endian bf16 for a
-//!   parameter that fell back. One copy serves both passes: forward and backward decode the
-//!   same bytes ([`Phase`] does not change them), so a gathered bucket is decoded once and its
+//!   parameter that fell back. One copy serves both passes: a Burn `Linear` weight is
+//!   `[d_in, d_out]`, the forward GEMM `x · W` contracts over its rows and the backward data
+//!   GEMM `dy · Wᵀ` over its columns, and a 32×32 tile's scale covers both directions' blocks,
+//!   so forward and backward decode the same bytes: a gathered bucket is decoded once and its
 //!   runtime bytes are not kept. Decoding writes each rectangle into its place of its
 //!   parameter in a fresh f32 compute buffer (the CPU analogue of dequantising in a GEMM's load
 //!   stage).
 
-use std::ops::Range;
-
 use half::bf16;
 
 use sshsdp_mx::{ElemFormat, MxShape, ScaleRule};
-use sshsdp_plan::{Encoding, Part, Plan, RuntimeFormat, Section, Span, UpdateView};
+use sshsdp_plan::{Encoding, Plan, RuntimeFormat, Span, UpdateView};
 
 use crate::storage::Elems;
 use crate::HsdpError;
@@ -28,29 +28,6 @@ use crate::HsdpError;
 /// The MXFP8 element format and scale rule of runtime parameters (E4M3, RCEIL as in cuBLAS and
 /// Transformer Engine).
 pub(crate) const MX_FORMAT: (ElemFormat, ScaleRule) = (ElemFormat::E4M3, ScaleRule::Rceil);
-
-/// Which pass the parameters are materialised for. A Burn `Linear` weight is `[d_in, d_out]`:
-/// the forward GEMM `x · W` contracts over its rows, the backward data GEMM `dy · Wᵀ` over its
-/// columns. Square-block MXFP8 serves both with the same bytes (a 32×32 tile's scale covers
-/// both directions' blocks), so no format decodes differently per pass; a format with per-pass
-/// planes would gather only its pass's part ([`Part`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Phase {
-    /// Forward pass (and evaluation).
-    Forward,
-    /// Backward pass.
-    Backward,
-}
-
-impl Phase {
-    /// The part of every piece this pass decodes.
-    pub fn part(self) -> Part {
-        match self {
-            Phase::Forward => Part::Forward,
-            Phase::Backward => Part::Backward,
-        }
-    }
-}
 
 /// A run of elements shared by a parameter (row-major) and its bucket's element space.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,13 +55,6 @@ pub(crate) struct BucketCodec {
     piece_elems: usize,
     /// Runtime units of one piece: elements (linear) or bytes (MXFP8).
     piece_units: usize,
-    /// Whether forward and backward decode different planes.
-    planes: bool,
-    /// Units of each piece that a gather of [`Part::Forward`] / [`Part::Backward`] moves.
-    forward: Range<usize>,
-    backward: Range<usize>,
-    /// Where the row, linear and column sections start in a piece (bytes, MXFP8).
-    section_starts: [usize; 3],
     compute_elems: usize,
     members: Vec<Member>,
     /// The plan's views of each piece.
@@ -96,10 +66,6 @@ pub(crate) struct BucketCodec {
 /// `u64` sizes from the plan as `usize` (the plan was built on this machine: they fit).
 fn us(x: u64) -> usize {
     usize::try_from(x).expect("plan sizes fit in memory")
-}
-
-fn range(r: &Range<u64>) -> Range<usize> {
-    us(r.start)..us(r.end)
 }
 
 impl BucketCodec {
@@ -117,16 +83,10 @@ impl BucketCodec {
                 segments: Vec::new(),
             })
             .collect();
-        let to_units = |r: Range<u64>| us(r.start / unit)..us(r.end / unit);
         let mut codec = Self {
             format,
             piece_elems,
             piece_units: us(bucket.piece_bytes / unit),
-            planes: bucket.has_planes(),
-            forward: to_units(bucket.part_range(Part::Forward)),
-            backward: to_units(bucket.part_range(Part::Backward)),
-            section_starts: [Section::Row, Section::Linear, Section::Col]
-                .map(|s| us(bucket.section_start(s))),
             compute_elems: us(bucket.compute_elements),
             members,
             views: bucket.views.clone(),
@@ -142,15 +102,6 @@ impl BucketCodec {
             }
         }
         codec
-    }
-
-    /// The units of every piece that a gather of `part` moves.
-    pub fn part_range(&self, part: Part) -> Range<usize> {
-        match part {
-            Part::All => 0..self.piece_units,
-            Part::Forward => self.forward.clone(),
-            Part::Backward => self.backward.clone(),
-        }
     }
 
     /// An empty run of the runtime units' type.
@@ -197,9 +148,9 @@ impl BucketCodec {
         self.views.len() * self.piece_elems
     }
 
-    /// Runtime units of the whole bucket that a gather of `part` returns.
-    pub fn gathered_units(&self, part: Part) -> usize {
-        self.views.len() * self.part_range(part).len()
+    /// Runtime units of the whole gathered bucket (every piece).
+    pub fn gathered_units(&self) -> usize {
+        self.views.len() * self.piece_units
     }
 
     /// Member `k`'s first element in the compute buffer.
@@ -215,12 +166,6 @@ impl BucketCodec {
     /// Members.
     pub fn len(&self) -> usize {
         self.members.len()
-    }
-
-    /// Whether forward and backward decode different values (MXFP8 planes), so a gathered
-    /// bucket's runtime bytes are kept while it is resident.
-    pub fn has_planes(&self) -> bool {
-        self.planes
     }
 
     /// Writes member `k`'s `values` (row-major) into the bucket element space `dst`.
@@ -290,13 +235,6 @@ impl BucketCodec {
         Ok(())
     }
 
-    /// The bytes of `section` that view `v` occupies in a piece holding the sections of `part`.
-    fn bytes_of(&self, v: &UpdateView, section: Section, part: Part) -> Range<usize> {
-        let r = range(&v.bytes_in(section));
-        let at = self.section_starts[section as usize] - self.part_range(part).start;
-        at + r.start..at + r.end
-    }
-
     /// Encodes piece `p`'s views (tiled layout) from its fp32 elements.
     fn encode_piece(&self, p: usize, master: &[f32], out: &mut [u8]) -> Result<(), HsdpError> {
         out.fill(0);
@@ -328,8 +266,8 @@ impl BucketCodec {
         Ok(())
     }
 
-    /// How to encode piece `p` from its fp32 elements into its runtime bytes (every section):
-    /// one operation per plane or bf16 run, in piece order — what the host ([`Self::encode`])
+    /// How to encode piece `p` from its fp32 elements into its runtime bytes: one operation per
+    /// rectangle of tiles or bf16 run, in piece order — what the host ([`Self::encode`])
     /// and the device (`cube_codec.rs`) both run. The bf16 runtime format is one run over the
     /// whole piece; `None` for f32, whose runtime elements are the fp32 elements themselves.
     /// Bytes not written by any operation are zero.
@@ -344,7 +282,6 @@ impl BucketCodec {
             RuntimeFormat::Mxfp8 => {
                 let mut ops = Vec::new();
                 for v in &self.views[p] {
-                    let at = self.section_starts[Section::Linear as usize];
                     match v.encoding {
                         Encoding::Mxfp8 { .. } => {
                             let mut values = us(v.master_offset);
@@ -354,14 +291,14 @@ impl BucketCodec {
                                     shape,
                                     values,
                                     stride: shape.cols,
-                                    data: at + us(data),
-                                    scales: at + us(scales),
+                                    data: us(data),
+                                    scales: us(scales),
                                 });
                                 values += shape.len();
                             }
                         }
                         Encoding::Bf16 | Encoding::F32 => ops.push(CodecOp::Bf16 {
-                            bytes: self.bytes_of(v, Section::Linear, Part::All).start,
+                            bytes: us(v.bytes.start),
                             n: us(v.len()),
                             values: us(v.master_offset),
                         }),
@@ -372,48 +309,30 @@ impl BucketCodec {
         }
     }
 
-    /// The compute buffer of a gathered bucket `full` (the part `which` of every piece) for
-    /// `phase`, and `full` itself when it must be kept to decode the other plane later
-    /// ([`Self::has_planes`]).
-    pub fn to_compute(
-        &self,
-        full: Elems,
-        which: Part,
-        phase: Phase,
-    ) -> Result<(Vec<f32>, Option<Elems>), HsdpError> {
+    /// The compute buffer of a gathered bucket `full` (every piece).
+    pub fn to_compute(&self, full: Elems) -> Result<Vec<f32>, HsdpError> {
         match full {
-            Elems::F32(v) => Ok((v, None)),
-            Elems::Bf16(v) => Ok((v.iter().map(|x| x.to_f32()).collect(), None)),
-            Elems::U8(bytes) => {
-                let compute = self.decode(&bytes, which, phase)?;
-                let keep = self.has_planes() && which == Part::All;
-                Ok((compute, keep.then_some(Elems::U8(bytes))))
-            }
+            Elems::F32(v) => Ok(v),
+            Elems::Bf16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            Elems::U8(bytes) => self.decode(&bytes),
         }
     }
 
-    /// How to decode a gathered bucket holding the part `which` of every piece, for `phase`,
-    /// into the compute buffer: one operation per view, in bucket order — what the host
+    /// How to decode a gathered bucket (every piece) into the compute buffer: one operation per view, in bucket order — what the host
     /// ([`Self::decode`], MXFP8) and the device (`cube_codec.rs`, MXFP8 and bf16) both run.
     /// `gathered` is the gathered buffer's length in bytes, checked against the layout. The f32
     /// format has nothing to decode (an error).
-    pub fn decode_ops(
-        &self,
-        gathered: usize,
-        which: Part,
-        phase: Phase,
-    ) -> Result<Vec<CodecOp>, HsdpError> {
+    pub fn decode_ops(&self, gathered: usize) -> Result<Vec<CodecOp>, HsdpError> {
         let unit = us(self.format.element_bytes().unwrap_or(1));
         let f32_format = self.format == RuntimeFormat::F32;
-        if gathered != unit * self.gathered_units(which) || f32_format {
+        if gathered != unit * self.gathered_units() || f32_format {
             return Err(HsdpError::Failed(format!(
-                "a gathered {:?} bucket of {gathered} bytes ({which:?}) cannot be decoded for \
-                 {phase:?}",
-                self.format
+                "a gathered {:?} bucket of {gathered} bytes cannot be decoded (expected {})",
+                self.format,
+                unit * self.gathered_units()
             )));
         }
-        let per_piece = unit * self.part_range(which).len();
-        let linear = self.section_starts[Section::Linear as usize] - self.part_range(which).start;
+        let per_piece = unit * self.piece_units;
         let mut ops = Vec::new();
         for (p, views) in self.views.iter().enumerate() {
             let base = p * per_piece;
@@ -427,8 +346,8 @@ impl BucketCodec {
                                 shape: MxShape::new(us(rect.height()), us(rect.width())),
                                 values: member.compute_start + us(first),
                                 stride: us(cols),
-                                data: base + linear + us(data),
-                                scales: base + linear + us(scales),
+                                data: base + us(data),
+                                scales: base + us(scales),
                             });
                         }
                     }
@@ -438,7 +357,7 @@ impl BucketCodec {
                             continue;
                         };
                         ops.push(CodecOp::Bf16 {
-                            bytes: base + self.bytes_of(v, Section::Linear, which).start,
+                            bytes: base + us(v.bytes.start),
                             n: us(v.len()),
                             values: member.compute_start + us(run.start),
                         });
@@ -454,9 +373,9 @@ impl BucketCodec {
         self.compute_elems
     }
 
-    /// Decodes a gathered tiled bucket holding the part `which` of every piece, for `phase`.
-    pub fn decode(&self, bytes: &[u8], which: Part, phase: Phase) -> Result<Vec<f32>, HsdpError> {
-        let ops = self.decode_ops(bytes.len(), which, phase)?;
+    /// Decodes a gathered tiled bucket (every piece).
+    pub fn decode(&self, bytes: &[u8]) -> Result<Vec<f32>, HsdpError> {
+        let ops = self.decode_ops(bytes.len())?;
         let mut out = vec![0f32; self.compute_elems()];
         for op in ops {
             match op {
@@ -546,7 +465,7 @@ mod tests {
     }
 
     /// Every bucket encoded piece by piece at `world` pieces and decoded again.
-    fn round_trip(world: usize, phase: Phase) -> Vec<Vec<f32>> {
+    fn round_trip(world: usize) -> Vec<Vec<f32>> {
         let plan = plan(world, RuntimeFormat::Mxfp8);
         let mut out = Vec::new();
         for b in 0..plan.buckets().len() {
@@ -559,15 +478,7 @@ mod tests {
             let Elems::U8(bytes) = codec.encode(0, space).unwrap() else {
                 panic!("MXFP8 buckets hold bytes")
             };
-            let compute = codec.decode(&bytes, Part::All, phase).unwrap();
-            // A pass's own part decodes to the same values.
-            let range = codec.part_range(phase.part());
-            let part: Vec<u8> = bytes
-                .chunks(codec.piece_units)
-                .flat_map(|piece| piece[range.clone()].to_vec())
-                .collect();
-            let own = codec.decode(&part, phase.part(), phase).unwrap();
-            assert_eq!(own, compute);
+            let compute = codec.decode(&bytes).unwrap();
             for (k, p) in members.iter().enumerate() {
                 let at = codec.compute_start(k);
                 out.push(compute[at..at + p.spec.numel() as usize].to_vec());
@@ -578,18 +489,16 @@ mod tests {
 
     #[test]
     fn tiled_mxfp8_decodes_the_same_at_every_world_size() {
-        for phase in [Phase::Forward, Phase::Backward] {
-            let one = round_trip(1, phase);
-            for world in [2, 3, 4, 8] {
-                assert_eq!(round_trip(world, phase), one, "world {world}, {phase:?}");
-            }
+        let one = round_trip(1);
+        for world in [2, 3, 4, 8] {
+            assert_eq!(round_trip(world), one, "world {world}");
         }
     }
 
     #[test]
     fn tiled_mxfp8_matches_the_reference_codec_and_bf16_fallback() {
         let plan = plan(4, RuntimeFormat::Mxfp8);
-        let decoded = round_trip(4, Phase::Forward);
+        let decoded = round_trip(4);
         let mut i = 0;
         for b in 0..plan.buckets().len() {
             for (k, p) in plan.params()[plan.buckets()[b].params.clone()]
@@ -637,7 +546,7 @@ mod tests {
                 let shape = MxShape::new(us(rect.height()), us(rect.width()));
                 assert_eq!(rect.encoded_bytes() as usize, shape.square_bytes());
                 assert!(us(scales) >= us(data) + shape.square_data_bytes());
-                assert!(us(scales) + shape.square_scale_bytes() <= us(v.linear.end));
+                assert!(us(scales) + shape.square_scale_bytes() <= us(v.bytes.end));
                 assert!(data % 4 == 0 && scales % 4 == 0);
                 seen += 1;
             }

@@ -22,9 +22,8 @@ use cubecl::server::Handle;
 use sshsdp_kernels::{
     dequantize_square, narrow_bf16, quantize_square, widen_bf16, InputDType, KernelError, SquareAt,
 };
-use sshsdp_plan::Part;
 
-use crate::codec::{BucketCodec, CodecOp, Phase, MX_FORMAT};
+use crate::codec::{BucketCodec, CodecOp, MX_FORMAT};
 use crate::config::Precision;
 use crate::cube_views::{client_of, for_each_runtime, is_cube, lane_client, member_views};
 use crate::storage::{padded_to_words, DeviceUnits, Elems};
@@ -91,8 +90,6 @@ impl<R: CubeRuntime> StageUnits for CubeStager<R> {
 fn decode<B: Backend, R: CubeRuntime>(
     codec: &BucketCodec,
     bytes: Vec<u8>,
-    which: Part,
-    phase: Phase,
     device: &B::Device,
 ) -> Result<B::FloatTensorPrimitive, HsdpError> {
     let any: &dyn Any = device;
@@ -101,7 +98,7 @@ fn decode<B: Backend, R: CubeRuntime>(
     let len = bytes.len();
     let handle = client.create_from_slice(&padded_to_words(bytes));
     let units = CubeUnits::<R>::new(client, handle);
-    decode_buffer::<B, R>(codec, &units, len, which, phase, device)
+    decode_buffer::<B, R>(codec, &units, len, device)
 }
 
 /// A CubeCL buffer of runtime units and the client that owns it (what
@@ -136,11 +133,9 @@ fn decode_buffer<B: Backend, R: CubeRuntime>(
     codec: &BucketCodec,
     units: &CubeUnits<R>,
     len: usize,
-    which: Part,
-    phase: Phase,
     device: &B::Device,
 ) -> Result<B::FloatTensorPrimitive, HsdpError> {
-    let ops = codec.decode_ops(len, which, phase)?;
+    let ops = codec.decode_ops(len)?;
     let n = codec.compute_elems();
     let out = units.client.empty(4 * n.max(1));
     run(&units.client, &ops, Direction::Decode, &out, &units.handle)?;
@@ -170,14 +165,12 @@ pub(crate) fn float_tensor<B: Backend, R: CubeRuntime>(
 }
 
 /// The parameters `members` of runtime units an engine gathered into device memory (`units`:
-/// the part `which` of every piece), decoded for `phase` into `compute` on the device: f32
+/// every piece), decoded into `compute` on the device: f32
 /// units and bf16 units computed in bf16 are the compute buffer as they are (the views share
 /// the engine's receive buffer); others are decoded as in [`decode_views_if_cube`].
 pub(crate) fn device_units_views<B: Backend>(
     codec: &BucketCodec,
     units: &DeviceUnits,
-    which: Part,
-    phase: Phase,
     members: &[Member],
     device: &B::Device,
     compute: Precision,
@@ -193,7 +186,7 @@ pub(crate) fn device_units_views<B: Backend>(
                 (Elems::F32(_), _) => (tensor(DType::F32), compute == Precision::F32),
                 _ => {
                     let len = units.bytes() as usize;
-                    let f32s = decode_buffer::<B, R>(codec, cube, len, which, phase, device)?;
+                    let f32s = decode_buffer::<B, R>(codec, cube, len, device)?;
                     (f32s, compute == Precision::F32)
                 }
             };
@@ -458,59 +451,35 @@ mod tests {
                                 .unwrap()
                         })
                         .collect();
-                    for phase in [Phase::Forward, Phase::Backward] {
-                        let parts = if codec.has_planes() {
-                            vec![Part::All, phase.part()]
-                        } else {
-                            vec![Part::All]
-                        };
-                        for which in parts {
-                            // What a gather of `which` returns: that part of every piece.
-                            let range = codec.part_range(which);
-                            let gathered = match &pieces[0] {
-                                Elems::U8(_) => Elems::U8(
-                                    pieces
-                                        .iter()
-                                        .flat_map(|p| le_bytes(p)[range.clone()].to_vec())
-                                        .collect(),
-                                ),
-                                Elems::Bf16(_) => Elems::Bf16(
-                                    pieces
-                                        .iter()
-                                        .flat_map(|p| match p {
-                                            Elems::Bf16(v) => v[range.clone()].to_vec(),
-                                            _ => unreachable!(),
-                                        })
-                                        .collect(),
-                                ),
-                                Elems::F32(_) => unreachable!("not an f32 plan"),
-                            };
-                            // The host path: the decode for MXFP8, the widening for bf16.
-                            let (host, _) =
-                                codec.to_compute(gathered.clone(), which, phase).unwrap();
-                            let tensor = decode::<B, WgpuRuntime>(
-                                &codec,
-                                le_bytes(&gathered),
-                                which,
-                                phase,
-                                &device,
-                            )
-                            .unwrap();
-                            let dev = download::<B>(tensor).unwrap();
-                            for (k, p) in members.iter().enumerate() {
-                                let at = codec.compute_start(k);
-                                let n = p.spec.numel() as usize;
-                                let bits =
-                                    |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                                assert_eq!(
-                                    bits(&dev[at..at + n]),
-                                    bits(&host[at..at + n]),
-                                    "{format:?}, world {world}, bucket {b}, {}, {phase:?}, \
-                                     {which:?}",
-                                    p.spec.path
-                                );
-                            }
-                        }
+                    // What a gather returns: every piece, one after the other.
+                    let gathered = match &pieces[0] {
+                        Elems::U8(_) => Elems::U8(pieces.iter().flat_map(le_bytes).collect()),
+                        Elems::Bf16(_) => Elems::Bf16(
+                            pieces
+                                .iter()
+                                .flat_map(|p| match p {
+                                    Elems::Bf16(v) => v.clone(),
+                                    _ => unreachable!(),
+                                })
+                                .collect(),
+                        ),
+                        Elems::F32(_) => unreachable!("not an f32 plan"),
+                    };
+                    // The host path: the decode for MXFP8, the widening for bf16.
+                    let host = codec.to_compute(gathered.clone()).unwrap();
+                    let tensor =
+                        decode::<B, WgpuRuntime>(&codec, le_bytes(&gathered), &device).unwrap();
+                    let dev = download::<B>(tensor).unwrap();
+                    for (k, p) in members.iter().enumerate() {
+                        let at = codec.compute_start(k);
+                        let n = p.spec.numel() as usize;
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&dev[at..at + n]),
+                            bits(&host[at..at + n]),
+                            "{format:?}, world {world}, bucket {b}, {}",
+                            p.spec.path
+                        );
                     }
                 }
             }

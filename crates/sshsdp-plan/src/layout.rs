@@ -22,14 +22,14 @@
 //!   scale needs all its values). A piece's part of a matrix is then up to three rectangles
 //!   ([`UpdateView::rects`]); its fp32 elements are those rectangles' elements in the matrix's
 //!   row-major order ([`UpdateView::runs`]). Every view's bytes sit one after the other in the
-//!   piece's one section, each rectangle's data and scales starting on a 4-byte word (device
+//!   piece, each rectangle's data and scales starting on a 4-byte word (device
 //!   kernels write whole words, so no two views share one). Elements sit one piece after the
 //!   other (each piece padded to the largest), and the decoded compute buffer holds the
 //!   parameters back to back, each starting on `align_bytes`.
 //!
-//! The [`Section`]s and [`Part`]s below are what a format with per-pass planes would gather
-//! separately; the formats of this plan keep everything in [`Section::Linear`] (one copy serves
-//! both passes), so a gather always moves [`Part::All`].
+//! Every format decodes the same bytes for forward and backward (one square-block MXFP8 copy
+//! serves both passes), so a gather always moves whole pieces: there are no per-pass planes to
+//! gather separately (plan version 2's two 1×32 planes were retired; docs/MXFP8.md).
 
 use std::ops::Range;
 
@@ -38,39 +38,6 @@ use serde::{Deserialize, Serialize};
 use crate::format;
 use crate::tiles::{Rect, TileGrid};
 use crate::{ParamSpec, PlanConfig, RuntimeFormat, MX_BLOCK};
-
-/// One of the three sections of a piece's runtime bytes (in this order in the piece).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Section {
-    /// Bytes decoded for backward only (no format of this plan has any).
-    Row,
-    /// Bytes decoded for both passes: f32 or bf16 elements, square-block MXFP8 tiles.
-    Linear,
-    /// Bytes decoded for forward only (no format of this plan has any).
-    Col,
-}
-
-/// Which part of every piece a gather moves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Part {
-    /// The whole piece.
-    All,
-    /// What forward decodes: the linear and column-wise sections.
-    Forward,
-    /// What backward decodes: the row-wise and linear sections.
-    Backward,
-}
-
-impl Part {
-    /// Whether this part holds `section`.
-    pub fn holds(self, section: Section) -> bool {
-        match self {
-            Part::All => true,
-            Part::Forward => section != Section::Row,
-            Part::Backward => section != Section::Col,
-        }
-    }
-}
 
 /// How a parameter's elements are encoded in runtime bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -124,12 +91,9 @@ pub struct UpdateView {
     pub span: Span,
     /// Position of the first element in the piece's fp32 elements (master and gradient).
     pub master_offset: u64,
-    /// Bytes in the piece's row-wise section (always empty: no per-pass planes).
-    pub row: Range<u64>,
-    /// Bytes in the piece's linear section: its elements or tiles.
-    pub linear: Range<u64>,
-    /// Bytes in the piece's column-wise section (always empty: no per-pass planes).
-    pub col: Range<u64>,
+    /// Its bytes in the piece's runtime bytes: its elements or tiles, alignment padding
+    /// included.
+    pub bytes: Range<u64>,
 }
 
 impl UpdateView {
@@ -165,14 +129,14 @@ impl UpdateView {
     }
 
     /// The rectangles of a square-block MXFP8 view (row-major, in order; see
-    /// [`crate::tiles`]), each with where its data and its scales start in the piece's linear
-    /// section: its fp32 elements are the rectangles' elements one after the other. Empty for
+    /// [`crate::tiles`]), each with where its data and its scales start in the piece's
+    /// bytes: its fp32 elements are the rectangles' elements one after the other. Empty for
     /// f32 and bf16 views.
     pub fn rects(&self) -> Vec<(Rect, u64, u64)> {
         let (Span::Tiles(t), Some(grid)) = (&self.span, self.encoding.grid()) else {
             return Vec::new();
         };
-        let mut at = self.linear.start;
+        let mut at = self.bytes.start;
         grid.rects(t.clone())
             .into_iter()
             .map(|rect| {
@@ -189,34 +153,18 @@ impl UpdateView {
         self.len() == 0
     }
 
-    /// The bytes of `section` this view re-derives, relative to the section's start.
-    pub fn bytes_in(&self, section: Section) -> Range<u64> {
-        match section {
-            Section::Row => self.row.clone(),
-            Section::Linear => self.linear.clone(),
-            Section::Col => self.col.clone(),
-        }
-    }
-
-    /// Runtime bytes of the view over all sections, alignment padding included.
+    /// Runtime bytes of the view, alignment padding included.
     pub fn runtime_bytes(&self) -> u64 {
-        [&self.row, &self.linear, &self.col]
-            .iter()
-            .map(|r| r.end - r.start)
-            .sum()
+        self.bytes.end - self.bytes.start
     }
 
-    /// Bytes of the view's encoding in `section`, without alignment padding: the first
-    /// `encoded_bytes(section)` bytes of [`Self::bytes_in`] (an MXFP8 plane's data, then its
-    /// scales).
-    pub fn encoded_bytes(&self, section: Section) -> u64 {
-        match (self.encoding, section) {
-            (Encoding::Mxfp8 { .. }, Section::Linear) => {
-                self.rects().iter().map(|(r, _, _)| r.encoded_bytes()).sum()
-            }
-            (Encoding::F32, Section::Linear) => 4 * self.len(),
-            (Encoding::Bf16, Section::Linear) => 2 * self.len(),
-            _ => 0,
+    /// Bytes of the view's encoding without alignment padding (for MXFP8 each rectangle's
+    /// data and scales).
+    pub fn encoded_bytes(&self) -> u64 {
+        match self.encoding {
+            Encoding::Mxfp8 { .. } => self.rects().iter().map(|(r, _, _)| r.encoded_bytes()).sum(),
+            Encoding::F32 => 4 * self.len(),
+            Encoding::Bf16 => 2 * self.len(),
         }
     }
 }
@@ -232,11 +180,8 @@ pub struct Bucket {
     pub params: Range<usize>,
     /// Runtime bytes of the parameters' encodings (alignment gaps included in linear layouts).
     pub used_bytes: u64,
-    /// Runtime bytes of one piece (its sections together); the buffer is
-    /// `pieces × piece_bytes`.
+    /// Runtime bytes of one piece; the buffer is `pieces × piece_bytes`.
     pub piece_bytes: u64,
-    /// Bytes of each piece's row-wise, linear and column-wise sections (in that order).
-    pub sections: [u64; 3],
     /// fp32 elements of one piece (master weights and gradients), padding included.
     pub piece_elements: u64,
     /// fp32 elements of the decoded compute buffer of the whole bucket.
@@ -246,38 +191,12 @@ pub struct Bucket {
 }
 
 impl Bucket {
-    /// Bytes of `section` in a piece.
-    pub fn section_bytes(&self, section: Section) -> u64 {
-        self.sections[section as usize]
-    }
-
-    /// Where `section` starts in a piece.
-    pub fn section_start(&self, section: Section) -> u64 {
-        self.sections[..section as usize].iter().sum()
-    }
-
-    /// The bytes of every piece that a gather of `part` moves.
-    pub fn part_range(&self, part: Part) -> Range<u64> {
-        match part {
-            Part::All => 0..self.piece_bytes,
-            Part::Forward => self.section_start(Section::Linear)..self.piece_bytes,
-            Part::Backward => 0..self.section_start(Section::Col),
-        }
-    }
-
-    /// Whether forward and backward decode different bytes (MXFP8 planes), so a pass may
-    /// gather only its own part.
-    pub fn has_planes(&self) -> bool {
-        self.sections[Section::Row as usize] + self.sections[Section::Col as usize] > 0
-    }
-
     /// Bytes of `piece` holding parameter encodings (the rest is padding: alignment, and
     /// pieces padded to equal size).
     pub fn covered_bytes(&self, piece: usize) -> u64 {
-        let sections = [Section::Row, Section::Linear, Section::Col];
         self.views[piece]
             .iter()
-            .map(|v| sections.iter().map(|&s| v.encoded_bytes(s)).sum::<u64>())
+            .map(UpdateView::encoded_bytes)
             .sum()
     }
 }
@@ -410,9 +329,7 @@ fn linear(
                         encoding,
                         span: Span::Elements(s - a..e - a),
                         master_offset: s - lo,
-                        row: 0..0,
-                        linear: (s - lo) * size..(e - lo) * size,
-                        col: 0..0,
+                        bytes: (s - lo) * size..(e - lo) * size,
                     })
                 })
                 .collect()
@@ -422,7 +339,6 @@ fn linear(
         params: first..first + members.len(),
         used_bytes: cursor,
         piece_bytes,
-        sections: [0, piece_bytes, 0],
         piece_elements,
         compute_elements: pieces as u64 * piece_elements,
         views,
@@ -534,17 +450,15 @@ fn tiled(
                 encoding: r.encoding,
                 span: r.span(a0, a1),
                 master_offset,
-                row: 0..0,
-                linear: used..used,
-                col: 0..0,
+                bytes: used..used,
             };
             // Each rectangle's data and scales start on a word; the view ends on one.
             let end = match view.rects().last() {
                 Some((rect, _, scales)) => scales + (rect.encoded_bytes() - rect.len()),
                 None => used + 2 * view.len(),
             };
-            view.linear = used..end.next_multiple_of(WORD);
-            used = view.linear.end;
+            view.bytes = used..end.next_multiple_of(WORD);
+            used = view.bytes.end;
             master_offset += view.len();
             list.push(view);
         }
@@ -556,7 +470,6 @@ fn tiled(
         params: first..first + members.len(),
         used_bytes: total,
         piece_bytes,
-        sections: [0, piece_bytes, 0],
         piece_elements,
         compute_elements: compute,
         views,

@@ -44,7 +44,7 @@ pub mod tiles;
 pub use config::{OptimizerFootprint, PlanConfig, Sharding, MAX_ALIGN_BYTES, MAX_STATE_BYTES};
 pub use error::PlanError;
 pub use format::{encoded_bytes, resolve_format, RuntimeFormat, MX_BLOCK};
-pub use layout::{Bucket, Encoding, Part, PlannedParam, Section, Span, UpdateView};
+pub use layout::{Bucket, Encoding, PlannedParam, Span, UpdateView};
 pub use memory::{MemoryReport, RankMemory};
 pub use mesh::{Mesh, MAX_WORLD_SIZE};
 pub use owners::newton_schulz_cost;

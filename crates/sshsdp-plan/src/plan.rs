@@ -13,9 +13,11 @@ use crate::mesh::check_index;
 use crate::owners;
 use crate::{format, spec, Mesh, ParamSpec, PlanConfig, PlanError, Role, Sharding};
 
-/// Version of the plan algorithm and its serialized form; part of the fingerprint. Version 3:
-/// square-block MXFP8 tiles cut at tile edges (version 2 had two 1×32 planes of 32-row bands).
-pub const PLAN_VERSION: u32 = 3;
+/// Version of the plan algorithm and its serialized form; part of the fingerprint. Version 4:
+/// the layout of version 3 (square-block MXFP8 tiles cut at tile edges; version 2 had two 1×32
+/// planes of 32-row bands) without the always-empty per-pass sections in its buckets, so its
+/// fingerprints differ.
+pub const PLAN_VERSION: u32 = 4;
 
 /// The most elements all parameters of a plan may hold together: 2^48 (a hundred times the
 /// largest models), so that every byte count the layout derives from them (at most 4 bytes per
@@ -410,7 +412,11 @@ impl Plan {
         let file: PlanFile =
             serde_json::from_str(json).map_err(|e| PlanError::Corrupt(e.to_string()))?;
         if file.version != PLAN_VERSION {
-            let why = if file.version < PLAN_VERSION {
+            let why = if file.version == 3 {
+                "it was written by an older build whose layout is the same but whose \
+                 fingerprints differ (its buckets still listed empty per-pass sections); \
+                 save the plan again with this build"
+            } else if file.version < PLAN_VERSION {
                 "it was written by an older build; this one lays MXFP8 out as square-block \
                  32x32 tiles cut at tile edges, no longer as 1x32 planes of 32-row bands"
             } else {

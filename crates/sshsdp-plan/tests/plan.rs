@@ -2,8 +2,7 @@
 //! and the saved form.
 
 use sshsdp_plan::{
-    DType, Mesh, ParamSpec, Plan, PlanConfig, PlanError, Role, RuntimeFormat, Section, Sharding,
-    Span,
+    DType, Mesh, ParamSpec, Plan, PlanConfig, PlanError, Role, RuntimeFormat, Sharding, Span,
 };
 
 fn tiny_model() -> Vec<ParamSpec> {
@@ -57,11 +56,11 @@ fn exact_bf16_layout_on_two_ranks() {
     assert_eq!(views.len(), 2);
     assert_eq!(views[0].span, Span::Elements(2048..4096));
     assert_eq!(views[0].master_offset, 0);
-    assert_eq!(views[0].linear, 0..4096);
+    assert_eq!(views[0].bytes, 0..4096);
     // The second norm sits at element 4160 of the bucket, 4160 − 2112 into piece 1.
     assert_eq!(views[1].master_offset, 2048);
     assert_eq!(views[1].span, Span::Elements(0..64));
-    assert_eq!(views[1].bytes_in(Section::Linear), 4096..4224);
+    assert_eq!(views[1].bytes, 4096..4224);
     assert_eq!(b3.piece_elements, 2112);
     assert_eq!(plan.update_views(1).unwrap().len(), 6);
     assert!(plan.fallbacks().is_empty());
@@ -154,12 +153,11 @@ fn mxfp8_parameters_are_tiles_and_vectors_fall_back() {
             assert_eq!((rect.rows.start % 32, rect.cols.start % 32), (0, 0));
             // Word-addressable: data and scales start on 4 bytes, inside the view's bytes.
             assert!(data % 4 == 0 && scales % 4 == 0 && *scales >= data + rect.len());
-            assert!(v.linear.start <= *data && *scales < v.linear.end);
+            assert!(v.bytes.start <= *data && *scales < v.bytes.end);
             bytes += rect.encoded_bytes();
         }
-        assert_eq!(v.encoded_bytes(Section::Linear), bytes);
+        assert_eq!(v.encoded_bytes(), bytes);
         assert_eq!(v.len(), rects.iter().map(|(r, _, _)| r.len()).sum::<u64>());
-        assert!(v.row.is_empty() && v.col.is_empty());
     }
     assert_eq!(next_tile, 16);
     // A looser limit keeps the padded shapes in MXFP8.
@@ -278,16 +276,23 @@ fn saved_plans_round_trip_and_corruption_is_an_error() {
         Plan::from_json(&zero_mesh),
         Err(PlanError::InvalidMesh { .. })
     ));
-    let future = json.replacen("\"version\": 3", "\"version\": 99", 1);
+    let future = json.replacen("\"version\": 4", "\"version\": 99", 1);
     assert!(matches!(
         Plan::from_json(&future),
         Err(PlanError::Corrupt(_))
     ));
     // A plan of the 1x32 two-plane MXFP8 layout (version 2) is refused, saying why.
-    let old = json.replacen("\"version\": 3", "\"version\": 2", 1);
+    let old = json.replacen("\"version\": 4", "\"version\": 2", 1);
     let err = Plan::from_json(&old).unwrap_err().to_string();
     assert!(
         err.contains("version 2") && err.contains("square-block"),
+        "{err}"
+    );
+    // Version 3 had the same layout but other fingerprints: save the plan again.
+    let old = json.replacen("\"version\": 4", "\"version\": 3", 1);
+    let err = Plan::from_json(&old).unwrap_err().to_string();
+    assert!(
+        err.contains("version 3") && err.contains("save the plan again"),
         "{err}"
     );
 }

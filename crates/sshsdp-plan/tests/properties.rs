@@ -3,8 +3,8 @@
 
 use proptest::prelude::*;
 use sshsdp_plan::{
-    DType, Encoding, Mesh, ParamSpec, Plan, PlanConfig, Role, RuntimeFormat, Section, Sharding,
-    Span, MX_BLOCK,
+    DType, Encoding, Mesh, ParamSpec, Plan, PlanConfig, Role, RuntimeFormat, Sharding, Span,
+    MX_BLOCK,
 };
 
 fn arb_shape() -> impl Strategy<Value = Vec<usize>> {
@@ -73,21 +73,17 @@ proptest! {
         for (b, bucket) in plan.buckets().iter().enumerate() {
             prop_assert_eq!(bucket.views.len(), plan.pieces());
             for piece in 0..plan.pieces() {
-                // Views tile the piece's elements in order, and each section's bytes in order,
-                // within the piece: re-derivation never writes another piece's bytes.
-                let (mut master, mut used) = (0, [0u64; 3]);
+                // Views tile the piece's elements in order, and its bytes in order, within the
+                // piece: re-derivation never writes another piece's bytes.
+                let (mut master, mut used) = (0, 0u64);
                 for v in plan.piece_views(b, piece).unwrap() {
                     prop_assert_eq!((v.bucket, v.piece), (b, piece));
                     prop_assert!(v.master_offset >= master, "views overlap");
                     master = v.master_offset + v.len();
                     prop_assert!(master <= bucket.piece_elements);
-                    for s in [Section::Row, Section::Linear, Section::Col] {
-                        let r = v.bytes_in(s);
-                        if r.is_empty() { continue; }
-                        prop_assert!(r.start >= used[s as usize], "bytes overlap");
-                        used[s as usize] = r.end;
-                        prop_assert!(r.end <= bucket.section_bytes(s));
-                    }
+                    prop_assert!(v.bytes.start >= used, "bytes overlap");
+                    used = v.bytes.end;
+                    prop_assert!(used <= bucket.piece_bytes);
                     let p = &plan.params()[v.param];
                     prop_assert_eq!(v.encoding, p.encoding());
                     match v.encoding {
@@ -96,23 +92,23 @@ proptest! {
                             let Span::Tiles(t) = &v.span else { panic!("MXFP8 views hold tiles") };
                             tiles[v.param].push((t.start, t.end));
                             prop_assert_eq!((rows, cols), p.spec.matrix_dims());
-                            let mut at = v.linear.start;
+                            let mut at = v.bytes.start;
                             let mut bytes = 0;
                             for (rect, data, scales) in v.rects() {
                                 prop_assert_eq!(rect.rows.start % 32, 0);
                                 prop_assert_eq!(rect.cols.start % 32, 0);
                                 prop_assert!(data >= at && data % 4 == 0 && scales % 4 == 0);
                                 at = scales + (rect.encoded_bytes() - rect.len());
-                                prop_assert!(scales >= data + rect.len() && at <= v.linear.end);
+                                prop_assert!(scales >= data + rect.len() && at <= v.bytes.end);
                                 bytes += rect.encoded_bytes();
                             }
-                            prop_assert_eq!(v.encoded_bytes(Section::Linear), bytes);
-                            prop_assert!(v.linear.end - v.linear.start < bytes + 3 * 8);
+                            prop_assert_eq!(v.encoded_bytes(), bytes);
+                            prop_assert!(v.bytes.end - v.bytes.start < bytes + 3 * 8);
                         }
                         Encoding::F32 | Encoding::Bf16 => {
                             let size = if v.encoding == Encoding::F32 { 4 } else { 2 };
-                            prop_assert_eq!(v.encoded_bytes(Section::Linear), size * v.len());
-                            let held = v.linear.end - v.linear.start;
+                            prop_assert_eq!(v.encoded_bytes(), size * v.len());
+                            let held = v.bytes.end - v.bytes.start;
                             prop_assert!(held >= size * v.len() && held < size * v.len() + MX_BLOCK);
                         }
                     }
@@ -150,7 +146,6 @@ proptest! {
         let plan = Plan::build(specs, mesh, config.clone()).unwrap();
         prop_assert_eq!(plan.pieces() % plan.runtime_shards(), 0);
         for (b, bucket) in plan.buckets().iter().enumerate() {
-            prop_assert_eq!(bucket.piece_bytes, bucket.sections.iter().sum::<u64>());
             let members = &plan.params()[bucket.params.clone()];
             let encoded: u64 = members.iter().map(|p| p.runtime_bytes).sum();
             let covered: u64 = (0..plan.pieces()).map(|p| bucket.covered_bytes(p)).sum();

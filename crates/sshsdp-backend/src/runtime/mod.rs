@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::{read_sync, Backend, Shape};
-use sshsdp_plan::{Part, Plan};
+use sshsdp_plan::Plan;
 
 pub use counters::Counters;
 pub use update::{Piece, PieceValues, UpdateGroup, Views};
@@ -295,16 +295,6 @@ impl<B: Backend> Runtime<B> {
         &self.plan
     }
 
-    /// The part of bucket `b` a gather for the current pass moves.
-    fn part(&self, st: &State<B>, b: usize) -> Part {
-        let has_planes = self.codecs[b].has_planes();
-        st.schedule.part(
-            has_planes,
-            self.plan.pieces_per_shard(),
-            st.schedule.phase(),
-        )
-    }
-
     /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.
     pub(crate) fn view(&self, index: usize) -> B::FloatTensorPrimitive {
         let p = &self.plan.params()[index];
@@ -320,22 +310,6 @@ impl<B: Backend> Runtime<B> {
         let b = p.bucket;
         if !self.make_resident(&mut st, b) {
             return zeros(shape);
-        }
-        let phase = st.schedule.phase();
-        let stale = st.storage[b]
-            .resident()
-            .is_some_and(|r| r.phase != phase && self.codecs[b].has_planes());
-        if stale {
-            // MXFP8: the other pass's plane, decoded from the kept runtime bytes or gathered.
-            let r = st.storage[b].take_resident().expect("resident");
-            st.resident_bytes -= r.bytes;
-            let ok = match r.gathered {
-                Some(gathered) => self.install(&mut st, b, gathered, Part::All),
-                None => self.make_resident(&mut st, b),
-            };
-            if !ok {
-                return zeros(shape);
-            }
         }
         let k = index - self.plan.buckets()[b].params.start;
         st.storage[b].resident().expect("made resident").params[k].clone()
@@ -354,23 +328,15 @@ impl<B: Backend> Runtime<B> {
         // `worker::run`) and the bucket is installed as zeros, so that this rank's later calls
         // are exactly its peers' (the same schedule, prefetches included): the ranks stay in
         // step until the update reports the failure.
-        let which = self.part(st, b);
         let reply = match st.storage[b].take_gather() {
-            Some((reply, queued)) if queued == which => {
+            Some(reply) => {
                 st.counters.prefetched += 1;
                 reply
             }
-            Some((reply, _)) => {
-                // Queued for the other pass (every rank queued it): complete it, gather again.
-                if let Err(e) = self.wait(b, "wait stale prefetch", reply) {
-                    self.record_failure(st, e.to_string());
-                }
-                self.start_gather(st, b, which)
-            }
-            None => self.start_gather(st, b, which),
+            None => self.start_gather(st, b),
         };
         let zeros = |st: &State<B>| {
-            let units = self.codecs[b].gathered_units(which);
+            let units = self.codecs[b].gathered_units();
             Gathered::Host(st.storage[b].shard.zeros_like(units))
         };
         let full = match self.wait(b, "wait gather", reply) {
@@ -382,7 +348,7 @@ impl<B: Backend> Runtime<B> {
             }
         };
         self.count_gather(st, &full);
-        if !self.install(st, b, full, which) {
+        if !self.install(st, b, full) {
             return false;
         }
         if st.schedule.in_backward() {
@@ -403,14 +369,13 @@ impl<B: Backend> Runtime<B> {
             return;
         };
         if st.storage[next].is_sharded() {
-            let part = self.part(st, next);
-            let reply = self.start_gather(st, next, part);
-            st.storage[next].residency = residency::Residency::Gathering { reply, part };
+            let reply = self.start_gather(st, next);
+            st.storage[next].residency = residency::Residency::Gathering(reply);
         }
     }
 
-    /// Queues the all-gather of `part` of bucket `b`'s runtime shards.
-    fn start_gather(&self, st: &mut State<B>, b: usize, part: Part) -> Reply<Gathered> {
+    /// Queues the all-gather of bucket `b`'s runtime shards.
+    fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply<Gathered> {
         let State {
             storage, counters, ..
         } = st;
@@ -420,7 +385,6 @@ impl<B: Backend> Runtime<B> {
             &self.worker,
             &self.codecs[b],
             self.materialiser.copy_mode,
-            part,
             on_device,
             self.materialiser.stager(),
             counters,
@@ -446,21 +410,19 @@ impl<B: Backend> Runtime<B> {
         }
     }
 
-    /// Materialises the gathered units `full` as bucket `b`'s parameters for the current pass
-    /// (→ `Unsharded`); `false` after recording a failure.
-    fn install(&self, st: &mut State<B>, b: usize, full: Gathered, which: Part) -> bool {
-        let phase = st.schedule.phase();
-        let resident =
-            match self
-                .materialiser
-                .install(&self.codecs[b], full, which, phase, &mut st.counters)
-            {
-                Ok(resident) => resident,
-                Err(e) => {
-                    self.record_failure(st, e.to_string());
-                    return false;
-                }
-            };
+    /// Materialises the gathered units `full` as bucket `b`'s parameters (→ `Unsharded`);
+    /// `false` after recording a failure.
+    fn install(&self, st: &mut State<B>, b: usize, full: Gathered) -> bool {
+        let installed = self
+            .materialiser
+            .install(&self.codecs[b], full, &mut st.counters);
+        let resident = match installed {
+            Ok(resident) => resident,
+            Err(e) => {
+                self.record_failure(st, e.to_string());
+                return false;
+            }
+        };
         st.release(b);
         st.resident_bytes += resident.bytes;
         st.counters.peak_resident_bytes = st.counters.peak_resident_bytes.max(st.resident_bytes);
@@ -581,7 +543,7 @@ impl<B: Backend> Runtime<B> {
     fn end_step(&self, st: &mut State<B>) -> Result<(), HsdpError> {
         for b in 0..st.storage.len() {
             // A prefetch this step did not use still completed on every rank: drop its result.
-            if let Some((reply, _)) = st.storage[b].take_gather() {
+            if let Some(reply) = st.storage[b].take_gather() {
                 if let Err(e) = self.wait(b, "wait unused prefetch", reply) {
                     self.record_failure(st, e.to_string());
                     return Err(e.into());

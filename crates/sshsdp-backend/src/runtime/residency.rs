@@ -9,10 +9,9 @@
 use std::sync::Arc;
 
 use burn_backend::Backend;
-use sshsdp_plan::Part;
 
 use super::Counters;
-use crate::codec::{BucketCodec, Phase};
+use crate::codec::BucketCodec;
 use crate::config::{CopyMode, Precision};
 use crate::storage::{Elems, Gathered, MasterBuf, ShardBuf};
 use crate::views::{bucket_views, ComputeBuf, Member};
@@ -24,25 +23,17 @@ use crate::HsdpError;
 pub(super) struct Resident<B: Backend> {
     /// The parameters, in bucket order.
     pub params: Vec<B::FloatTensorPrimitive>,
-    /// Bytes of the compute buffer and of the kept runtime units.
+    /// Bytes of the compute buffer.
     pub bytes: u64,
-    /// The pass the parameters were decoded for.
-    pub phase: Phase,
-    /// The gathered runtime units, kept when the other pass decodes other values (MXFP8).
-    pub gathered: Option<Gathered>,
 }
 
 /// Where a bucket stands in a step.
 pub(super) enum Residency<B: Backend> {
     /// Only this rank's runtime shard is held.
     Sharded,
-    /// An all-gather of `part` of every shard is queued on the communication lanes.
-    Gathering {
-        /// The gather's result, on its way.
-        reply: Reply<Gathered>,
-        /// What it moves.
-        part: Part,
-    },
+    /// An all-gather of every shard is queued on the communication lanes (its result, on its
+    /// way).
+    Gathering(Reply<Gathered>),
     /// The parameters are materialised.
     Unsharded(Resident<B>),
 }
@@ -99,9 +90,9 @@ impl<B: Backend> BucketStorage<B> {
     }
 
     /// Takes a queued gather out (→ `Sharded`).
-    pub fn take_gather(&mut self) -> Option<(Reply<Gathered>, Part)> {
+    pub fn take_gather(&mut self) -> Option<Reply<Gathered>> {
         match std::mem::replace(&mut self.residency, Residency::Sharded) {
-            Residency::Gathering { reply, part } => Some((reply, part)),
+            Residency::Gathering(reply) => Some(reply),
             other => {
                 self.residency = other;
                 None
@@ -109,7 +100,7 @@ impl<B: Backend> BucketStorage<B> {
         }
     }
 
-    /// Queues the all-gather of `part` of every rank's shard of bucket `bucket` (the result is
+    /// Queues the all-gather of every rank's shard of bucket `bucket` (the result is
     /// returned, not stored: the caller waits for it or records it as a prefetch): into device
     /// memory of `on_device` where given (zero-copy only; the engine moves device memory, see
     /// `cube_gather.rs`), else into host memory, uploaded on the lane by `stage` where given.
@@ -120,17 +111,13 @@ impl<B: Backend> BucketStorage<B> {
         worker: &Worker,
         codec: &BucketCodec,
         copy_mode: CopyMode,
-        part: Part,
         on_device: Option<&B::Device>,
         stage: Option<Box<dyn StageUnits>>,
         counters: &mut Counters,
     ) -> Reply<Gathered> {
-        // The whole shard (one or more pieces), or one pass's part of its single piece.
-        let range = match part {
-            Part::All => 0..self.shard.len(),
-            _ => codec.part_range(part),
-        };
-        let units = codec.gathered_units(part);
+        // The whole shard (one or more pieces).
+        let range = 0..self.shard.len();
+        let units = codec.gathered_units();
         #[cfg(feature = "cuda")]
         if let Some(device) = on_device {
             use crate::cube_gather::{gather_buffers, SendUnits};
@@ -207,14 +194,12 @@ impl<B: Backend> Materialiser<B> {
         None
     }
 
-    /// The gathered units `full` (the part `which` of every piece) decoded for `phase` and
-    /// handed out as one tensor per member.
+    /// The gathered units `full` (every piece) decoded and handed out as one tensor per
+    /// member.
     pub fn install(
         &self,
         codec: &BucketCodec,
         full: Gathered,
-        which: Part,
-        phase: Phase,
         counters: &mut Counters,
     ) -> Result<Resident<B>, HsdpError> {
         let members: Vec<Member> = (0..codec.len())
@@ -226,13 +211,11 @@ impl<B: Backend> Materialiser<B> {
         let full = match full {
             Gathered::Host(full) => full,
             #[cfg(any(feature = "wgpu", feature = "cuda"))]
-            Gathered::Device(mut units) => {
+            Gathered::Device(units) => {
                 // Gathered by the engine into device memory: decoded there (or used as it is).
                 let params = crate::cube_codec::device_units_views::<B>(
                     codec,
                     &units,
-                    which,
-                    phase,
                     &members,
                     &self.device,
                     self.compute,
@@ -247,16 +230,11 @@ impl<B: Backend> Materialiser<B> {
                 if !is_compute {
                     counters.decoded_bytes += compute_bytes;
                 }
-                // Counted once: kept units decoded again for the other pass moved nothing more.
-                counters.uploaded_bytes += std::mem::take(&mut units.uploaded);
-                counters.downloaded_bytes += std::mem::take(&mut units.downloaded);
-                let keep = codec.has_planes() && which == Part::All;
-                let gathered = keep.then_some(Gathered::Device(units));
+                counters.uploaded_bytes += units.uploaded;
+                counters.downloaded_bytes += units.downloaded;
                 return Ok(Resident {
                     params,
-                    bytes: compute_bytes + gathered.as_ref().map_or(0, Gathered::bytes),
-                    phase,
-                    gathered,
+                    bytes: compute_bytes,
                 });
             }
             #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
@@ -269,16 +247,15 @@ impl<B: Backend> Materialiser<B> {
         // A bf16 bucket computed in bf16 is its own compute buffer (the linear layout's units
         // are its elements): nothing to decode.
         let is_compute = matches!(full, Elems::Bf16(_)) && self.compute == Precision::Bf16;
-        let (compute, gathered) = match full {
-            Elems::Bf16(units) if is_compute => (ComputeBuf::Bf16(units), None),
+        let compute = match full {
+            Elems::Bf16(units) if is_compute => ComputeBuf::Bf16(units),
             full => {
                 let decodes = !matches!(full, Elems::F32(_)) || self.compute != Precision::F32;
-                let (compute, gathered) = codec.to_compute(full, which, phase)?;
-                let compute = ComputeBuf::new(compute, self.compute);
+                let compute = ComputeBuf::new(codec.to_compute(full)?, self.compute);
                 if decodes {
                     counters.decoded_bytes += compute.bytes();
                 }
-                (compute, gathered.map(Gathered::Host))
+                compute
             }
         };
         if compute.len() != codec.compute_elems() {
@@ -288,7 +265,7 @@ impl<B: Backend> Materialiser<B> {
                 codec.compute_elems()
             )));
         }
-        let bytes = compute.bytes() + gathered.as_ref().map_or(0, Gathered::bytes);
+        let bytes = compute.bytes();
         let params = match self.copy_mode {
             CopyMode::ZeroCopy => {
                 // The compute buffer becomes the bucket's storage (a move, not a copy); each
@@ -308,11 +285,6 @@ impl<B: Backend> Materialiser<B> {
                 })
                 .collect(),
         };
-        Ok(Resident {
-            params,
-            bytes,
-            phase,
-            gathered,
-        })
+        Ok(Resident { params, bytes })
     }
 }

@@ -2,10 +2,6 @@
 //! each step, it drives the next step's prefetch and backward's), what to prefetch next, and
 //! which buckets to release (FSDP2's reshard after forward).
 
-use sshsdp_plan::Part;
-
-use crate::codec::Phase;
-
 /// The order of bucket use and the pass in progress.
 #[derive(Debug, Default)]
 pub(super) struct Schedule {
@@ -31,26 +27,6 @@ impl Schedule {
     /// Whether buckets are released after forward.
     pub fn reshards(&self) -> bool {
         self.reshard_after_forward
-    }
-
-    /// The pass parameters are materialised for now.
-    pub fn phase(&self) -> Phase {
-        if self.in_backward {
-            Phase::Backward
-        } else {
-            Phase::Forward
-        }
-    }
-
-    /// What a gather for `phase` moves of a bucket: with planes (MXFP8), resharding after
-    /// forward and one piece per runtime shard, only the part that pass decodes — half the
-    /// bytes; otherwise the whole shard, kept resident for both passes.
-    pub fn part(&self, has_planes: bool, pieces_per_shard: usize, phase: Phase) -> Part {
-        if self.reshard_after_forward && has_planes && pieces_per_shard == 1 {
-            phase.part()
-        } else {
-            Part::All
-        }
     }
 
     /// Whether a backward pass is running.

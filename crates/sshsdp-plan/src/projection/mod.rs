@@ -27,9 +27,7 @@
 //! bucket's `pieces × piece_bytes` and `G` its `4 × pieces × piece_elements` (fp32 gradients,
 //! padding included). Every format of the plan serves both passes with the same bytes
 //! (square-block MXFP8 included), so a gather moves the whole piece; with resharding after
-//! forward, backward gathers every bucket again but the last one of forward. (A format with
-//! per-pass planes would gather only each pass's [`crate::Part`]; `BucketBytes::per_pass` is
-//! where the model would count it.)
+//! forward, backward gathers every bucket again but the last one of forward.
 //! Gradient clipping's and the non-finite check's 8-byte all-gather of a norm is ignored.
 //!
 //! [`StepTraffic::gathered_bytes`] and [`StepTraffic::reduced_bytes`] use the runtime counters'
@@ -50,7 +48,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Mesh, Part, Plan, Role, Sharding};
+use crate::{Mesh, Plan, Role, Sharding};
 
 /// A collective operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -213,9 +211,6 @@ pub struct StepTraffic {
 pub struct BucketBytes {
     /// Bytes of the full runtime buffer (`B`), a multiple of the update group's size.
     pub runtime: u64,
-    /// Bytes a forward and a backward gather move when each pass gathers only what it decodes
-    /// (MXFP8 with one piece per runtime shard); `None` when a gather moves the whole buffer.
-    pub per_pass: Option<(u64, u64)>,
     /// fp32 elements of the full-bucket gradient (`G / 4`), a multiple of the update group's
     /// size.
     pub gradient_elements: u64,
@@ -227,17 +222,9 @@ impl BucketBytes {
         let pieces = plan.pieces() as u64;
         plan.buckets()
             .iter()
-            .map(|bucket| {
-                let part = |p: Part| {
-                    let r = bucket.part_range(p);
-                    pieces * (r.end - r.start)
-                };
-                Self {
-                    runtime: pieces * bucket.piece_bytes,
-                    per_pass: (bucket.has_planes() && plan.pieces_per_shard() == 1)
-                        .then(|| (part(Part::Forward), part(Part::Backward))),
-                    gradient_elements: pieces * bucket.piece_elements,
-                }
+            .map(|bucket| Self {
+                runtime: pieces * bucket.piece_bytes,
+                gradient_elements: pieces * bucket.piece_elements,
             })
             .collect()
     }
@@ -283,23 +270,12 @@ impl StepTraffic {
         if sharding != Sharding::Ddp {
             let reshard = options.reshard_after_forward;
             for b in buckets {
-                let bytes = match b.per_pass {
-                    Some((forward, _)) if reshard => forward,
-                    _ => b.runtime,
-                };
-                push(ForwardGather, AllGather, Shard, s, bytes);
+                push(ForwardGather, AllGather, Shard, s, b.runtime);
             }
             if reshard {
-                // The last bucket of forward is the first of backward: it stays resident, unless
-                // forward gathered only its own plane.
-                for (i, b) in buckets.iter().enumerate().rev() {
-                    match b.per_pass {
-                        Some((_, backward)) => push(BackwardGather, AllGather, Shard, s, backward),
-                        None if i + 1 < buckets.len() => {
-                            push(BackwardGather, AllGather, Shard, s, b.runtime)
-                        }
-                        None => {}
-                    }
+                // The last bucket of forward is the first of backward: it stays resident.
+                for b in buckets.iter().rev().skip(1) {
+                    push(BackwardGather, AllGather, Shard, s, b.runtime);
                 }
             }
         }
