@@ -184,14 +184,6 @@ pub(crate) trait MeshComm {
     /// Replica lane. Sum over the update group (the ranks whose pieces make up a bucket: the
     /// world when hierarchical, the shard group under HSDP, this rank alone under DDP).
     fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()>;
-    /// Replica lane. All-gather of equal byte strings over the update group, in rank order
-    /// (under DDP `recv` is `send`).
-    fn all_gather_update_group_bytes(
-        &self,
-        sharding: Sharding,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> CommResult<()>;
     /// Replica lane. All-to-all with per-peer counts over the update group (counts indexed by
     /// update-group rank; under DDP the group is this rank alone: `recv` is `send`).
     fn all_to_all_v_update_group(
@@ -202,8 +194,6 @@ pub(crate) trait MeshComm {
         recv: &mut [f32],
         recv_counts: &[usize],
     ) -> CommResult<()>;
-    /// Ranks in the update group.
-    fn update_group_size(&self, sharding: Sharding) -> usize;
     /// Broadcast from world rank 0 (registration, before the lanes start).
     fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()>;
     /// All-gather of equal byte strings over the world (registration; the replica lane for
@@ -365,22 +355,6 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         }
     }
 
-    fn all_gather_update_group_bytes(
-        &self,
-        sharding: Sharding,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> CommResult<()> {
-        match sharding {
-            Sharding::Hierarchical => self.world.all_gather(send, recv),
-            Sharding::Hsdp => self.shard_group.all_gather(send, recv),
-            Sharding::Ddp => {
-                recv.copy_from_slice(send);
-                Ok(())
-            }
-        }
-    }
-
     fn all_to_all_v_update_group(
         &self,
         sharding: Sharding,
@@ -407,14 +381,6 @@ impl<C: Collective> MeshComm for MeshComms<C> {
                 recv.copy_from_slice(send);
                 Ok(())
             }
-        }
-    }
-
-    fn update_group_size(&self, sharding: Sharding) -> usize {
-        match sharding {
-            Sharding::Hierarchical => self.world.size(),
-            Sharding::Hsdp => self.shard_group.size(),
-            Sharding::Ddp => 1,
         }
     }
 

@@ -13,11 +13,13 @@ pub enum HsdpError {
     /// A collective failed (a peer failed, timed out, or the calls did not match).
     #[error(transparent)]
     Comm(#[from] CommError),
-    /// Ranks planned different models: their module structures differ.
-    #[error("ranks disagree on the model: plan fingerprints differ (this rank: {ours}); every rank must shard the same module structure with the same config")]
+    /// Ranks planned different models: their module structures (or configs) differ.
+    #[error("ranks disagree on the model: {detail} (plan fingerprint on this rank: {ours}); every rank must shard the same module structure with the same config")]
     PlanMismatch {
         /// This rank's plan fingerprint.
         ours: String,
+        /// The first difference found: a parameter path and the two shapes, or the config.
+        detail: String,
     },
     /// A feature the decorator does not support yet.
     #[error("unsupported: {0}")]

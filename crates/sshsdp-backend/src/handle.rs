@@ -38,7 +38,10 @@ impl<B: Backend> HsdpRuntime<B> {
 
     /// Updates this rank's pieces with `step(bucket, master, grad)` on host slices, one piece at
     /// a time (device masters are staged; see `sshsdp_optim::ShardedOptimizer` for Burn
-    /// optimizers), and rebuilds the runtime shards.
+    /// optimizers), and rebuilds the runtime shards. `step` sees whole pieces: a parameter that
+    /// received no gradient (frozen or unused) has zeros there; an optimizer that must leave
+    /// such parameters alone, as Burn's do, steps per parameter through [`Self::update_pieces`]
+    /// and [`UpdateGroup::received_gradient`].
     pub fn update(
         &self,
         mut step: impl FnMut(usize, &mut [f32], &[f32]) -> Result<(), HsdpError>,

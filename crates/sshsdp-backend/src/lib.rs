@@ -41,6 +41,7 @@ mod cube_views;
 mod error;
 mod handle;
 mod ops;
+mod plan_agreement;
 mod registry;
 mod rng;
 mod runtime;

@@ -31,7 +31,8 @@ use sshsdp_plan::{DType, ParamSpec, Plan};
 
 use crate::backend_ext::ShardableBackend;
 use crate::codec::BucketCodec;
-use crate::comm::{LaneId, MeshComm, RUNTIME_LANES};
+use crate::comm::{LaneId, RUNTIME_LANES};
+use crate::plan_agreement::agree_on_plan;
 use crate::runtime::Runtime;
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::{registry, HsdpConfig, HsdpError, HsdpRuntime};
@@ -628,30 +629,6 @@ fn local_plan<B: ShardableBackend, M: Module<B>>(
         config.mesh,
         config.plan.clone(),
     )?)
-}
-
-/// Every rank learns whether every rank could plan, and that all planned the same: one
-/// all-gather of a failure flag and the plan's fingerprint. A local error is returned as is on
-/// its rank and names the failed rank on the others.
-fn agree_on_plan(comm: &dyn MeshComm, local: Result<Plan, HsdpError>) -> Result<Plan, HsdpError> {
-    let mut ours = [0u8; 33];
-    match &local {
-        Ok(plan) => ours[1..].copy_from_slice(&plan.fingerprint().0),
-        Err(_) => ours[0] = 1,
-    }
-    let mut all = vec![0u8; 33 * comm.world_size()];
-    comm.all_gather_bytes(&ours, &mut all)?;
-    let plan = local?;
-    if let Some(r) = all.chunks(33).position(|x| x[0] != 0) {
-        return Err(HsdpError::Failed(format!("rank {r} failed in shard")));
-    }
-    if all.chunks(33).all(|x| x == ours) {
-        Ok(plan)
-    } else {
-        Err(HsdpError::PlanMismatch {
-            ours: plan.fingerprint().to_string(),
-        })
-    }
 }
 
 #[cfg(test)]

@@ -185,11 +185,6 @@ enum ReplicaRequest {
         recv_counts: Vec<usize>,
         reply: Sender<CommResult<Vec<f32>>>,
     },
-    GatherBytes {
-        tag: CallTag,
-        send: Vec<u8>,
-        reply: Sender<CommResult<Vec<u8>>>,
-    },
     WorldGatherBytes {
         tag: CallTag,
         send: Vec<u8>,
@@ -431,12 +426,6 @@ impl Worker {
         })
     }
 
-    /// Every update-group rank's `send` (equal lengths), in rank order; `stage` names what for.
-    pub fn gather_bytes(&self, stage: &'static str, send: Vec<u8>) -> Reply<Vec<u8>> {
-        let tag = self.tag(None, stage);
-        self.send(|reply| Request::Replica(ReplicaRequest::GatherBytes { tag, send, reply }))
-    }
-
     /// All-gather of equal byte strings over the whole world, in rank order; `stage` names
     /// what for.
     pub fn gather_world_bytes(&self, stage: &'static str, send: Vec<u8>) -> Reply<Vec<u8>> {
@@ -676,17 +665,9 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                 });
                 let _ = reply.send(r);
             }
-            ReplicaRequest::GatherBytes { tag, send, reply } => {
-                // Named by its stage (e.g. "gradient norm") on the timeline.
-                let r = lane.run(tag.stage, tag, || {
-                    let mut recv = vec![0u8; send.len() * comm.update_group_size(sharding)];
-                    comm.all_gather_update_group_bytes(sharding, &send, &mut recv)?;
-                    Ok(recv)
-                });
-                let _ = reply.send(r);
-            }
             ReplicaRequest::WorldGatherBytes { tag, send, reply } => {
-                let r = lane.run("all-gather (world)", tag, || {
+                // Named by its stage (e.g. "gradient norm", "step verdict") on the timeline.
+                let r = lane.run(tag.stage, tag, || {
                     let mut recv = vec![0u8; send.len() * comm.world_size()];
                     comm.all_gather_bytes(&send, &mut recv)?;
                     Ok(recv)

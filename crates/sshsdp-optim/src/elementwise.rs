@@ -1,9 +1,14 @@
 //! [`ShardedOptimizer`]: any Burn `SimpleOptimizer` (SGD, Adam, AdamW, …) stepping this rank's
-//! pieces — flat fp32 shards of whole buckets — with one optimizer state per bucket.
+//! pieces — flat fp32 shards of whole buckets — unit by unit: each parameter's part of a piece
+//! ([`UpdateUnit`]) is stepped with its own optimizer state, as Burn's optimizer adaptor steps
+//! each parameter with its own record.
 //!
-//! Element-wise optimizers are indifferent to how elements are grouped, so stepping a flat piece
-//! equals stepping every parameter whole. (Matrix optimizers such as Muon need whole matrices:
-//! they come with the optimizer crate.)
+//! Element-wise optimizers are indifferent to how elements are grouped, so stepping the units
+//! equals stepping every parameter whole. Per parameter rather than per piece, because a
+//! parameter that received no gradient in a step (frozen, or unused by every rank's graph) is
+//! not stepped and its state — AdamW's moments and step count — is left alone, exactly as plain
+//! Burn leaves it ([`UpdateGroup::received_gradient`]). (Matrix optimizers such as Muon need
+//! whole matrices: [`crate::ShardedMuon`].)
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -13,9 +18,12 @@ use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use sshsdp_backend::{HsdpError, HsdpRuntime, PieceValues, ShardableBackend, Views};
+use sshsdp_backend::{
+    HsdpError, HsdpRuntime, Piece, PieceValues, ShardableBackend, UpdateGroup, Views,
+};
 
 use crate::clip::GradClip;
+use crate::units::{units_of, UpdateUnit};
 
 /// A Burn element-wise optimizer over sharded pieces.
 pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
@@ -42,17 +50,18 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         self
     }
 
-    /// The optimizer state of bucket `bucket`'s piece on this rank (`None` before its first
-    /// step), for checkpoints.
-    pub fn piece_state(&self, bucket: usize) -> Option<&O::State<1>> {
-        self.states.get(&bucket)
+    /// The optimizer state of parameter `param`'s part of this rank's piece (`None` before its
+    /// first step), for checkpoints. A rank's piece holds at most one part of a parameter.
+    pub fn param_state(&self, param: usize) -> Option<&O::State<1>> {
+        self.states.get(&param)
     }
 
-    /// Replaces the state of bucket `bucket`'s piece (`None`: no state yet), for checkpoints.
-    pub fn set_piece_state(&mut self, bucket: usize, state: Option<O::State<1>>) {
+    /// Replaces the state of parameter `param`'s part of this rank's piece (`None`: no state
+    /// yet), for checkpoints.
+    pub fn set_param_state(&mut self, param: usize, state: Option<O::State<1>>) {
         match state {
-            Some(state) => self.states.insert(bucket, state),
-            None => self.states.remove(&bucket),
+            Some(state) => self.states.insert(param, state),
+            None => self.states.remove(&param),
         };
     }
 
@@ -66,8 +75,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         self.clip.last_norm
     }
 
-    /// One optimizer step with learning rate `lr` on every piece of `runtime` that has a
-    /// gradient; returns `module`, whose parameters now read the updated storage (as Burn's own
+    /// One optimizer step with learning rate `lr` on every parameter of `runtime`'s pieces that
+    /// received a gradient in this step; returns `module`, whose parameters now read the updated storage (as Burn's own
     /// optimizers return the module). Fails on every rank alike, e.g. with
     /// [`HsdpError::NonFiniteGradient`] (nothing applied; see [`sshsdp_backend::NonFinitePolicy`]).
     pub fn step<AB, M>(
@@ -101,10 +110,10 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     {
         runtime.update_pieces(Views::Host, |pieces, group| {
             let scale = self.clip.factor(group);
-            for piece in pieces.iter_mut() {
-                let bucket = piece.bucket;
-                let (master, grad) = piece.host()?;
-                self.step_piece(lr, scale, bucket, master, grad)?;
+            let units = stepped_units(runtime, pieces, group);
+            for unit in &units {
+                let (master, grad) = pieces[unit.piece].host()?;
+                self.step_host_unit(lr, scale, unit, master, grad)?;
             }
             Ok(())
         })?;
@@ -114,13 +123,18 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {
         runtime.update_pieces(Views::AsStored, |pieces, group| {
             let scale = self.clip.factor(group);
-            for piece in pieces.iter_mut() {
+            let units = stepped_units(runtime, pieces, group);
+            for (p, piece) in pieces.iter_mut().enumerate() {
+                let mine = units.iter().filter(|u| u.piece == p);
                 match &mut piece.values {
                     PieceValues::Host { master, grad } => {
-                        self.step_piece(lr, scale, piece.bucket, master, grad)?
+                        for unit in mine {
+                            self.step_host_unit(lr, scale, unit, master, grad)?;
+                        }
                     }
                     PieceValues::Device { master, grad } => {
-                        self.step_device_piece(lr, scale, piece.bucket, master, grad.clone())
+                        let mine: Vec<&UpdateUnit> = mine.collect();
+                        self.step_device_piece(lr, scale, &mine, master, grad.clone());
                     }
                 }
             }
@@ -128,52 +142,86 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         })
     }
 
-    /// One step on a device-resident piece: the master tensor is replaced by the optimizer's
-    /// result, its state stays on the same device; nothing crosses to the host.
+    /// One step on the units `units` (in piece order) of a device-resident piece: each unit's
+    /// part of the master is stepped on the device and the master tensor is replaced by the
+    /// pieces put back together; the state stays on the same device; nothing crosses to the
+    /// host.
     fn step_device_piece(
         &mut self,
         lr: f64,
         grad_scale: f64,
-        bucket: usize,
+        units: &[&UpdateUnit],
         master: &mut B::FloatTensorPrimitive,
         grad: B::FloatTensorPrimitive,
     ) {
-        let param = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(master.clone()));
+        if units.is_empty() {
+            return;
+        }
+        let whole = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(master.clone()));
         let mut grad = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(grad));
         if grad_scale != 1.0 {
             // The same f32 product as the host path's `g * scale`.
             grad = grad.mul_scalar(grad_scale as f32);
         }
-        let state = self.states.remove(&bucket);
-        let (param, state) = self.optimizer.step(lr, param, grad, state);
-        if let Some(state) = state {
-            self.states.insert(bucket, state);
+        let len = whole.dims()[0];
+        let mut parts = Vec::with_capacity(2 * units.len() + 1);
+        let mut at = 0;
+        for unit in units {
+            let range = unit.in_piece.clone();
+            if at < range.start {
+                parts.push(whole.clone().slice(at..range.start));
+            }
+            let param = whole.clone().slice([range.clone()]);
+            let state = self.states.remove(&unit.param);
+            let (param, state) =
+                self.optimizer
+                    .step(lr, param, grad.clone().slice([range.clone()]), state);
+            if let Some(state) = state {
+                self.states.insert(unit.param, state);
+            }
+            parts.push(param);
+            at = range.end;
         }
-        *master = param.into_primitive().tensor();
+        if at < len {
+            parts.push(whole.slice(at..len));
+        }
+        *master = Tensor::cat(parts, 0).into_primitive().tensor();
     }
 
-    fn step_piece(
+    /// One step on `unit`'s part of a host piece.
+    fn step_host_unit(
         &mut self,
         lr: f64,
         grad_scale: f64,
-        bucket: usize,
+        unit: &UpdateUnit,
         master: &mut [f32],
         grad: &[f32],
     ) -> Result<(), HsdpError> {
         let slice = Slice {
-            master,
-            grad,
+            master: &mut master[unit.in_piece.clone()],
+            grad: &grad[unit.in_piece.clone()],
             grad_scale: grad_scale as f32,
         };
         step_slice(
             &self.optimizer,
             &mut self.states,
-            bucket,
+            unit.param,
             lr,
             slice,
             &self.device,
         )
     }
+}
+
+/// The units of `pieces` whose parameter received a gradient in this step, in piece order.
+fn stepped_units<B: Backend>(
+    runtime: &HsdpRuntime<B>,
+    pieces: &[Piece<'_, B>],
+    group: &UpdateGroup<'_>,
+) -> Vec<UpdateUnit> {
+    let mut units = units_of(runtime, pieces.iter().map(|p| (p.bucket, p.start, p.len())));
+    units.retain(|u| group.received_gradient(u.param));
+    units
 }
 
 /// A flat run of fp32 master elements with its gradient, for [`step_slice`].

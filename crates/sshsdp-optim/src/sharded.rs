@@ -198,7 +198,10 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     /// One step on `runtime`'s pieces, as host views, whatever its backend.
     fn step_on<R: Backend>(&mut self, lr: f64, runtime: &HsdpRuntime<R>) -> Result<(), HsdpError> {
         runtime.update_pieces(Views::Host, |pieces, group| {
-            let units = units_of(runtime, pieces.iter().map(|p| (p.bucket, p.start, p.len())));
+            let mut units = units_of(runtime, pieces.iter().map(|p| (p.bucket, p.start, p.len())));
+            // A parameter without a gradient in this step (on any rank) is not stepped, its
+            // momentum and state left alone, as Burn's optimizers do; every rank agrees.
+            units.retain(|u| group.received_gradient(u.param));
             // Host slices (device masters are staged by the runtime for `Views::Host`).
             let mut pieces: Vec<HostPiece<'_>> = pieces
                 .iter_mut()
@@ -278,7 +281,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         stats: &mut MuonStepStats,
     ) -> Result<Vec<(usize, Vec<f32>)>, HsdpError> {
         let plan = runtime.plan();
-        let split = split_matrices(plan, group.pieces());
+        let split = split_matrices(plan, group);
         if split.is_empty() {
             // The same plan on every rank: nobody exchanges.
             return Ok(Vec::new());
@@ -348,7 +351,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         stats: &mut MuonStepStats,
     ) -> Result<Vec<Vec<f32>>, HsdpError> {
         let plan = runtime.plan();
-        let split = split_matrices(plan, group.pieces());
+        let split = split_matrices(plan, group);
         if split.is_empty() {
             return Ok(Vec::new());
         }
@@ -539,12 +542,14 @@ struct SplitMatrix {
     holders: Vec<(usize, std::ops::Range<usize>)>,
 }
 
-/// Every split Muon matrix of `plan` in plan order, with its holders among `pieces` pieces.
-fn split_matrices(plan: &sshsdp_plan::Plan, pieces: usize) -> Vec<SplitMatrix> {
+/// Every split Muon matrix of `plan` that received a gradient in this step, in plan order, with
+/// its holders among the update group's pieces.
+fn split_matrices(plan: &sshsdp_plan::Plan, group: &UpdateGroup<'_>) -> Vec<SplitMatrix> {
+    let pieces = group.pieces();
     plan.params()
         .iter()
         .enumerate()
-        .filter(|(_, p)| p.spec.role == Role::Matrix && p.split)
+        .filter(|(i, p)| p.spec.role == Role::Matrix && p.split && group.received_gradient(*i))
         .map(|(i, p)| {
             let views = &plan.buckets()[p.bucket].views;
             let holders = (0..pieces.min(views.len()))

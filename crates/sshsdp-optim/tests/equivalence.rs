@@ -12,6 +12,8 @@ mod common;
 // binary rather than their own: one link less in CI).
 #[path = "equivalence/activation_checkpointing.rs"]
 mod activation_checkpointing;
+#[path = "equivalence/frozen_and_unused.rs"]
+mod frozen_and_unused;
 #[path = "equivalence/streaming_shard.rs"]
 mod streaming_shard;
 

@@ -264,6 +264,12 @@ fn different_models_on_different_ranks_are_rejected_at_shard() {
     for r in results {
         let err = r.unwrap().unwrap_err();
         assert!(matches!(err, HsdpError::PlanMismatch { .. }), "{err}");
+        // The message names the first parameter one rank has and the other lacks.
+        let text = err.to_string();
+        assert!(
+            text.contains("blocks.1.") && text.contains("missing"),
+            "{text}"
+        );
     }
 }
 

@@ -96,6 +96,9 @@ impl<B: Backend> Default for BucketGrads<B> {
 /// Every bucket's gradients in flight.
 pub(super) struct GradSync<B: Backend> {
     buckets: Vec<BucketGrads<B>>,
+    /// Per parameter, whether a backward since the last update expected a gradient for it on
+    /// this rank (frozen parameters and those a step's graph did not use never do).
+    received: Vec<bool>,
     /// The dtype reductions move.
     reduce: Precision,
 }
@@ -110,21 +113,30 @@ pub(super) struct Reduced {
 }
 
 impl<B: Backend> GradSync<B> {
-    /// Nothing in flight for `buckets` buckets, reduced in `reduce`.
-    pub fn new(buckets: usize, reduce: Precision) -> Self {
+    /// Nothing in flight for `buckets` buckets of `params` parameters, reduced in `reduce`.
+    pub fn new(buckets: usize, params: usize, reduce: Precision) -> Self {
         Self {
             buckets: (0..buckets).map(|_| BucketGrads::default()).collect(),
+            received: vec![false; params],
             reduce,
         }
     }
 
-    /// A backward pass starts: `buckets` holds, per parameter that will receive a gradient,
-    /// its bucket.
-    pub fn begin(&mut self, buckets: impl IntoIterator<Item = usize>) {
+    /// A backward pass starts: `params` holds each parameter that will receive a gradient,
+    /// with its bucket.
+    pub fn begin(&mut self, params: impl IntoIterator<Item = (usize, usize)>) {
         self.buckets.iter_mut().for_each(|b| b.pending = 0);
-        for b in buckets {
+        for (param, b) in params {
             self.buckets[b].pending += 1;
+            self.received[param] = true;
         }
+    }
+
+    /// Per parameter, whether it received a gradient on this rank since the last call (over
+    /// every backward of a step's accumulation window); the window starts again.
+    pub fn take_received(&mut self) -> Vec<bool> {
+        let fresh = vec![false; self.received.len()];
+        std::mem::replace(&mut self.received, fresh)
     }
 
     /// Adds member `k`'s gradient `values` into bucket `b`'s buffer; `true` when it was the

@@ -29,6 +29,7 @@ mod grad_sync;
 mod residency;
 mod retention;
 mod schedule;
+mod step_agreement;
 mod update;
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -178,6 +179,7 @@ impl<B: Backend> Runtime<B> {
         let leaves = Mutex::new(vec![None; plan.params().len()]);
         let retention = Retention::new(plan.params().len());
         let buckets = storage.len();
+        let params = plan.params().len();
         Ok(Self {
             plan,
             piece_in_shard,
@@ -199,7 +201,7 @@ impl<B: Backend> Runtime<B> {
             state: Mutex::new(State {
                 storage,
                 schedule: Schedule::new(config.reshard_after_forward),
-                grads: GradSync::new(buckets, config.precision.reduce),
+                grads: GradSync::new(buckets, params, config.precision.reduce),
                 resident_bytes: 0,
                 failure: None,
                 counters: Counters::default(),
@@ -435,7 +437,7 @@ impl<B: Backend> Runtime<B> {
         self.retention.backward_started();
         let mut st = self.lock();
         st.grads
-            .begin(indices.iter().map(|&i| self.plan.params()[i].bucket));
+            .begin(indices.iter().map(|&i| (i, self.plan.params()[i].bucket)));
         st.schedule.set_backward(!indices.is_empty());
         if st.schedule.reshards() && st.failure.is_none() {
             // The last bucket of forward is the first of backward: it stays; prefetch the one

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use burn_backend::{Backend, TensorMetadata};
 
 use super::grad_sync::PieceGrad;
+use super::step_agreement::{global_grad_norm, norm_message_len};
 use super::{Runtime, State};
 use crate::config::NonFinitePolicy;
 use crate::storage::{download, upload, DeviceUnits, Elems, MasterBuf, ShardBuf};
@@ -95,6 +96,8 @@ pub struct UpdateGroup<'a> {
     /// The update-group rank holding each piece.
     pub(super) piece_ranks: Vec<usize>,
     pub(super) grad_norm: f64,
+    /// Per parameter, whether it received a gradient on some rank in this step.
+    pub(super) received: Vec<bool>,
 }
 
 impl UpdateGroup<'_> {
@@ -180,6 +183,15 @@ impl UpdateGroup<'_> {
     pub fn grad_norm(&self) -> f64 {
         self.grad_norm
     }
+
+    /// Whether parameter `param` (its index in the plan) received a gradient in this step, on
+    /// any rank and in any backward since the last update (the same answer on every rank).
+    /// One that did not — frozen (`require_grad` false), or unused by every rank's graph — is
+    /// not stepped and its optimizer state is left alone, as Burn's optimizers skip a
+    /// parameter without a gradient. False for every parameter when handing out masters only.
+    pub fn received_gradient(&self, param: usize) -> bool {
+        self.received.get(param).copied().unwrap_or(false)
+    }
 }
 
 /// Hands this rank's pieces to `step` as `views` — those with a gradient, or every bucket's
@@ -220,7 +232,7 @@ pub(super) fn run<B: Backend>(
         } else {
             let _ = rt
                 .worker
-                .gather_bytes("gradient norm", 0f64.to_le_bytes().to_vec())
+                .gather_world_bytes("gradient norm", vec![0; norm_message_len(rt)])
                 .wait();
         }
         return Err(HsdpError::Failed(f));
@@ -236,10 +248,10 @@ pub(super) fn run<B: Backend>(
         })
         .filter(|(_, g)| all_buckets || !g.is_empty())
         .collect();
-    let grad_norm = if all_buckets {
-        0.0
+    let (grad_norm, received) = if all_buckets {
+        (0.0, Vec::new())
     } else {
-        let norm = global_grad_norm(rt, st, &grads)?;
+        let (norm, received) = global_grad_norm(rt, st, &grads)?;
         st.last_grad_norm = Some(norm);
         if !norm.is_finite() {
             // Every rank measured the same norm: every rank drops this step's gradients and
@@ -254,7 +266,7 @@ pub(super) fn run<B: Backend>(
                 }
             };
         }
-        norm
+        (norm, received)
     };
     let piece = rt.plan.piece_of(rt.world_rank)?;
     let device = &rt.materialiser.device;
@@ -356,6 +368,7 @@ pub(super) fn run<B: Backend>(
             piece,
             piece_ranks: piece_ranks(&rt.plan)?,
             grad_norm,
+            received,
         };
         sshsdp_comm::faults::inject("sshsdp::update", rt.world_rank)
             .map_err(HsdpError::Failed)
@@ -636,56 +649,6 @@ fn no_cube() -> HsdpError {
          or CUDA, with this crate's `wgpu` or `cuda` feature)"
             .into(),
     )
-}
-
-/// The L2 norm of the world-averaged gradient, from this rank's pieces `grads`: each rank's
-/// sum of squares in f64, all-gathered over the update group (whose pieces make up every bucket
-/// once) and summed in rank order, so every rank gets bitwise the same norm. NaN or infinite
-/// when any gradient element is (squares of finite f32 values cannot overflow f64).
-fn global_grad_norm<B: Backend>(
-    rt: &Runtime<B>,
-    st: &mut State<B>,
-    grads: &[(usize, PieceGrad<B>)],
-) -> Result<f64, HsdpError> {
-    let mut local = 0f64;
-    let mut on_device = Vec::new();
-    for (_, g) in grads {
-        match g {
-            PieceGrad::Host(g) => {
-                local += g.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
-            }
-            PieceGrad::Device(g) => {
-                on_device.push(B::float_sum(B::float_mul(g.clone(), g.clone())))
-            }
-        }
-    }
-    if !on_device.is_empty() {
-        // Device pieces: their sums of squares on the device in f32 (Burn's sum), one scalar
-        // read back for all. An f32 sum can overflow to infinity where f64 would not, which
-        // only makes a gradient of norm beyond 1.8e19 count as non-finite.
-        let sum = download::<B>(B::float_sum(B::float_cat(on_device, 0)))
-            .inspect_err(|e| rt.record_failure(st, e.to_string()))?;
-        st.counters.downloaded_bytes += 4;
-        local += f64::from(sum[0]);
-    }
-    let reply = rt
-        .worker
-        .gather_bytes("gradient norm", local.to_le_bytes().to_vec());
-    let norm = rt
-        .timeline
-        .span(Track::Model, "wait gradient norm", None, || reply.wait());
-    let all = match norm {
-        Ok(all) => all,
-        Err(e) => {
-            rt.record_failure(st, e.to_string());
-            return Err(e.into());
-        }
-    };
-    let total: f64 = all
-        .chunks_exact(8)
-        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .sum();
-    Ok(total.sqrt())
 }
 
 /// The update-group rank holding each piece of `plan`: the world rank when hierarchical, the

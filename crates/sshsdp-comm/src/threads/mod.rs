@@ -11,7 +11,10 @@
 //! Asynchronous calls ([`Collective::start_all_gather`], [`Collective::start_reduce_scatter`])
 //! run on a helper thread while the caller goes on.
 
+mod outcomes;
 mod rendezvous;
+
+pub use outcomes::RankFailure;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};

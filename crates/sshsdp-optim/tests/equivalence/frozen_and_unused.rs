@@ -1,0 +1,259 @@
+//! Frozen and unused parameters train as plain Burn trains them, whether they have buckets of
+//! their own or share one with trained parameters: a burn-nn `Linear` frozen with `no_grad()` is
+//! never stepped (bitwise unchanged; a bucket of its own is never reduced), and a
+//! `Linear` the graph uses on odd steps only is not stepped on even ones (its AdamW moments and
+//! step count untouched), as Burn's optimizer adaptor skips a parameter without a gradient —
+//! bitwise at world 1 and within 1e-5 at world 2, with and without gradient accumulation, for
+//! AdamW (element-wise, per parameter); within 1e-5 for Muon (matrices split across pieces).
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use sshsdp_backend::{init_seeded, named_params, shard, HsdpConfig, NamedParam};
+use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
+use sshsdp_comm::Collective;
+use sshsdp_optim::{Muon, MuonConfig, MuonWithElementwise, ShardedMuon, ShardedOptimizer};
+use sshsdp_plan::Mesh;
+
+use super::{Inner, B};
+
+const WIDTH: usize = 8;
+const BATCH: usize = 4;
+const STEPS: usize = 5;
+const LR: f64 = 2e-2;
+
+/// Four `Linear`s: `frozen` never trains, `odd` is used on odd steps only.
+#[derive(Module, Debug)]
+struct Branchy<B: Backend> {
+    first: Linear<B>,
+    frozen: Linear<B>,
+    odd: Linear<B>,
+    head: Linear<B>,
+}
+
+impl<B: Backend> Branchy<B> {
+    fn new(device: &B::Device) -> Self {
+        let linear = || LinearConfig::new(WIDTH, WIDTH).init(device);
+        Self {
+            first: linear(),
+            frozen: linear().no_grad(),
+            odd: linear(),
+            head: linear(),
+        }
+    }
+
+    /// Mean square of the output for `x` `[rows, WIDTH]` at `step`.
+    fn loss(&self, x: Tensor<B, 2>, step: usize) -> Tensor<B, 1> {
+        let mut h = self.first.forward(x).tanh();
+        h = h.clone() + self.frozen.forward(h).tanh();
+        if step % 2 == 1 {
+            h = h.clone() + self.odd.forward(h).tanh();
+        }
+        self.head.forward(h).powi_scalar(2).mean()
+    }
+}
+
+/// The global batch of `step`'s micro-batch `micro`.
+fn batch(step: usize, micro: usize) -> Vec<f32> {
+    (0..BATCH * WIDTH)
+        .map(|i| (((i * 7 + step * 13 + micro * 29) % 17) as f32 - 8.0) / 8.0)
+        .collect()
+}
+
+/// Rows `rows` of a global batch.
+fn rows(values: &[f32], rows: std::ops::Range<usize>) -> Tensor<B, 2> {
+    let data = values[rows.start * WIDTH..rows.end * WIDTH].to_vec();
+    Tensor::from_data(
+        TensorData::new(data, [rows.len(), WIDTH]),
+        &Default::default(),
+    )
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Opt {
+    AdamW,
+    Muon,
+}
+
+fn muon() -> Muon {
+    MuonConfig::new().init()
+}
+
+/// Plain Burn on one device with the global batch: losses per micro-batch, final weights.
+fn plain(init: &Branchy<B>, opt: Opt, micro: usize) -> (Vec<f32>, Vec<NamedParam>) {
+    let mut model = init.clone();
+    let mut adamw = AdamWConfig::new().init::<B, Branchy<B>>();
+    let mut muon = MuonWithElementwise::<B, _>::new(muon(), AdamWConfig::new().build());
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let mut accumulator = GradientsAccumulator::<Branchy<B>>::new();
+        for m in 0..micro {
+            let loss = model.loss(rows(&batch(step, m), 0..BATCH), step);
+            losses.push(loss.clone().into_scalar());
+            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        let grads = accumulator.grads();
+        model = match opt {
+            Opt::AdamW => adamw.step(LR, model, grads),
+            Opt::Muon => muon.step(LR, model, grads),
+        };
+    }
+    (losses, named_params(&model).unwrap())
+}
+
+/// One rank's losses, final weights, gradient bytes reduced and each bucket's reduction bytes.
+type RankRun = (Vec<f32>, Vec<NamedParam>, u64, Vec<u64>);
+
+/// How the four `Linear`s are bucketed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Buckets {
+    /// One `Linear` per bucket: frozen and unused layers have buckets of their own.
+    PerLayer,
+    /// All in one bucket: frozen and unused parameters share it with trained ones.
+    Shared,
+}
+
+/// The same training sharded over `world` ranks; per rank its losses, final weights and the
+/// gradient bytes it reduced.
+fn sharded(
+    init: &Branchy<B>,
+    (opt, micro, world): (Opt, usize, usize),
+    buckets: Buckets,
+) -> Vec<RankRun> {
+    ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let layer = (WIDTH * WIDTH + WIDTH) as u64;
+        let config =
+            HsdpConfig::new(Mesh::flat(world).unwrap()).with_bucket_elements(match buckets {
+                Buckets::PerLayer => layer,
+                Buckets::Shared => 4 * layer,
+            });
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        // Each bucket's reduction bytes (f32 gradients of every piece).
+        let plan = runtime.plan();
+        let bucket_bytes = plan
+            .buckets()
+            .iter()
+            .map(|b| 4 * plan.pieces() as u64 * b.piece_elements)
+            .collect();
+        let mut adamw = ShardedOptimizer::<Inner, _>::new(AdamWConfig::new().build(), device);
+        let mut muon = ShardedMuon::<Inner, _>::new(muon(), AdamWConfig::new().build(), device);
+        let local = BATCH / world;
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            for m in 0..micro {
+                let x = rows(&batch(step, m), rank * local..(rank + 1) * local);
+                let loss = model.loss(x, step);
+                losses.push(loss.clone().into_scalar());
+                let _ = loss.backward();
+            }
+            model = match opt {
+                Opt::AdamW => adamw.step(LR, model, &runtime).unwrap(),
+                Opt::Muon => muon.step(LR, model, &runtime).unwrap(),
+            };
+        }
+        let reduced = runtime.take_counters().reduced_bytes;
+        (losses, named_params(&model).unwrap(), reduced, bucket_bytes)
+    })
+    .unwrap()
+    .into_iter()
+    .map(|r| r.expect("rank panicked"))
+    .collect()
+}
+
+fn by_path<'a>(params: &'a [NamedParam], path: &str) -> &'a NamedParam {
+    params.iter().find(|p| p.path == path).expect("path")
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn check(opt: Opt, micro: usize, world: usize) {
+    let init: Branchy<B> = init_seeded(&Default::default(), 11, Branchy::new);
+    let start = named_params(&init).unwrap();
+    let (want_losses, want) = plain(&init, opt, micro);
+    for buckets in [Buckets::PerLayer, Buckets::Shared] {
+        let ranks = sharded(&init, (opt, micro, world), buckets);
+        let what = format!("{opt:?}, {micro} micro-batches, world {world}, {buckets:?}");
+        check_ranks(
+            &what,
+            (opt, micro, world),
+            buckets,
+            &ranks,
+            &start,
+            (&want_losses, &want),
+        );
+    }
+    // The odd layer did train (on odd steps), so skipping is what keeps it equal.
+    let odd_start = &by_path(&start, "odd.weight").values;
+    assert!(max_diff(&by_path(&want, "odd.weight").values, odd_start) > 1e-3);
+}
+
+fn check_ranks(
+    what: &str,
+    (opt, micro, world): (Opt, usize, usize),
+    buckets: Buckets,
+    ranks: &[RankRun],
+    start: &[NamedParam],
+    (want_losses, want): (&[f32], &[NamedParam]),
+) {
+    for (losses, got, reduced, bucket_bytes) in ranks {
+        // The frozen layer is bitwise where it started, on every rank, as under plain Burn.
+        for path in ["frozen.weight", "frozen.bias"] {
+            assert_eq!(by_path(got, path), by_path(start, path), "{what}: {path}");
+        }
+        if buckets == Buckets::PerLayer {
+            // Its bucket (the second) is never reduced; the odd layer's (the third) on odd
+            // steps only.
+            let odd_steps = (STEPS / 2) as u64;
+            let per_step = bucket_bytes[0] + bucket_bytes[3];
+            let expected = micro as u64 * (STEPS as u64 * per_step + odd_steps * bucket_bytes[2]);
+            assert_eq!(bucket_bytes.len(), 4, "{what}: one Linear per bucket");
+            assert_eq!(*reduced, expected, "{what}: reduced bytes");
+        } else {
+            assert_eq!(bucket_bytes.len(), 1, "{what}: one bucket");
+        }
+        // Everything else follows plain Burn: bitwise at world 1 with AdamW (Muon's batched
+        // Newton–Schulz sums in another order than one matrix at a time: 1e-5 there).
+        let exact = world == 1 && opt == Opt::AdamW;
+        for (g, w) in got.iter().zip(want) {
+            assert_eq!(g.path, w.path);
+            let diff = max_diff(&g.values, &w.values);
+            let tolerance = if exact { 0.0 } else { 1e-5 };
+            assert!(diff <= tolerance, "{what}: {} differs by {diff}", g.path);
+        }
+        if exact {
+            assert_eq!(losses.as_slice(), want_losses, "{what}: losses");
+        } else if world == 1 {
+            assert!(max_diff(losses, want_losses) <= 1e-5, "{what}: losses");
+        }
+    }
+}
+
+#[test]
+fn frozen_and_unused_parameters_train_as_plain_burn_with_adamw() {
+    for world in [1, 2] {
+        check(Opt::AdamW, 1, world);
+    }
+}
+
+#[test]
+fn frozen_and_unused_parameters_train_as_plain_burn_with_gradient_accumulation() {
+    for world in [1, 2] {
+        check(Opt::AdamW, 2, world);
+    }
+}
+
+#[test]
+fn frozen_and_unused_parameters_train_as_plain_burn_with_muon() {
+    for world in [1, 2] {
+        check(Opt::Muon, 1, world);
+    }
+}
