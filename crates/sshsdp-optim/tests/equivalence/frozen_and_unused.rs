@@ -257,3 +257,45 @@ fn frozen_and_unused_parameters_train_as_plain_burn_with_muon() {
         check(Opt::Muon, 1, world);
     }
 }
+
+/// A `Linear` frozen after `shard` (`no_grad()` on the sharded module) stops receiving
+/// gradients: from then on it is not stepped, bitwise, while the others train on.
+#[test]
+fn a_layer_frozen_after_shard_is_not_stepped() {
+    // A trainable `Linear` where `Branchy` has its frozen one (drawn under the RNG lock).
+    let mut unfrozen: Branchy<B> = init_seeded(&Default::default(), 12, Branchy::new);
+    let other: Branchy<B> = init_seeded(&Default::default(), 13, Branchy::new);
+    unfrozen.frozen = other.first;
+    let ranks = ThreadsWorld::run(2, ThreadsConfig::default(), |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let config = HsdpConfig::new(Mesh::flat(2).unwrap());
+        let (mut model, runtime) =
+            shard::<B, _, _>(unfrozen.clone(), config, comm, &device).unwrap();
+        let mut adamw = ShardedOptimizer::<Inner, _>::new(AdamWConfig::new().build(), device);
+        let mut at_freeze = Vec::new();
+        for step in 0..4 {
+            if step == 2 {
+                model.frozen = model.frozen.no_grad();
+                at_freeze = named_params(&model).unwrap();
+            }
+            let x = rows(&batch(step, 0), rank * 2..rank * 2 + 2);
+            let _ = model.loss(x, step).backward();
+            model = adamw.step(LR, model, &runtime).unwrap();
+        }
+        (at_freeze, named_params(&model).unwrap())
+    })
+    .unwrap();
+    for r in ranks {
+        let (at_freeze, end) = r.unwrap();
+        for path in ["frozen.weight", "frozen.bias"] {
+            assert_eq!(by_path(&end, path), by_path(&at_freeze, path), "{path}");
+        }
+        let first = "first.weight";
+        let moved = max_diff(
+            &by_path(&end, first).values,
+            &by_path(&at_freeze, first).values,
+        );
+        assert!(moved > 1e-4, "the other layers train on: {moved}");
+    }
+}
