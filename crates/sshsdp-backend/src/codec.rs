@@ -318,10 +318,10 @@ impl BucketCodec {
         }
     }
 
-    /// How to decode a gathered bucket (every piece) into the compute buffer: one operation per view, in bucket order — what the host
-    /// ([`Self::decode`], MXFP8) and the device (`cube_codec.rs`, MXFP8 and bf16) both run.
-    /// `gathered` is the gathered buffer's length in bytes, checked against the layout. The f32
-    /// format has nothing to decode (an error).
+    /// How to decode a gathered bucket (every piece) into the compute buffer: one operation per
+    /// view, in bucket order — what the host ([`Self::decode`], MXFP8) and the device
+    /// (`cube_codec.rs`, MXFP8 and bf16) both run. `gathered` is the gathered buffer's length in
+    /// bytes, checked against the layout. The f32 format has nothing to decode (an error).
     pub fn decode_ops(&self, gathered: usize) -> Result<Vec<CodecOp>, HsdpError> {
         let unit = us(self.format.element_bytes().unwrap_or(1));
         let f32_format = self.format == RuntimeFormat::F32;

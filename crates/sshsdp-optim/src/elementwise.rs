@@ -76,8 +76,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     }
 
     /// One optimizer step with learning rate `lr` on every parameter of `runtime`'s pieces that
-    /// received a gradient in this step; returns `module`, whose parameters now read the updated storage (as Burn's own
-    /// optimizers return the module). Fails on every rank alike, e.g. with
+    /// received a gradient in this step; returns `module`, whose parameters now read the
+    /// updated storage (as Burn's own optimizers return the module). Fails on every rank alike, e.g. with
     /// [`HsdpError::NonFiniteGradient`] (nothing applied; see [`sshsdp_backend::NonFinitePolicy`]).
     pub fn step<AB, M>(
         &mut self,
@@ -171,11 +171,11 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             if at < range.start {
                 parts.push(whole.clone().slice(at..range.start));
             }
-            let param = whole.clone().slice([range.clone()]);
+            let param = whole.clone().slice(range.clone());
             let state = self.states.remove(&unit.param);
             let (param, state) =
                 self.optimizer
-                    .step(lr, param, grad.clone().slice([range.clone()]), state);
+                    .step(lr, param, grad.clone().slice(range.clone()), state);
             if let Some(state) = state {
                 self.states.insert(unit.param, state);
             }
