@@ -2,28 +2,118 @@
 
 use std::sync::Arc;
 
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 use sshsdp_plan::Plan;
 
+use crate::buffers::{read_buffers, write_buffers, BufferSpec};
 use crate::runtime::{Counters, Piece, Runtime, UpdateGroup, Views};
-use crate::HsdpError;
+use crate::{HsdpError, NamedParam};
 
 /// One rank's handle on its sharded parameters: the plan, the update step and the counters.
 pub struct HsdpRuntime<B: Backend> {
     runtime: Arc<Runtime<B>>,
+    /// The module's buffers, as every rank agreed at `shard` (not planned: see `buffers.rs`).
+    buffers: Arc<[BufferSpec]>,
 }
 
 impl<B: Backend> Clone for HsdpRuntime<B> {
     fn clone(&self) -> Self {
         Self {
             runtime: self.runtime.clone(),
+            buffers: self.buffers.clone(),
         }
     }
 }
 
 impl<B: Backend> HsdpRuntime<B> {
-    pub(crate) fn new(runtime: Arc<Runtime<B>>) -> Self {
-        Self { runtime }
+    pub(crate) fn new(runtime: Arc<Runtime<B>>, buffers: Vec<BufferSpec>) -> Self {
+        Self {
+            runtime,
+            buffers: buffers.into(),
+        }
+    }
+
+    /// The sharded module's buffers (BatchNorm's running statistics and the like), in module
+    /// order: float state that is not a parameter, so it was not planned, is never stepped and
+    /// stays in the module, per rank, as its forward updates it. See [`Self::broadcast_buffers`]
+    /// to keep the ranks' buffers equal.
+    pub fn buffers(&self) -> &[BufferSpec] {
+        &self.buffers
+    }
+
+    /// This rank's current values of the buffers of `module` (the sharded module, on any of
+    /// its backends: `valid()`'s too), in [`Self::buffers`] order. Local: no other rank takes
+    /// part. Any update a `RunningState` holds back is folded in first.
+    pub fn buffer_values<MB: Backend, M: Module<MB>>(
+        &self,
+        module: &M,
+    ) -> Result<Vec<NamedParam>, HsdpError> {
+        read_buffers(module, &self.buffers)
+    }
+
+    /// `module` with its buffers set to `values` (every buffer exactly once, by path, in its
+    /// shape). Local.
+    pub fn set_buffer_values<MB: Backend, M: Module<MB>>(
+        &self,
+        module: M,
+        values: &[NamedParam],
+    ) -> Result<M, HsdpError> {
+        write_buffers(module, &self.buffers, values)
+    }
+
+    /// `module` with rank 0's buffers on every rank: one broadcast over the world of the
+    /// buffers' fp32 values (their bytes once, whatever the world size). A collective call.
+    /// Without it each rank keeps the statistics of its own batches (as FSDP2 does); calling it
+    /// after every optimizer step keeps every rank's buffers equal, as DDP's
+    /// `broadcast_buffers`. Rank 0's values rather than an average: every buffer stays one a
+    /// module actually computed (an average of running variances is not the global batch's
+    /// variance either, and integer-like counters must not be averaged), and the cost does not
+    /// grow with the world.
+    pub fn broadcast_buffers<MB: Backend, M: Module<MB>>(&self, module: M) -> Result<M, HsdpError> {
+        if self.buffers.is_empty() {
+            return Ok(module);
+        }
+        let total: usize = self.buffers.iter().map(BufferSpec::numel).sum();
+        // Rank 0's values and a trailing flag: whether rank 0 could read them.
+        let mut message = vec![0f32; total + 1];
+        let mut read_error = None;
+        if self.rank() == 0 {
+            match self.buffer_values(&module) {
+                Ok(values) => {
+                    let flat = values.iter().flat_map(|v| v.values.iter().copied());
+                    message.iter_mut().zip(flat).for_each(|(m, v)| *m = v);
+                }
+                Err(e) => {
+                    message[total] = 1.0;
+                    read_error = Some(e);
+                }
+            }
+        }
+        let message = self.runtime.broadcast_world("buffer broadcast", message)?;
+        if let Some(e) = read_error {
+            return Err(e);
+        }
+        if message.len() != total + 1 || message[total] != 0.0 {
+            return Err(HsdpError::Failed(
+                "rank 0 could not read its buffers to broadcast them".into(),
+            ));
+        }
+        let mut at = 0;
+        let values: Vec<NamedParam> = self
+            .buffers
+            .iter()
+            .map(|spec| {
+                let n = spec.numel();
+                at += n;
+                NamedParam {
+                    path: spec.path.clone(),
+                    shape: spec.shape.clone(),
+                    values: message[at - n..at].to_vec(),
+                }
+            })
+            .collect();
+        self.set_buffer_values(module, &values)
     }
 
     /// This rank's index in the world.

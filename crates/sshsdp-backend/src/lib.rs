@@ -25,6 +25,7 @@
 
 mod backend;
 mod backend_ext;
+mod buffers;
 mod codec;
 mod comm;
 mod config;
@@ -41,6 +42,7 @@ mod cube_views;
 mod error;
 mod handle;
 mod ops;
+mod paths;
 mod plan_agreement;
 mod registry;
 mod rng;
@@ -54,6 +56,7 @@ mod worker;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
+pub use buffers::BufferSpec;
 pub use comm::RUNTIME_LANES;
 pub use config::{CopyMode, HsdpConfig, MixedPrecision, NonFinitePolicy, Precision};
 pub use error::HsdpError;

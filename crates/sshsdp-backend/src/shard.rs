@@ -30,32 +30,14 @@ use sshsdp_comm::{Collective, CommFactory, SplitLanes};
 use sshsdp_plan::{DType, ParamSpec, Plan};
 
 use crate::backend_ext::ShardableBackend;
+use crate::buffers::{buffer_specs, BufferSpec};
 use crate::codec::BucketCodec;
 use crate::comm::{LaneId, RUNTIME_LANES};
+use crate::paths::PathTracker;
 use crate::plan_agreement::agree_on_plan;
 use crate::runtime::Runtime;
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::{registry, HsdpConfig, HsdpError, HsdpRuntime};
-
-/// Walks module paths: the names of the modules entered, joined by dots.
-#[derive(Default)]
-struct PathTracker {
-    stack: Vec<String>,
-}
-
-impl PathTracker {
-    fn enter(&mut self, name: &str) {
-        self.stack.push(name.to_string());
-    }
-
-    fn exit(&mut self) {
-        self.stack.pop();
-    }
-
-    fn path(&self) -> String {
-        self.stack.join(".")
-    }
-}
 
 /// A float parameter of a module, keyed by its path.
 #[derive(Clone, Debug, PartialEq)]
@@ -208,24 +190,34 @@ impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for BucketReader<'_> {
 }
 
 /// Every float parameter's module path and shape, in module order, without initialising any
-/// (Burn's lazy parameters report their shapes): what [`shard`] plans from.
+/// (Burn's lazy parameters report their shapes): what [`shard`] plans from. Module buffers
+/// (BatchNorm's running statistics) are not parameters and are left out.
 pub fn param_shapes<B: burn::tensor::backend::Backend, M: Module<B>>(
     module: &M,
 ) -> Vec<(String, Vec<usize>)> {
-    param_specs(module)
+    param_specs(module, &buffer_specs(module))
         .into_iter()
         .map(|s| (s.path, s.shape))
         .collect()
 }
 
-/// Every float parameter's spec (path, lazy shape, module order), without initialising any.
-fn param_specs<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> Vec<ParamSpec> {
+/// Every float parameter's spec (path, lazy shape, module order; buffers left out, see
+/// [`crate::buffers`]), without initialising any.
+fn param_specs<B: burn::tensor::backend::Backend, M: Module<B>>(
+    module: &M,
+    buffers: &[BufferSpec],
+) -> Vec<ParamSpec> {
     let mut shapes = ShapeCollector {
         paths: PathTracker::default(),
         specs: Vec::new(),
     };
     module.visit(&mut shapes);
-    shapes.specs
+    let mut specs = shapes.specs;
+    specs.retain(|s| !buffers.iter().any(|b| b.path == s.path));
+    for (order, spec) in specs.iter_mut().enumerate() {
+        spec.order = Some(order as u64);
+    }
+    specs
 }
 
 /// Swaps each float parameter for a handle into bucket storage, without initialising the
@@ -246,7 +238,10 @@ impl<B: ShardableBackend> ModuleMapper<B> for Swapper<B> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let index = self.index[&self.paths.path()];
+        // A buffer (not planned) stays as it is.
+        let Some(&index) = self.index.get(&self.paths.path()) else {
+            return param;
+        };
         // A lazy parameter takes a placeholder through Burn's load path, which gives it its
         // gradient setting without running its initialiser.
         let param = if param.is_initialized() {
@@ -434,8 +429,9 @@ where
     };
     // What this rank can get wrong on its own is folded into the plan agreement, so that it is
     // an error on every rank in that same call (on MPI too, whose peers would otherwise wait).
+    let buffers = buffer_specs(&module);
     let local = check_backend::<B::Inner>(device, &config)
-        .and_then(|()| local_plan(&module, &config, &*factory))
+        .and_then(|()| local_plan(&module, &buffers, &config, &*factory))
         .and_then(|plan| match source {
             Some(source) => check_source(&plan, source).map(|()| plan),
             None => Ok(plan),
@@ -445,7 +441,7 @@ where
         Ok(comm) => comm,
         Err(e) => return Err(local.err().unwrap_or(e.into())),
     };
-    let plan = agree_on_plan(&*comm, local)?;
+    let plan = agree_on_plan(&*comm, local, &buffers)?;
 
     let rank = comm.world_rank();
     let shard_index = plan.runtime_shard_of(rank)?;
@@ -526,7 +522,32 @@ where
     let module = module
         .expect("the module is put back after each bucket")
         .map(&mut swapper);
-    Ok((module, HsdpRuntime::new(runtime)))
+    let runtime = HsdpRuntime::new(runtime, buffers);
+    let module = match source {
+        Some(source) => buffers_from_source(module, &runtime, source)?,
+        None => module,
+    };
+    Ok((module, runtime))
+}
+
+/// `module` with each buffer `source` holds read from it (checked like a parameter); a buffer
+/// the source lacks keeps the module's value (a file of weights alone, e.g. a Hugging Face
+/// export without running statistics). Local: every rank reads the whole buffers.
+fn buffers_from_source<B: ShardableBackend, M: Module<B>>(
+    module: M,
+    runtime: &HsdpRuntime<B::Inner>,
+    source: &dyn ParamSource,
+) -> Result<M, HsdpError> {
+    let mut values = runtime.buffer_values(&module)?;
+    for value in &mut values {
+        if source.check(&value.path, &value.shape).is_ok() {
+            let len = value.values.len();
+            source
+                .read(&value.path, 0..len, &mut value.values)
+                .map_err(HsdpError::Unsupported)?;
+        }
+    }
+    runtime.set_buffer_values(module, &values)
 }
 
 /// Every planned parameter is in `source` with its shape (the first that is not, named).
@@ -611,6 +632,7 @@ fn is_fusion(name: &str) -> bool {
 /// fault).
 fn local_plan<B: ShardableBackend, M: Module<B>>(
     module: &M,
+    buffers: &[BufferSpec],
     config: &HsdpConfig,
     factory: &dyn crate::comm::LaneFactory,
 ) -> Result<Plan, HsdpError> {
@@ -625,7 +647,7 @@ fn local_plan<B: ShardableBackend, M: Module<B>>(
         )));
     }
     Ok(Plan::build(
-        param_specs(module),
+        param_specs(module, buffers),
         config.mesh,
         config.plan.clone(),
     )?)

@@ -190,6 +190,11 @@ enum ReplicaRequest {
         send: Vec<u8>,
         reply: Sender<CommResult<Vec<u8>>>,
     },
+    WorldBroadcast {
+        tag: CallTag,
+        buf: Vec<f32>,
+        reply: Sender<CommResult<Vec<f32>>>,
+    },
 }
 
 /// A reply on its way: runtime elements (gathers, rebuilds) or a gradient piece (reductions).
@@ -433,6 +438,13 @@ impl Worker {
         self.send(|reply| Request::Replica(ReplicaRequest::WorldGatherBytes { tag, send, reply }))
     }
 
+    /// World rank 0's `buf` on every rank (every rank passes a buffer of the same length);
+    /// `stage` names what for.
+    pub fn broadcast_world(&self, stage: &'static str, buf: Vec<f32>) -> Reply {
+        let tag = self.tag(None, stage);
+        self.send(|reply| Request::Replica(ReplicaRequest::WorldBroadcast { tag, buf, reply }))
+    }
+
     /// Rebuild of `bucket`'s runtime shard from the replica group's updated pieces.
     pub fn rebuild(&self, bucket: usize, shard: Elems) -> Reply<Elems> {
         let tag = self.tag(Some(bucket), "rebuild");
@@ -671,6 +683,17 @@ fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                     let mut recv = vec![0u8; send.len() * comm.world_size()];
                     comm.all_gather_bytes(&send, &mut recv)?;
                     Ok(recv)
+                });
+                let _ = reply.send(r);
+            }
+            ReplicaRequest::WorldBroadcast {
+                tag,
+                mut buf,
+                reply,
+            } => {
+                let r = lane.run(tag.stage, tag, || {
+                    comm.broadcast_world(&mut buf)?;
+                    Ok(buf)
                 });
                 let _ = reply.send(r);
             }

@@ -20,10 +20,12 @@
 
 use std::path::{Path, PathBuf};
 
+use burn::module::Module;
 use burn::tensor::backend::Backend;
-use sshsdp_backend::HsdpRuntime;
+use sshsdp_backend::{HsdpRuntime, NamedParam};
 
 use crate::agree::{agree, Verdict};
+use crate::buffers::{buffer_slices, refuse_buffers, saved_buffers};
 use crate::layout::{prepare_tmp, prune, publish, write_new_file};
 use crate::runtime_io::build_shard;
 use crate::{CheckpointError, Manifest, UnitState};
@@ -58,6 +60,9 @@ impl SaveOptions {
 /// on `Err`, on every rank, no checkpoint was committed (except for an error of keep-last-K
 /// after the commit, which says so). A newer committed step already in `root` stays the
 /// latest, which `load(root)` picks.
+///
+/// A model with module buffers (BatchNorm's running statistics) is refused, on every rank,
+/// before anything is written: save it with [`save_model`], which saves them too.
 pub fn save<B: Backend>(
     root: impl AsRef<Path>,
     runtime: &HsdpRuntime<B>,
@@ -75,13 +80,71 @@ pub fn save_with<B: Backend>(
     step: u64,
     options: &SaveOptions,
 ) -> Result<PathBuf, CheckpointError> {
-    let root = root.as_ref();
+    refuse_buffers(runtime, "save", "save_model")?;
+    commit(
+        root.as_ref(),
+        runtime,
+        optimizer,
+        Ok(Vec::new()),
+        step,
+        options,
+    )
+}
+
+/// [`save`] of a model with module buffers: also saves rank 0's buffers (read from `module`,
+/// the sharded module, after folding in any update a `RunningState` holds back), which
+/// [`crate::load_model`] restores on every rank at any world size. Call
+/// `HsdpRuntime::broadcast_buffers` first to save buffers every rank agrees on. Works for
+/// models without buffers too.
+pub fn save_model<B: Backend, MB: Backend, M: Module<MB>>(
+    root: impl AsRef<Path>,
+    module: &M,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &impl UnitState,
+    step: u64,
+) -> Result<PathBuf, CheckpointError> {
+    save_model_with(
+        root,
+        module,
+        runtime,
+        optimizer,
+        step,
+        &SaveOptions::default(),
+    )
+}
+
+/// [`save_model`] with explicit options.
+pub fn save_model_with<B: Backend, MB: Backend, M: Module<MB>>(
+    root: impl AsRef<Path>,
+    module: &M,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &impl UnitState,
+    step: u64,
+    options: &SaveOptions,
+) -> Result<PathBuf, CheckpointError> {
+    let buffers = saved_buffers(runtime, module);
+    commit(root.as_ref(), runtime, optimizer, buffers, step, options)
+}
+
+/// The save's three phases; `buffers` are what this rank saves of the module's buffers (or
+/// why it could not read them, which fails the prepare phase on every rank).
+fn commit<B: Backend>(
+    root: &Path,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &impl UnitState,
+    buffers: Result<Vec<NamedParam>, CheckpointError>,
+    step: u64,
+    options: &SaveOptions,
+) -> Result<PathBuf, CheckpointError> {
     let lead = runtime.rank() == 0;
 
     // 1. prepare. Building the shard is itself collective: every rank does it first.
     let (tmp, target) = tmp_and_target(root, step);
     let mut created = false;
-    let prepared = build_shard(runtime, optimizer, step).and_then(|shard| {
+    // Collective: every rank builds its shard, whatever its buffers' verdict.
+    let prepared = build_shard(runtime, optimizer, step);
+    let prepared = prepared.and_then(|mut shard| {
+        shard.slices.extend(buffer_slices(buffers?));
         if options.keep_last == Some(0) {
             return Err(CheckpointError::Invalid(
                 "keep_last must keep at least the new checkpoint".into(),

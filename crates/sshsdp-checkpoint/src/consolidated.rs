@@ -19,11 +19,13 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
-use sshsdp_backend::{HsdpRuntime, ParamSource};
+use sshsdp_backend::{BufferSpec, HsdpRuntime, NamedParam, ParamSource};
 
+use crate::buffers::{refuse_buffers, saved_buffers};
 use crate::CheckpointError;
 
 /// The largest header this reader accepts (safetensors' own limit).
@@ -33,19 +35,48 @@ const MAX_HEADER: u64 = 100_000_000;
 /// through `path` + `.tmp` renamed when complete; every rank calls this, a collective call).
 /// Tensors are f32, named by module path, in plan order. An error on any rank (rank 0's I/O
 /// included) is an error on every rank, and `path` is then left as it was.
+///
+/// A model with module buffers is refused on every rank: export it with [`export_model`],
+/// which writes them too.
 pub fn export_safetensors<B: Backend>(
     runtime: &HsdpRuntime<B>,
     path: &Path,
+) -> Result<(), CheckpointError> {
+    refuse_buffers(runtime, "export_safetensors", "export_model")?;
+    export(runtime, path, Ok(Vec::new()))
+}
+
+/// [`export_safetensors`] of a model with module buffers: rank 0's buffers (read from
+/// `module`, the sharded module) follow the parameters in the file, named by their module
+/// paths, so plain Burn loads the whole module state (BatchNorm's running statistics
+/// included). Works for models without buffers too.
+pub fn export_model<B: Backend, MB: Backend, M: Module<MB>>(
+    module: &M,
+    runtime: &HsdpRuntime<B>,
+    path: &Path,
+) -> Result<(), CheckpointError> {
+    export(runtime, path, saved_buffers(runtime, module))
+}
+
+/// The export; `buffers` are rank 0's buffer values (empty elsewhere), or why it could not
+/// read them (an error on every rank).
+fn export<B: Backend>(
+    runtime: &HsdpRuntime<B>,
+    path: &Path,
+    buffers: Result<Vec<NamedParam>, CheckpointError>,
 ) -> Result<(), CheckpointError> {
     let plan = runtime.plan();
     let writer_rank = runtime.rank() == 0;
     let tmp = PathBuf::from(format!("{}.tmp", path.display()));
     let mut writer = if writer_rank {
-        Some(StreamWriter::create(plan, &tmp))
+        Some(StreamWriter::create(plan, runtime.buffers(), &tmp))
     } else {
         None
     };
-    let mut local_error: Option<CheckpointError> = None;
+    let (buffers, mut local_error) = match buffers {
+        Ok(buffers) => (buffers, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
     let outer = runtime.master_pieces(|pieces, group| {
         let count = group.pieces();
         for p in pieces.iter_mut() {
@@ -80,7 +111,7 @@ pub fn export_safetensors<B: Backend>(
     });
     if let Some(w) = writer.take() {
         if local_error.is_none() && outer.is_ok() {
-            if let Err(e) = w.finish(plan.params().len(), &tmp, path) {
+            if let Err(e) = w.finish(plan.params().len(), &buffers, &tmp, path) {
                 let _ = std::fs::remove_file(&tmp);
                 local_error = Some(e);
             }
@@ -113,7 +144,7 @@ struct StreamWriter {
 }
 
 impl StreamWriter {
-    fn create(plan: &sshsdp_plan::Plan, tmp: &Path) -> Self {
+    fn create(plan: &sshsdp_plan::Plan, buffers: &[BufferSpec], tmp: &Path) -> Self {
         let io = |source| CheckpointError::Io {
             file: tmp.to_path_buf(),
             source,
@@ -133,7 +164,20 @@ impl StreamWriter {
                     offset += n;
                     (p.spec.path.clone(), info)
                 })
-                .collect();
+                .collect::<Vec<_>>();
+            let mut tensors = tensors;
+            for b in buffers {
+                let n = 4 * b.numel();
+                tensors.push((
+                    b.path.clone(),
+                    TensorInfo {
+                        dtype: Dtype::F32,
+                        shape: b.shape.clone(),
+                        data_offsets: (offset, offset + n),
+                    },
+                ));
+                offset += n;
+            }
             let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
             let header =
                 Metadata::new(Some(meta), tensors).map_err(|e| CheckpointError::Corrupt {
@@ -221,19 +265,29 @@ impl StreamWriter {
         Ok(())
     }
 
-    /// Flushes and syncs the file and renames it into place.
-    fn finish(self, params: usize, tmp: &Path, path: &Path) -> Result<(), CheckpointError> {
+    /// Writes the buffers after the parameters, flushes and syncs the file and renames it
+    /// into place.
+    fn finish(
+        mut self,
+        params: usize,
+        buffers: &[NamedParam],
+        tmp: &Path,
+        path: &Path,
+    ) -> Result<(), CheckpointError> {
         let io = |file: &Path| {
             let file = file.to_path_buf();
             move |source| CheckpointError::Io { file, source }
         };
-        let out = self.out?;
         if self.next != params {
             return Err(CheckpointError::Missing {
                 location: tmp.to_path_buf(),
                 what: format!("{} of {params} parameters were written", self.next),
             });
         }
+        for buffer in buffers {
+            self.write(&buffer.values)?;
+        }
+        let out = self.out?;
         let file = out.into_inner().map_err(|e| io(tmp)(e.into_error()))?;
         file.sync_all().map_err(io(tmp))?;
         std::fs::rename(tmp, path).map_err(io(path))

@@ -68,6 +68,7 @@
 #![deny(missing_docs)]
 
 mod agree;
+mod buffers;
 mod commit;
 mod consolidated;
 mod export;
@@ -83,17 +84,19 @@ mod state_codec;
 
 use std::path::PathBuf;
 
-pub use commit::{save, save_with, SaveOptions};
-pub use consolidated::{export_safetensors, SafetensorsSource};
+pub use commit::{save, save_model, save_model_with, save_with, SaveOptions};
+pub use consolidated::{export_model, export_safetensors, SafetensorsSource};
 pub use export::apply_full;
 pub use format::{
     checkpoint_dir_files, read_all, shard_file_name, ShardFile, SliceEntry, FORMAT_VERSION,
 };
 pub use layout::{committed_steps, resolve, step_dir_name};
-pub use load::{load, read_checkpoint};
+pub use load::{load, load_model, read_checkpoint};
 pub use manifest::{Manifest, ManifestFile, MANIFEST_FILE};
 pub use piece_state::PieceStates;
-pub use reshard::{agreed_scalars, assemble, export_full, shard_full, Coverage, FullModel, MASTER};
+pub use reshard::{
+    agreed_scalars, assemble, export_full, shard_full, Coverage, FullModel, BUFFER, MASTER,
+};
 pub use runtime_io::{UnitState, WeightsOnly, STEP};
 pub use state_codec::{decode_state, encode_state, strip_prefix, with_prefix, EncodedState};
 

@@ -14,13 +14,15 @@
 
 use std::path::{Path, PathBuf};
 
+use burn::module::Module;
 use burn::tensor::backend::Backend;
-use sshsdp_backend::HsdpRuntime;
+use sshsdp_backend::{HsdpRuntime, NamedParam};
 use sshsdp_optim::UpdateUnit;
 
 use crate::agree::{agree, Verdict};
+use crate::buffers::{assemble_buffers, refuse_buffers};
 use crate::runtime_io::{apply, assemble_units, layout, UnitValues};
-use crate::{resolve, CheckpointError, Manifest, ShardFile, UnitState};
+use crate::{resolve, CheckpointError, Coverage, Manifest, ShardFile, UnitState};
 
 /// Loads a committed checkpoint — saved at any world size and mesh — into this rank's masters
 /// and `optimizer`'s state; returns the saved step. `path` is a committed step directory
@@ -30,15 +32,53 @@ use crate::{resolve, CheckpointError, Manifest, ShardFile, UnitState};
 ///
 /// A collective call: every rank calls it. All or nothing: every rank validates everything
 /// before any rank touches its masters, and if one rank fails, every rank returns an error.
+///
+/// A model with module buffers is refused on every rank before anything is read: load it
+/// with [`load_model`], which restores them too.
 pub fn load<B: Backend>(
     path: impl AsRef<Path>,
     runtime: &HsdpRuntime<B>,
     optimizer: &mut impl UnitState,
 ) -> Result<u64, CheckpointError> {
+    refuse_buffers(runtime, "load", "load_model")?;
+    Ok(load_all(path.as_ref(), runtime, optimizer, Ok(()))?.0)
+}
+
+/// [`load`] of a model with module buffers: also sets `module`'s buffers (the sharded module)
+/// on every rank to those the checkpoint holds (rank 0's at save time), whatever the world
+/// size it was saved at. The buffers are validated with everything else and set only when the
+/// masters were. Works for models without buffers too.
+pub fn load_model<B: Backend, MB: Backend, M: Module<MB>>(
+    path: impl AsRef<Path>,
+    module: &mut M,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &mut impl UnitState,
+) -> Result<u64, CheckpointError> {
+    // That `module` is the sharded one (it holds every buffer) is part of the validation.
+    let readable = runtime
+        .buffer_values(&*module)
+        .map(drop)
+        .map_err(CheckpointError::Runtime);
+    let (step, buffers) = load_all(path.as_ref(), runtime, optimizer, readable)?;
+    *module = runtime
+        .set_buffer_values(module.clone(), &buffers)
+        .map_err(CheckpointError::Runtime)?;
+    Ok(step)
+}
+
+/// Both phases of a load; returns the step and the buffers to set. `local` is a check of
+/// this rank's that fails its validation (every rank still takes part in every collective).
+fn load_all<B: Backend>(
+    path: &Path,
+    runtime: &HsdpRuntime<B>,
+    optimizer: &mut impl UnitState,
+    local: Result<(), CheckpointError>,
+) -> Result<(u64, Vec<NamedParam>), CheckpointError> {
     // Collective and infallible in content: every rank runs it before anything can fail.
     let units = layout(runtime)?;
-    let prepared = crate::commit::injected("sshsdp::load", runtime.rank(), path.as_ref())
-        .and_then(|()| prepare(path.as_ref(), runtime, &*optimizer, &units));
+    let prepared = local
+        .and_then(|()| crate::commit::injected("sshsdp::load", runtime.rank(), path))
+        .and_then(|()| prepare(path, runtime, &*optimizer, &units));
     let mut verdict = Verdict::of(&prepared);
     if let Ok(p) = &prepared {
         verdict.tag = p.step;
@@ -62,7 +102,7 @@ pub fn load<B: Backend>(
     let step = prepared.step;
     let applied = apply(runtime, optimizer, &units, prepared.values);
     agree(runtime, "load (apply)", Verdict::of(&applied), applied)?;
-    Ok(step)
+    Ok((step, prepared.buffers))
 }
 
 /// What a rank validated and assembled, ready to apply.
@@ -72,6 +112,8 @@ struct Prepared {
     /// Identifies the manifest read (the SHA-256 of its SHA-256).
     identity: [u8; 32],
     values: Vec<UnitValues>,
+    /// The model's buffers.
+    buffers: Vec<NamedParam>,
 }
 
 fn prepare<B: Backend>(
@@ -81,7 +123,9 @@ fn prepare<B: Backend>(
     units: &[UpdateUnit],
 ) -> Result<Prepared, CheckpointError> {
     let (dir, manifest, manifest_sha, files) = read_verified(path)?;
-    let (values, step) = assemble_units(&dir, &files, runtime, optimizer, units)?;
+    let coverage = Coverage::new(&files)?;
+    let (values, step) = assemble_units(&dir, (&files, &coverage), runtime, optimizer, units)?;
+    let buffers = assemble_buffers(&dir, &coverage, runtime)?;
     if step != manifest.step {
         return Err(CheckpointError::Mismatch {
             file: dir,
@@ -96,6 +140,7 @@ fn prepare<B: Backend>(
         step,
         identity: Verdict::sha256(manifest_sha.as_bytes()),
         values,
+        buffers,
     })
 }
 

@@ -13,6 +13,10 @@ use crate::{CheckpointError, ShardFile, SliceEntry};
 /// The name of the array holding a slice's fp32 master weights.
 pub const MASTER: &str = "master";
 
+/// The name of the array holding a module buffer's values (BatchNorm's running statistics):
+/// a buffer is saved whole, by rank 0, as one slice holding this array alone.
+pub const BUFFER: &str = "buffer";
+
 /// An unsharded model: per parameter path, its shape and its row-major values.
 pub type FullModel = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
@@ -27,6 +31,8 @@ struct Piece {
 struct ParamIndex<'a> {
     shape: &'a [usize],
     numel: usize,
+    /// Whether the first slice seen holds a [`BUFFER`] (a module buffer, not a parameter).
+    buffer: bool,
     /// Sorted by `(start, end)`.
     pieces: Vec<Piece>,
     /// `max_end[i]` = the largest `end` among `pieces[..=i]` (non-decreasing).
@@ -56,6 +62,7 @@ impl<'a> Coverage<'a> {
                     shape: &s.shape,
                     // `validate` checked that the shape's element count fits a usize.
                     numel: numel(&s.shape).unwrap_or(0),
+                    buffer: s.arrays.contains_key(BUFFER),
                     pieces: Vec::new(),
                     max_end: Vec::new(),
                 });
@@ -91,14 +98,33 @@ impl<'a> Coverage<'a> {
         Ok(Self { files, params })
     }
 
-    /// The parameters held by the shards, with their shapes, in path order.
+    /// The parameters held by the shards, with their shapes, in path order (buffers left
+    /// out: [`Self::buffers`]).
     pub fn params(&self) -> impl Iterator<Item = (&'a str, &'a [usize])> + '_ {
-        self.params.iter().map(|(path, index)| (*path, index.shape))
+        self.entries(false)
     }
 
-    /// The shape of parameter `path`, if any shard holds a slice of it.
+    /// The module buffers held by the shards (paths whose slices hold a [`BUFFER`] array),
+    /// with their shapes, in path order.
+    pub fn buffers(&self) -> impl Iterator<Item = (&'a str, &'a [usize])> + '_ {
+        self.entries(true)
+    }
+
+    fn entries(&self, buffers: bool) -> impl Iterator<Item = (&'a str, &'a [usize])> + '_ {
+        self.params
+            .iter()
+            .filter(move |(_, index)| index.buffer == buffers)
+            .map(|(path, index)| (*path, index.shape))
+    }
+
+    /// The shape of parameter or buffer `path`, if any shard holds a slice of it.
     pub fn shape(&self, path: &str) -> Option<&'a [usize]> {
         self.params.get(path).map(|index| index.shape)
+    }
+
+    /// Whether `path` is held as a module buffer ([`BUFFER`]) rather than a parameter.
+    pub fn is_buffer(&self, path: &str) -> bool {
+        self.params.get(path).is_some_and(|index| index.buffer)
     }
 
     fn slice_of(&self, piece: &Piece) -> &'a SliceEntry {
@@ -304,10 +330,12 @@ impl<'a> Coverage<'a> {
         })
     }
 
-    /// Every parameter's whole array `array`: for [`MASTER`], the unsharded model.
+    /// Every parameter's whole array `array` (for [`MASTER`], the unsharded model's weights),
+    /// or for [`BUFFER`] every buffer's values.
     pub fn export_full(&self, array: &str) -> Result<FullModel, CheckpointError> {
         self.params
             .iter()
+            .filter(|(_, index)| index.buffer == (array == BUFFER))
             .map(|(path, index)| {
                 let values = self.assemble(path, index.shape, 0, index.numel, array)?;
                 Ok(((*path).to_owned(), (index.shape.to_vec(), values)))
@@ -329,9 +357,13 @@ pub fn assemble(
     Coverage::new(files)?.assemble(path, shape, start, end, array)
 }
 
-/// The unsharded model: every parameter's whole [`MASTER`] array.
+/// The unsharded model: every parameter's whole [`MASTER`] array and every buffer's
+/// [`BUFFER`] array, by path (what [`crate::apply_full`] writes into a Burn module).
 pub fn export_full(files: &[ShardFile]) -> Result<FullModel, CheckpointError> {
-    Coverage::new(files)?.export_full(MASTER)
+    let coverage = Coverage::new(files)?;
+    let mut full = coverage.export_full(MASTER)?;
+    full.extend(coverage.export_full(BUFFER)?);
+    Ok(full)
 }
 
 /// Slices of an unsharded model (the inverse of [`export_full`]): one [`SliceEntry`] with a

@@ -200,16 +200,15 @@ pub(crate) struct UnitValues {
 }
 
 /// The checkpoint's values for each of `units` from the old shards `files` (read from
-/// `dir`), checking that the checkpoint holds exactly this model's parameters and shapes and
+/// `dir`, indexed by `coverage`), checking that the checkpoint holds exactly this model's parameters and shapes and
 /// `optimizer`'s state. Touches nothing; returns the values and the saved step.
 pub(crate) fn assemble_units<B: Backend>(
     dir: &Path,
-    files: &[ShardFile],
+    (files, coverage): (&[ShardFile], &Coverage<'_>),
     runtime: &HsdpRuntime<B>,
     optimizer: &impl UnitState,
     units: &[UpdateUnit],
 ) -> Result<(Vec<UnitValues>, u64), CheckpointError> {
-    let coverage = Coverage::new(files)?;
     let plan = runtime.plan();
     let mismatch = |reason: String| CheckpointError::Mismatch {
         file: dir.to_path_buf(),
@@ -232,9 +231,12 @@ pub(crate) fn assemble_units<B: Backend>(
             }
         }
     }
+    // (A model buffer held as a parameter was saved before buffers were told apart:
+    // `assemble_buffers` reads it.)
+    let is_buffer = |path: &str| runtime.buffers().iter().any(|b| b.path == path);
     if let Some((path, _)) = coverage
         .params()
-        .find(|(path, _)| plan.param_index(path).is_none())
+        .find(|(path, _)| plan.param_index(path).is_none() && !is_buffer(path))
     {
         return Err(mismatch(format!(
             "the checkpoint's parameter '{path}' is not in the model"

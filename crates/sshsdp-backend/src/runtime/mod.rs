@@ -564,6 +564,22 @@ impl<B: Backend> Runtime<B> {
         self.gather_world(&mut self.lock(), "world agreement", bytes)
     }
 
+    /// World rank 0's `buf` on every rank (all pass the same length): a broadcast over the world
+    /// on the replica lane, in program order with the runtime's other collectives; `stage`
+    /// names it on the timeline. A failure is recorded.
+    pub fn broadcast_world(
+        &self,
+        stage: &'static str,
+        buf: Vec<f32>,
+    ) -> Result<Vec<f32>, HsdpError> {
+        let st = &mut self.lock();
+        let reply = self.worker.broadcast_world(stage, buf);
+        let received = self
+            .timeline
+            .span(Track::Model, "wait world broadcast", None, || reply.wait());
+        self.settle_world(st, received)
+    }
+
     /// [`Self::all_gather_world`] with the state held, labelled `stage`; a failure is recorded.
     fn gather_world(
         &self,
@@ -576,8 +592,18 @@ impl<B: Backend> Runtime<B> {
         let gathered = self
             .timeline
             .span(Track::Model, "wait world all-gather", None, || reply.wait());
-        match (gathered, &st.failure) {
-            (Ok(all), None) => Ok(all),
+        self.settle_world(st, gathered)
+    }
+
+    /// A world collective's outcome: its value, or the failure this rank recorded before it
+    /// (the collective was still made, so the ranks stay in step), or its own error, recorded.
+    fn settle_world<T>(
+        &self,
+        st: &mut State<B>,
+        outcome: Result<T, sshsdp_comm::CommError>,
+    ) -> Result<T, HsdpError> {
+        match (outcome, &st.failure) {
+            (Ok(value), None) => Ok(value),
             (Ok(_), Some(f)) => Err(HsdpError::Failed(f.clone())),
             (Err(e), _) => {
                 self.record_failure(st, e.to_string());
