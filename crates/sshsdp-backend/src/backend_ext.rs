@@ -32,6 +32,10 @@ pub trait ShardableBackend: Backend {
         id: DistributedParamId,
     ) -> Tensor<Self, D>;
 
+    /// Whether `tensor`'s gradient reaches the runtime: it is marked with
+    /// [`Self::mark_distributed`], or this backend computes no gradients.
+    fn hands_gradient_over(tensor: &FloatTensor<Self>) -> bool;
+
     /// How to register the autodiff leaf `tensor` (a marked parameter) again after a backward
     /// consumed it: Burn drops a graph's nodes, leaves included, once backward has run through
     /// them, so without this a second backward over the same module (gradient accumulation)
@@ -61,6 +65,10 @@ impl<B: Backend> ShardableBackend for Hsdp<B> {
         tensor
     }
 
+    fn hands_gradient_over(_tensor: &FloatTensor<Self>) -> bool {
+        true
+    }
+
     fn leaf_rearm(_tensor: &FloatTensor<Self>, _id: DistributedParamId) -> Option<LeafRearm<B>> {
         None
     }
@@ -82,6 +90,10 @@ impl<B: Backend, C: CheckpointStrategy> ShardableBackend for Autodiff<Hsdp<B>, C
         id: DistributedParamId,
     ) -> Tensor<Self, D> {
         tensor.set_distributed(id)
+    }
+
+    fn hands_gradient_over(tensor: &FloatTensor<Self>) -> bool {
+        <Self as AutodiffBackend>::is_distributed(tensor)
     }
 
     fn leaf_rearm(tensor: &FloatTensor<Self>, id: DistributedParamId) -> Option<LeafRearm<B>> {

@@ -41,6 +41,7 @@ mod cube_shard;
 mod cube_views;
 mod error;
 mod handle;
+mod leaves;
 mod ops;
 mod paths;
 mod plan_agreement;
@@ -61,11 +62,12 @@ pub use comm::RUNTIME_LANES;
 pub use config::{CopyMode, HsdpConfig, MixedPrecision, NonFinitePolicy, Precision};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
+pub use leaves::{check_gradient_leaves, refresh_leaves};
 pub use rng::{init_seeded, initialise_in_module_order, with_burn_rng, ConcurrentDrawer};
 pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};
 pub use shard::{
-    named_params, param_shapes, refresh_leaves, shard, shard_from, shard_with, shard_with_source,
-    NamedParam, ParamSource,
+    named_params, param_shapes, shard, shard_from, shard_with, shard_with_source, NamedParam,
+    ParamSource,
 };
 pub use storage::{DeviceMemory, Placement};
 pub use tensor::{HsdpFloat, ParamHandle};

@@ -62,7 +62,8 @@ pub(crate) fn agree_on_plan(
         .unwrap_or_else(|| {
             format!(
                 "the parameters and buffers agree with rank {other}'s, so the configs differ \
-                 (mesh, bucket size, runtime format, sharding, alignment or role rule)"
+                 (mesh, bucket size, runtime format, sharding, alignment or role rule) or \
+                 which parameters are frozen"
             )
         });
     Err(HsdpError::PlanMismatch {

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::Tensor;
 use sshsdp_comm::{Collective, CommFactory, SplitLanes};
 use sshsdp_plan::{DType, ParamSpec, Plan};
 
@@ -33,6 +33,7 @@ use crate::backend_ext::ShardableBackend;
 use crate::buffers::{buffer_specs, BufferSpec};
 use crate::codec::BucketCodec;
 use crate::comm::{LaneId, RUNTIME_LANES};
+use crate::leaves::leaf;
 use crate::paths::PathTracker;
 use crate::plan_agreement::agree_on_plan;
 use crate::runtime::Runtime;
@@ -137,9 +138,33 @@ impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShapeCollector {
         let order = self.specs.len() as u64;
         self.specs.push(
             ParamSpec::new(self.paths.path(), param.lazy_shape().to_vec(), DType::F32)
-                .with_order(order),
+                .with_order(order)
+                .with_frozen(is_frozen(param)),
         );
     }
+}
+
+/// Whether `param` is frozen (`require_grad` false on a backend that computes gradients), read
+/// without initialising a lazy parameter: Burn's load path hands a one-element stand-in the
+/// parameter's gradient setting (on a clone, so the parameter itself is untouched).
+fn is_frozen<B: burn::tensor::backend::Backend, const D: usize>(
+    param: &Param<Tensor<B, D>>,
+) -> bool {
+    let device = param.lazy_device();
+    if !B::ad_enabled(&device) {
+        return false;
+    }
+    let require_grad = if param.is_initialized() {
+        param.val().is_require_grad()
+    } else {
+        let stand_in = placeholder::<B, D>(&device, false);
+        param
+            .clone()
+            .transform_for_load(stand_in, param.id)
+            .val()
+            .is_require_grad()
+    };
+    !require_grad
 }
 
 /// A one-element stand-in for a parameter's value: what a parameter holds between the moment
@@ -262,50 +287,6 @@ impl<B: ShardableBackend> ModuleMapper<B> for Swapper<B> {
             mapper,
         )
     }
-}
-
-/// A fresh autodiff leaf around `primitive`; a parameter handle that requires a gradient is
-/// marked so its gradient reaches the runtime.
-fn leaf<B: ShardableBackend, const D: usize>(
-    primitive: HsdpFloat<B::Inner>,
-    require_grad: bool,
-) -> Tensor<B, D> {
-    let id = primitive.param().map(|h| h.runtime.id(h.index));
-    let handle = primitive.param().cloned();
-    let tensor = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(B::from_hsdp(primitive)));
-    match (require_grad, id, handle) {
-        (true, Some(id), Some(handle)) => {
-            let tensor = B::mark_distributed(tensor.require_grad(), id);
-            let rearm = match tensor.clone().into_primitive() {
-                TensorPrimitive::Float(leaf) => B::leaf_rearm(&leaf, id),
-                TensorPrimitive::QFloat(_) => None,
-            };
-            handle.runtime.set_leaf(handle.index, rearm);
-            tensor
-        }
-        (true, _, _) => tensor.require_grad(),
-        (false, _, _) => tensor,
-    }
-}
-
-/// Gives every parameter a fresh autodiff leaf around the same storage.
-///
-/// Not needed in a training loop: Burn's autodiff consumes a graph's nodes, leaves included,
-/// in backward, and the runtime registers the consumed parameter leaves again at the end of
-/// every backward (see [`crate::ShardableBackend::leaf_rearm`]), so a module runs any number of
-/// forward/backward passes — gradient accumulation included — as it is. Kept for callers that
-/// want new leaves (new autodiff node ids) for their own reasons.
-pub fn refresh_leaves<B: ShardableBackend, M: Module<B>>(module: M) -> M {
-    struct Refresher;
-    impl<B: ShardableBackend> ModuleMapper<B> for Refresher {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
-            let require_grad = tensor.is_require_grad();
-            let primitive = B::to_hsdp(tensor.into_primitive().tensor());
-            Param::from_mapped_value(id, leaf::<B, D>(primitive, require_grad), mapper)
-        }
-    }
-    module.map(&mut Refresher)
 }
 
 /// Shards `module` over the ranks of `comm` (a collective call: every rank calls it with the same

@@ -19,7 +19,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use sshsdp_backend::{
-    HsdpError, HsdpRuntime, Piece, PieceValues, ShardableBackend, UpdateGroup, Views,
+    check_gradient_leaves, HsdpError, HsdpRuntime, Piece, PieceValues, ShardableBackend,
+    UpdateGroup, Views,
 };
 
 use crate::clip::GradClip;
@@ -89,8 +90,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         AB: ShardableBackend<Inner = B>,
         M: Module<AB>,
     {
+        let leaves = check_gradient_leaves(&module);
         self.step_pieces(runtime, lr)?;
-        Ok(module)
+        leaves.map(|()| module)
     }
 
     /// [`Self::step`] for a model on another backend than the optimizer's: the runtime hands
@@ -108,6 +110,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         AB: ShardableBackend,
         M: Module<AB>,
     {
+        let leaves = check_gradient_leaves(&module);
         runtime.update_pieces(Views::Host, |pieces, group| {
             let scale = self.clip.factor(group);
             let units = stepped_units(runtime, pieces, group);
@@ -117,7 +120,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             }
             Ok(())
         })?;
-        Ok(module)
+        leaves.map(|()| module)
     }
 
     fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {

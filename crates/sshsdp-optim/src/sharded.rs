@@ -24,7 +24,9 @@ use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{HsdpError, HsdpRuntime, ShardableBackend, UpdateGroup, Views};
+use sshsdp_backend::{
+    check_gradient_leaves, HsdpError, HsdpRuntime, ShardableBackend, UpdateGroup, Views,
+};
 
 use crate::{step_slice, GradClip, Slice};
 pub use sshsdp_plan::projection::MuonExchange;
@@ -174,8 +176,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         AB: ShardableBackend<Inner = B>,
         M: Module<AB>,
     {
+        let leaves = check_gradient_leaves(&module);
         self.step_on(lr, runtime)?;
-        Ok(module)
+        leaves.map(|()| module)
     }
 
     /// [`Self::step`] for a model on another backend than the optimizer's: with a CPU backend
@@ -191,8 +194,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         AB: ShardableBackend,
         M: Module<AB>,
     {
+        let leaves = check_gradient_leaves(&module);
         self.step_on(lr, runtime)?;
-        Ok(module)
+        leaves.map(|()| module)
     }
 
     /// One step on `runtime`'s pieces, as host views, whatever its backend.

@@ -235,7 +235,9 @@ impl PlannedParam {
     }
 }
 
-/// Groups `specs` (already in plan order, formats resolved) into buckets and lays each out.
+/// Groups `specs` (already in plan order, formats resolved) into buckets and lays each out. A
+/// bucket holds consecutive parameters up to the bucket size, and never frozen and trainable
+/// parameters together (a bucket of frozen ones is never reduced: no gradient bytes).
 pub(crate) fn place(
     specs: Vec<(ParamSpec, RuntimeFormat)>,
     config: &PlanConfig,
@@ -245,7 +247,14 @@ pub(crate) fn place(
     let mut elements = 0u64;
     for (spec, fmt) in specs {
         let numel = spec.numel();
-        if groups.is_empty() || (elements > 0 && elements + numel > config.bucket_elements) {
+        let frozen_changes = groups
+            .last()
+            .and_then(|g| g.last())
+            .is_some_and(|(last, _)| last.frozen != spec.frozen);
+        if groups.is_empty()
+            || frozen_changes
+            || (elements > 0 && elements + numel > config.bucket_elements)
+        {
             groups.push(Vec::new());
             elements = 0;
         }

@@ -104,6 +104,12 @@ pub struct ParamSpec {
     /// Position in execution order when known (recorded in the first step). Parameters with
     /// an order come first, by order; the rest follow in natural path order.
     pub order: Option<u64>,
+    /// Frozen (`require_grad` false when planned): it never receives a gradient, so it never
+    /// shares a bucket with a trainable parameter (a bucket of frozen parameters is never
+    /// reduced). Absent from the serialized plan when false, so plans of models without frozen
+    /// parameters are unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub frozen: bool,
 }
 
 impl ParamSpec {
@@ -118,12 +124,19 @@ impl ParamSpec {
             dtype,
             role,
             order: None,
+            frozen: false,
         }
     }
 
     /// The same spec with an explicit role.
     pub fn with_role(mut self, role: Role) -> Self {
         self.role = role;
+        self
+    }
+
+    /// The same spec marked frozen (or not): see [`ParamSpec::frozen`].
+    pub fn with_frozen(mut self, frozen: bool) -> Self {
+        self.frozen = frozen;
         self
     }
 

@@ -318,3 +318,38 @@ fn summaries_print() {
         assert!(table.contains(row), "{table}");
     }
 }
+
+#[test]
+fn frozen_parameters_get_buckets_of_their_own_and_plans_without_them_are_unchanged() {
+    let config = PlanConfig::default().with_bucket_elements(100_000);
+    let mesh = Mesh::flat(2).unwrap();
+    let plain = Plan::build(tiny_model(), mesh, config.clone()).unwrap();
+    assert_eq!(plain.buckets().len(), 1, "everything fits one bucket");
+    // Explicitly not frozen: the same plan, fingerprint and saved form as before the field.
+    let unfrozen = tiny_model().into_iter().map(|s| s.with_frozen(false));
+    let same = Plan::build(unfrozen, mesh, config.clone()).unwrap();
+    assert_eq!(same.fingerprint(), plain.fingerprint());
+    assert!(!plain.to_json().contains("frozen"));
+    // The two layers.0 matrices frozen: consecutive in plan order, so one bucket between two.
+    let frozen = tiny_model()
+        .into_iter()
+        .map(|s| {
+            let frozen = s.path.starts_with("layers.0.") && s.path.ends_with(".weight");
+            s.with_frozen(frozen)
+        })
+        .collect::<Vec<_>>();
+    let plan = Plan::build(frozen, mesh, config).unwrap();
+    let buckets: Vec<_> = plan.buckets().iter().map(|b| b.params.clone()).collect();
+    assert_eq!(buckets, vec![0..1, 1..3, 3..7]);
+    for (b, bucket) in plan.buckets().iter().enumerate() {
+        let frozen = plan.params()[bucket.params.clone()]
+            .iter()
+            .map(|p| p.spec.frozen);
+        let all_same = frozen.clone().all(|f| f == (b == 1));
+        assert!(all_same, "bucket {b} mixes frozen and trainable parameters");
+    }
+    assert_ne!(plan.fingerprint(), plain.fingerprint());
+    // The flag survives the saved form.
+    let back = Plan::from_json(&plan.to_json()).unwrap();
+    assert_eq!(back.fingerprint(), plan.fingerprint());
+}

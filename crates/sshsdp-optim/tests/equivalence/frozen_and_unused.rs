@@ -111,7 +111,9 @@ type RankRun = (Vec<f32>, Vec<NamedParam>, u64, Vec<u64>);
 enum Buckets {
     /// One `Linear` per bucket: frozen and unused layers have buckets of their own.
     PerLayer,
-    /// All in one bucket: frozen and unused parameters share it with trained ones.
+    /// A bucket size for all four: the frozen layer still gets a bucket of its own (the
+    /// planner never mixes frozen and trainable parameters), the unused one shares a bucket
+    /// with a trained one.
     Shared,
 }
 
@@ -218,7 +220,16 @@ fn check_ranks(
             assert_eq!(bucket_bytes.len(), 4, "{what}: one Linear per bucket");
             assert_eq!(*reduced, expected, "{what}: reduced bytes");
         } else {
-            assert_eq!(bucket_bytes.len(), 1, "{what}: one bucket");
+            // A bucket size for all four, but the planner gives the frozen layer a bucket of
+            // its own (never reduced); the odd layer shares the last with the head, reduced
+            // every step (zeros for the odd layer on even steps).
+            assert_eq!(
+                bucket_bytes.len(),
+                3,
+                "{what}: [first] [frozen] [odd, head]"
+            );
+            let expected = micro as u64 * STEPS as u64 * (bucket_bytes[0] + bucket_bytes[2]);
+            assert_eq!(*reduced, expected, "{what}: reduced bytes");
         }
         // Everything else follows plain Burn: bitwise at world 1 with AdamW (Muon's batched
         // Newton–Schulz sums in another order than one matrix at a time: 1e-5 there).
@@ -298,4 +309,95 @@ fn a_layer_frozen_after_shard_is_not_stepped() {
         );
         assert!(moved > 1e-4, "the other layers train on: {moved}");
     }
+}
+
+/// Plain Burn's way to unfreeze: every parameter of `module` made trainable again.
+fn unfreeze<B: Backend, M: Module<B>>(module: M) -> M {
+    struct Unfreeze;
+    impl<B: Backend> burn::module::ModuleMapper<B> for Unfreeze {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<B, D>>,
+        ) -> burn::module::Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            burn::module::Param::from_mapped_value(id, tensor.set_require_grad(true), mapper)
+        }
+    }
+    module.map(&mut Unfreeze)
+}
+
+#[test]
+fn a_layer_unfrozen_after_shard_trains_as_plain_burn_once_its_leaves_are_refreshed() {
+    const UNFREEZE_AT: usize = 2;
+    let init: Branchy<B> = init_seeded(&Default::default(), 14, Branchy::new);
+    let mut plain = init.clone();
+    let mut adamw = AdamWConfig::new().init::<B, Branchy<B>>();
+    for step in 0..STEPS {
+        if step == UNFREEZE_AT {
+            plain.frozen = unfreeze(plain.frozen);
+        }
+        let loss = plain.loss(rows(&batch(step, 0), 0..BATCH), step);
+        let grads = GradientsParams::from_grads(loss.backward(), &plain);
+        plain = adamw.step(LR, plain, grads);
+    }
+    let want = named_params(&plain).unwrap();
+    let start = named_params(&init).unwrap();
+    for world in [1, 2] {
+        let ranks = ThreadsWorld::run(world, ThreadsConfig::default(), |comm| {
+            let device = Default::default();
+            let rank = comm.rank();
+            let config = HsdpConfig::new(Mesh::flat(world).unwrap());
+            let (mut model, runtime) =
+                shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+            let mut adamw = ShardedOptimizer::<Inner, _>::new(AdamWConfig::new().build(), device);
+            let local = BATCH / world;
+            for step in 0..STEPS {
+                if step == UNFREEZE_AT {
+                    model.frozen = unfreeze(model.frozen);
+                    model = sshsdp_backend::refresh_leaves(model);
+                }
+                let x = rows(&batch(step, 0), rank * local..(rank + 1) * local);
+                let _ = model.loss(x, step).backward();
+                model = adamw.step(LR, model, &runtime).unwrap();
+            }
+            named_params(&model).unwrap()
+        })
+        .unwrap();
+        for r in ranks {
+            let end = r.unwrap();
+            for p in &want {
+                let diff = max_diff(&by_path(&end, &p.path).values, &p.values);
+                assert!(diff <= 1e-5, "world {world}: {} differs by {diff}", p.path);
+            }
+        }
+    }
+    let moved = max_diff(
+        &by_path(&want, "frozen.weight").values,
+        &by_path(&start, "frozen.weight").values,
+    );
+    assert!(moved > 1e-3, "the unfrozen layer trains: {moved}");
+}
+
+#[test]
+fn a_layer_unfrozen_without_refreshing_its_leaves_is_an_error_not_a_silent_skip() {
+    let init: Branchy<B> = init_seeded(&Default::default(), 15, Branchy::new);
+    let out = ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
+        let device = Default::default();
+        let config = HsdpConfig::new(Mesh::flat(1).unwrap());
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let mut adamw = ShardedOptimizer::<Inner, _>::new(AdamWConfig::new().build(), device);
+        model.frozen = unfreeze(model.frozen);
+        let _ = model.loss(rows(&batch(0, 0), 0..BATCH), 1).backward();
+        adamw
+            .step(LR, model, &runtime)
+            .err()
+            .expect("refused")
+            .to_string()
+    })
+    .unwrap();
+    let error = out.into_iter().next().unwrap().unwrap();
+    assert!(
+        error.contains("`frozen.weight`") && error.contains("refresh_leaves"),
+        "{error}"
+    );
 }
