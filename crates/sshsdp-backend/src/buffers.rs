@@ -20,12 +20,12 @@
 
 use std::collections::HashMap;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-use crate::paths::PathTracker;
+use crate::paths::{map_at, visit_at, MapAt, VisitAt};
 use crate::{HsdpError, NamedParam};
 
 /// A module buffer every rank agreed on at `shard`: its module path and shape.
@@ -46,31 +46,19 @@ impl BufferSpec {
 
 /// Each float state's path, id and shape (lazy shapes: nothing is initialised), module order.
 struct Ids {
-    paths: PathTracker,
     seen: Vec<(String, ParamId, Vec<usize>)>,
 }
 
-impl<B: Backend> ModuleVisitor<B> for Ids {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
-    }
-
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.paths.exit();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+impl<B: Backend> VisitAt<B> for Ids {
+    fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
         let shape = param.lazy_shape().to_vec();
-        self.seen.push((self.paths.path(), param.id, shape));
+        self.seen.push((path.to_string(), param.id, shape));
     }
 }
 
 fn ids<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, ParamId, Vec<usize>)> {
-    let mut ids = Ids {
-        paths: PathTracker::default(),
-        seen: Vec::new(),
-    };
-    module.visit(&mut ids);
+    let mut ids = Ids { seen: Vec::new() };
+    visit_at(module, &mut ids);
     ids.seen
 }
 
@@ -104,24 +92,14 @@ fn fold_pending_updates<B: Backend, M: Module<B>>(module: &M) {
 
 /// Reads the buffers `specs` names from a module.
 struct Reader<'a> {
-    paths: PathTracker,
     wanted: HashMap<&'a str, usize>,
     values: Vec<Option<Vec<f32>>>,
     error: Option<String>,
 }
 
-impl<B: Backend> ModuleVisitor<B> for Reader<'_> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
-    }
-
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.paths.exit();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let path = self.paths.path();
-        let Some(&k) = self.wanted.get(path.as_str()) else {
+impl<B: Backend> VisitAt<B> for Reader<'_> {
+    fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+        let Some(&k) = self.wanted.get(path) else {
             return;
         };
         match param.val().into_data().convert::<f32>().into_vec::<f32>() {
@@ -145,12 +123,11 @@ pub(crate) fn read_buffers<B: Backend, M: Module<B>>(
     }
     fold_pending_updates(module);
     let mut reader = Reader {
-        paths: PathTracker::default(),
         wanted: index(specs),
         values: vec![None; specs.len()],
         error: None,
     };
-    module.visit(&mut reader);
+    visit_at(module, &mut reader);
     if let Some(e) = reader.error {
         return Err(HsdpError::Unsupported(e));
     }
@@ -176,24 +153,18 @@ pub(crate) fn read_buffers<B: Backend, M: Module<B>>(
 
 /// Writes values into the buffers at their paths.
 struct Writer<'a> {
-    paths: PathTracker,
     values: HashMap<&'a str, &'a NamedParam>,
     written: usize,
     error: Option<String>,
 }
 
-impl<B: Backend> ModuleMapper<B> for Writer<'_> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
-    }
-
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.paths.exit();
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let path = self.paths.path();
-        let Some(new) = self.values.get(path.as_str()) else {
+impl<B: Backend> MapAt<B> for Writer<'_> {
+    fn map_float_at<const D: usize>(
+        &mut self,
+        path: &str,
+        param: Param<Tensor<B, D>>,
+    ) -> Param<Tensor<B, D>> {
+        let Some(new) = self.values.get(path) else {
             return param;
         };
         let (id, tensor, mapper) = param.consume();
@@ -250,12 +221,11 @@ pub(crate) fn write_buffers<B: Backend, M: Module<B>>(
     }
     fold_pending_updates(&module);
     let mut writer = Writer {
-        paths: PathTracker::default(),
         values: given,
         written: 0,
         error: None,
     };
-    let module = module.map(&mut writer);
+    let module = map_at(module, &mut writer);
     match writer.error {
         Some(e) => Err(HsdpError::Unsupported(e)),
         None if writer.written != specs.len() => Err(HsdpError::Unsupported(format!(

@@ -2,11 +2,11 @@
 //! marked with its runtime id, so that autodiff hands its final gradient to the runtime, and
 //! registered with the runtime, so that the leaf is armed again after each backward.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend_ext::ShardableBackend;
-use crate::paths::PathTracker;
+use crate::paths::{visit_at, VisitAt};
 use crate::tensor::HsdpFloat;
 use crate::HsdpError;
 
@@ -65,19 +65,10 @@ pub fn check_gradient_leaves<B: ShardableBackend, M: Module<B>>(
     module: &M,
 ) -> Result<(), HsdpError> {
     struct Checker {
-        paths: PathTracker,
         unregistered: Option<String>,
     }
-    impl<B: ShardableBackend> ModuleVisitor<B> for Checker {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.paths.enter(name);
-        }
-
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.paths.exit();
-        }
-
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    impl<B: ShardableBackend> VisitAt<B> for Checker {
+        fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
             let tensor = param.val();
             if self.unregistered.is_some() || !tensor.is_require_grad() {
                 return;
@@ -87,15 +78,12 @@ pub fn check_gradient_leaves<B: ShardableBackend, M: Module<B>>(
                 return;
             }
             if let HsdpFloat::Param(_) = B::to_hsdp(primitive) {
-                self.unregistered = Some(self.paths.path());
+                self.unregistered = Some(path.to_string());
             }
         }
     }
-    let mut checker = Checker {
-        paths: PathTracker::default(),
-        unregistered: None,
-    };
-    module.visit(&mut checker);
+    let mut checker = Checker { unregistered: None };
+    visit_at(module, &mut checker);
     match checker.unregistered {
         None => Ok(()),
         Some(path) => Err(HsdpError::Unsupported(format!(

@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use sshsdp_comm::{Collective, CommFactory, SplitLanes};
 use sshsdp_plan::{DType, ParamSpec, Plan};
@@ -34,7 +34,7 @@ use crate::buffers::{buffer_specs, BufferSpec};
 use crate::codec::BucketCodec;
 use crate::comm::{LaneId, RUNTIME_LANES};
 use crate::leaves::leaf;
-use crate::paths::PathTracker;
+use crate::paths::{map_at, visit_at, MapAt, VisitAt};
 use crate::plan_agreement::agree_on_plan;
 use crate::runtime::Runtime;
 use crate::tensor::{HsdpFloat, ParamHandle};
@@ -53,32 +53,22 @@ pub struct NamedParam {
 
 /// Collects each float parameter's path, shape and values, in module order.
 struct Collector {
-    paths: PathTracker,
     params: Vec<NamedParam>,
     error: Option<String>,
 }
 
-impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collector {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
-    }
-
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.paths.exit();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+impl<B: burn::tensor::backend::Backend> VisitAt<B> for Collector {
+    fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
         let tensor = param.val();
         let shape = tensor.dims().to_vec();
         match tensor.into_data().convert::<f32>().into_vec::<f32>() {
             Ok(values) => self.params.push(NamedParam {
-                path: self.paths.path(),
+                path: path.to_string(),
                 shape,
                 values,
             }),
             Err(e) => {
-                self.error
-                    .get_or_insert(format!("reading {}: {e:?}", self.paths.path()));
+                self.error.get_or_insert(format!("reading {path}: {e:?}"));
             }
         }
     }
@@ -90,11 +80,10 @@ pub fn named_params<B: burn::tensor::backend::Backend, M: Module<B>>(
     module: &M,
 ) -> Result<Vec<NamedParam>, HsdpError> {
     let mut collector = Collector {
-        paths: PathTracker::default(),
         params: Vec::new(),
         error: None,
     };
-    module.visit(&mut collector);
+    visit_at(module, &mut collector);
     match collector.error {
         Some(e) => Err(HsdpError::Unsupported(e)),
         None => Ok(collector.params),
@@ -121,23 +110,14 @@ pub trait ParamSource: Send + Sync {
 
 /// Collects each float parameter's path and shape (in module order) without initialising it.
 struct ShapeCollector {
-    paths: PathTracker,
     specs: Vec<ParamSpec>,
 }
 
-impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShapeCollector {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
-    }
-
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.paths.exit();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+impl<B: burn::tensor::backend::Backend> VisitAt<B> for ShapeCollector {
+    fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
         let order = self.specs.len() as u64;
         self.specs.push(
-            ParamSpec::new(self.paths.path(), param.lazy_shape().to_vec(), DType::F32)
+            ParamSpec::new(path, param.lazy_shape().to_vec(), DType::F32)
                 .with_order(order)
                 .with_frozen(is_frozen(param)),
         );
@@ -145,26 +125,23 @@ impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShapeCollector {
 }
 
 /// Whether `param` is frozen (`require_grad` false on a backend that computes gradients), read
-/// without initialising a lazy parameter: Burn's load path hands a one-element stand-in the
-/// parameter's gradient setting (on a clone, so the parameter itself is untouched).
+/// without initialising a lazy parameter (on a clone: the parameter itself is untouched).
 fn is_frozen<B: burn::tensor::backend::Backend, const D: usize>(
     param: &Param<Tensor<B, D>>,
 ) -> bool {
-    let device = param.lazy_device();
-    if !B::ad_enabled(&device) {
-        return false;
+    B::ad_enabled(&param.lazy_device()) && !without_drawing(param.clone()).is_require_grad()
+}
+
+/// `param` initialised: as it is if it is, else with a [`placeholder`] through Burn's load
+/// path, which gives it its gradient setting without running its initialiser.
+fn without_drawing<B: burn::tensor::backend::Backend, const D: usize>(
+    param: Param<Tensor<B, D>>,
+) -> Param<Tensor<B, D>> {
+    if param.is_initialized() {
+        return param;
     }
-    let require_grad = if param.is_initialized() {
-        param.val().is_require_grad()
-    } else {
-        let stand_in = placeholder::<B, D>(&device, false);
-        param
-            .clone()
-            .transform_for_load(stand_in, param.id)
-            .val()
-            .is_require_grad()
-    };
-    !require_grad
+    let (id, device) = (param.id, param.lazy_device());
+    param.transform_for_load(placeholder::<B, D>(&device, false), id)
 }
 
 /// A one-element stand-in for a parameter's value: what a parameter holds between the moment
@@ -180,7 +157,6 @@ fn placeholder<B: burn::tensor::backend::Backend, const D: usize>(
 /// the bucket's fp32 element space, and leaves a [`placeholder`] in its place so the module
 /// holds no copy of the values once they are in the bucket.
 struct BucketReader<'a> {
-    paths: PathTracker,
     /// Path → member index in the bucket.
     members: HashMap<&'a str, usize>,
     codec: &'a BucketCodec,
@@ -188,18 +164,13 @@ struct BucketReader<'a> {
     error: Option<String>,
 }
 
-impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for BucketReader<'_> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
-    }
-
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.paths.exit();
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let path = self.paths.path();
-        let Some(&k) = self.members.get(path.as_str()) else {
+impl<B: burn::tensor::backend::Backend> MapAt<B> for BucketReader<'_> {
+    fn map_float_at<const D: usize>(
+        &mut self,
+        path: &str,
+        param: Param<Tensor<B, D>>,
+    ) -> Param<Tensor<B, D>> {
+        let Some(&k) = self.members.get(path) else {
             return param;
         };
         let (id, tensor, mapper) = param.consume();
@@ -232,11 +203,8 @@ fn param_specs<B: burn::tensor::backend::Backend, M: Module<B>>(
     module: &M,
     buffers: &[BufferSpec],
 ) -> Vec<ParamSpec> {
-    let mut shapes = ShapeCollector {
-        paths: PathTracker::default(),
-        specs: Vec::new(),
-    };
-    module.visit(&mut shapes);
+    let mut shapes = ShapeCollector { specs: Vec::new() };
+    visit_at(module, &mut shapes);
     let mut specs = shapes.specs;
     specs.retain(|s| !buffers.iter().any(|b| b.path == s.path));
     for (order, spec) in specs.iter_mut().enumerate() {
@@ -248,35 +216,21 @@ fn param_specs<B: burn::tensor::backend::Backend, M: Module<B>>(
 /// Swaps each float parameter for a handle into bucket storage, without initialising the
 /// parameters that are still lazy.
 struct Swapper<B: ShardableBackend> {
-    paths: PathTracker,
     runtime: Arc<Runtime<B::Inner>>,
     index: HashMap<String, usize>,
 }
 
-impl<B: ShardableBackend> ModuleMapper<B> for Swapper<B> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
-    }
-
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.paths.exit();
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl<B: ShardableBackend> MapAt<B> for Swapper<B> {
+    fn map_float_at<const D: usize>(
+        &mut self,
+        path: &str,
+        param: Param<Tensor<B, D>>,
+    ) -> Param<Tensor<B, D>> {
         // A buffer (not planned) stays as it is.
-        let Some(&index) = self.index.get(&self.paths.path()) else {
+        let Some(&index) = self.index.get(path) else {
             return param;
         };
-        // A lazy parameter takes a placeholder through Burn's load path, which gives it its
-        // gradient setting without running its initialiser.
-        let param = if param.is_initialized() {
-            param
-        } else {
-            let id = param.id;
-            let device = param.lazy_device();
-            param.transform_for_load(placeholder::<B, D>(&device, false), id)
-        };
-        let (id, value, mapper) = param.consume();
+        let (id, value, mapper) = without_drawing(param).consume();
         let require_grad = value.is_require_grad();
         drop(value);
         let shape = self.runtime.plan().params()[index].spec.shape.clone();
@@ -465,13 +419,12 @@ where
                     .map(|(k, p)| (p.spec.path.as_str(), k))
                     .collect();
                 let mut reader = BucketReader {
-                    paths: PathTracker::default(),
                     members,
                     codec,
                     full: &mut full[..elems],
                     error: None,
                 };
-                module = module.take().map(|m| m.map(&mut reader));
+                module = module.take().map(|m| map_at(m, &mut reader));
                 read_error = reader.error;
                 full[elems] = f32::from(read_error.is_some());
             }
@@ -496,13 +449,13 @@ where
     )?);
     runtime.set_ids(registry::register(&runtime));
     let mut swapper = Swapper::<B> {
-        paths: PathTracker::default(),
         runtime: runtime.clone(),
         index,
     };
-    let module = module
-        .expect("the module is put back after each bucket")
-        .map(&mut swapper);
+    let module = map_at(
+        module.expect("the module is put back after each bucket"),
+        &mut swapper,
+    );
     let runtime = HsdpRuntime::new(runtime, buffers);
     let module = match source {
         Some(source) => buffers_from_source(module, &runtime, source)?,

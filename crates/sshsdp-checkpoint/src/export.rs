@@ -9,9 +9,10 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::{CheckpointError, FullModel};
 
-/// `module` with every float parameter replaced by the values `full` holds at its path (ids
-/// and `require_grad` kept). Every parameter must be in `full` with the same shape, and `full`
-/// must hold no other parameter.
+/// `module` with every float parameter and module buffer replaced by the values `full` holds
+/// at its path (ids and `require_grad` kept; [`crate::export_full`] includes the buffers).
+/// Every one must be in `full` with the same shape, and `full` must hold nothing else. Meant
+/// for a freshly built module (a `RunningState` update still held back would overwrite it).
 pub fn apply_full<B: Backend, M: Module<B>>(
     module: M,
     full: &FullModel,

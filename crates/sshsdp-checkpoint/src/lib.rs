@@ -61,6 +61,9 @@
 //!   errors. [`export_full`] / [`shard_full`] convert to and from an unsharded model.
 //! * [`save`] / [`load`]: a sharded model's checkpoint — each rank's masters and optimizer
 //!   state ([`UnitState`]) per update unit; loading re-shards to the current world and mesh.
+//!   [`save_model`] / [`load_model`] / [`export_model`] also take the module, for models with
+//!   module buffers (BatchNorm's running statistics: rank 0's saved as [`BUFFER`] arrays,
+//!   restored on every rank); the calls without the module refuse such models.
 //! * [`encode_state`] / [`decode_state`]: a Burn optimizer state record (any element-wise
 //!   `SimpleOptimizer::State<1>`, e.g. `SgdState`, `AdamState`, `AdamWState`) to named `f32`
 //!   arrays plus scalars and back, so that state can be sliced and re-sharded like weights.

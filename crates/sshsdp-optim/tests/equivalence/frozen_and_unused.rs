@@ -390,8 +390,7 @@ fn a_layer_unfrozen_without_refreshing_its_leaves_is_an_error_not_a_silent_skip(
         let _ = model.loss(rows(&batch(0, 0), 0..BATCH), 1).backward();
         adamw
             .step(LR, model, &runtime)
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string()
     })
     .unwrap();
