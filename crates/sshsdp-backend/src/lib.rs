@@ -49,6 +49,7 @@ mod registry;
 mod rng;
 mod runtime;
 mod shard;
+mod source;
 mod storage;
 mod tensor;
 mod timeline;
@@ -67,8 +68,8 @@ pub use rng::{init_seeded, initialise_in_module_order, with_burn_rng, Concurrent
 pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};
 pub use shard::{
     named_params, param_shapes, shard, shard_from, shard_with, shard_with_source, NamedParam,
-    ParamSource,
 };
+pub use source::ParamSource;
 pub use storage::{DeviceMemory, Placement};
 pub use tensor::{HsdpFloat, ParamHandle};
 pub use timeline::{chrome_trace, Span, Track};
