@@ -83,6 +83,7 @@ mod muon_state;
 mod piece_state;
 mod reshard;
 mod runtime_io;
+mod shard_dir;
 mod state_codec;
 
 use std::path::PathBuf;
@@ -90,9 +91,7 @@ use std::path::PathBuf;
 pub use commit::{save, save_model, save_model_with, save_with, SaveOptions};
 pub use consolidated::{export_model, export_safetensors, SafetensorsSource};
 pub use export::apply_full;
-pub use format::{
-    checkpoint_dir_files, read_all, shard_file_name, ShardFile, SliceEntry, FORMAT_VERSION,
-};
+pub use format::{ShardFile, SliceEntry, FORMAT_VERSION};
 pub use layout::{committed_steps, resolve, step_dir_name};
 pub use load::{load, load_model, read_checkpoint};
 pub use manifest::{Manifest, ManifestFile, MANIFEST_FILE};
@@ -101,6 +100,7 @@ pub use reshard::{
     agreed_scalars, assemble, export_full, shard_full, Coverage, FullModel, BUFFER, MASTER,
 };
 pub use runtime_io::{UnitState, WeightsOnly, STEP};
+pub use shard_dir::{checkpoint_dir_files, read_all, shard_file_name};
 pub use state_codec::{decode_state, encode_state, strip_prefix, with_prefix, EncodedState};
 
 /// Why a checkpoint could not be written, read or re-assembled.
