@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""PyTorch baseline for `examples/train_gpt.rs`: the same byte-level GPT, data and AdamW.
+"""PyTorch baseline for `examples/train_gpt/main.rs`: the same byte-level GPT, data and AdamW.
 
-What it mirrors (see examples/train_gpt.rs, examples/common/ and src/models/gpt.rs):
+What it mirrors (see examples/train_gpt/main.rs, examples/common/ and src/models/gpt.rs):
   * Model: token embedding (256 x D) + learned position embedding (seq x D), `layers`
     pre-norm blocks [LayerNorm(eps 1e-5) -> causal multi-head self-attention with separate
     q, k, v, output Linears (all with bias) -> residual; LayerNorm -> Linear(D, 4D) -> exact

@@ -38,7 +38,7 @@ impl<I: FusedOps<Device: Default>> Compute for I {}
 
 /// The CPU backend of `--backend flex` (the default): burn-flex with SIMD ran the GPT
 /// example's training step 1.3× faster than NdArray at 2 ranks and 2.1× at 1 rank (see
-/// `examples/train_gpt.rs`), although the decorator's zero-copy parameter views are specific to
+/// `examples/train_gpt/main.rs`), although the decorator's zero-copy parameter views are specific to
 /// NdArray; the models' GELU and softmax use `sshsdp::kernels`' fused ops on it.
 pub type Flex = burn::backend::Flex;
 /// The GPU backend of `--backend wgpu` (feature `wgpu`): CubeCL's wgpu runtime without fusion
