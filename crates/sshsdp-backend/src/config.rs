@@ -2,8 +2,18 @@
 
 use sshsdp_plan::{Mesh, PlanConfig, RuntimeFormat, Sharding};
 
-use crate::storage::Placement;
 use crate::HsdpError;
+
+/// Where the buffers of a storage role live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Host memory (`Vec`s), read and written by the host collectives directly.
+    #[default]
+    Host,
+    /// The device of the decorated backend `B` (`B` tensors): on a GPU backend, GPU memory;
+    /// values cross to the host only where a host collective or codec needs them (staged).
+    Device,
+}
 
 /// How gathered parameters reach the kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

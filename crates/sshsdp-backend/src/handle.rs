@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use sshsdp_plan::Plan;
 
-use crate::buffers::{read_buffers, write_buffers, BufferSpec};
+use crate::model::buffers::{read_buffers, write_buffers, BufferSpec};
 use crate::runtime::{Counters, Piece, Runtime, UpdateGroup, Views};
 use crate::{HsdpError, NamedParam};
 

@@ -23,53 +23,39 @@
 
 #![deny(missing_docs)]
 
+// Layers, lowest first; a module imports only from the layers below it (`scripts/layers`
+// checks this): `error`, `config`, `timeline`, `rng`, `units` | `lanes` | `storage` | `tensor` |
+// `runtime` | `registry`, `backend`, `backend_ext`, `ops` | `model` | `handle` | `shard`.
 mod backend;
 mod backend_ext;
-mod buffers;
-mod codec;
-mod comm;
 mod config;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-mod cube_codec;
-#[cfg(feature = "cuda")]
-mod cube_gather;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-mod cube_reduce;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-mod cube_shard;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-mod cube_views;
 mod error;
 mod handle;
-mod leaves;
+mod lanes;
+mod model;
 mod ops;
-mod paths;
-mod plan_agreement;
 mod registry;
 mod rng;
 mod runtime;
 mod shard;
-mod source;
 mod storage;
 mod tensor;
 mod timeline;
-mod views;
-mod worker;
+mod units;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
-pub use buffers::BufferSpec;
-pub use comm::RUNTIME_LANES;
-pub use config::{CopyMode, HsdpConfig, MixedPrecision, NonFinitePolicy, Precision};
+pub use config::{CopyMode, HsdpConfig, MixedPrecision, NonFinitePolicy, Placement, Precision};
 pub use error::HsdpError;
 pub use handle::HsdpRuntime;
-pub use leaves::{check_gradient_leaves, refresh_leaves};
+pub use lanes::RUNTIME_LANES;
+pub use model::buffers::BufferSpec;
+pub use model::leaves::{check_gradient_leaves, refresh_leaves};
+pub use model::params::{named_params, param_shapes};
+pub use model::paths::NamedParam;
 pub use rng::{init_seeded, initialise_in_module_order, with_burn_rng, ConcurrentDrawer};
-pub use runtime::{Counters, LeafRearm, Piece, PieceValues, UpdateGroup, Views};
-pub use shard::{
-    named_params, param_shapes, shard, shard_from, shard_with, shard_with_source, NamedParam,
-};
-pub use source::ParamSource;
-pub use storage::{DeviceMemory, Placement};
-pub use tensor::{HsdpFloat, ParamHandle};
+pub use runtime::{Counters, Piece, PieceValues, UpdateGroup, Views};
+pub use shard::{shard, shard_from, shard_with, shard_with_source, ParamSource};
+pub use storage::DeviceMemory;
+pub use tensor::{HsdpFloat, LeafRearm, ParamHandle};
 pub use timeline::{chrome_trace, Span, Track};

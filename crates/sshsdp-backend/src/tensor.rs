@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 
-use crate::runtime::Runtime;
+use burn_backend::distributed::DistributedParamId;
 
 /// A float tensor of `Hsdp<B>`.
 pub enum HsdpFloat<B: Backend> {
@@ -21,9 +21,34 @@ pub enum HsdpFloat<B: Backend> {
     Param(ParamHandle<B>),
 }
 
+/// Re-registers a parameter's current autodiff leaf for gradient hand-over (see
+/// [`crate::ShardableBackend::leaf_rearm`]).
+pub type LeafRearm<B> = Arc<dyn Fn(HsdpFloat<B>) + Send + Sync>;
+
+/// What a parameter handle asks of the runtime that owns its parameter. The runtime
+/// (`runtime/`) implements it; this layer, below the runtime, knows it only through this trait.
+pub(crate) trait ParamOwner<B: Backend>: Send + Sync {
+    /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.
+    fn view(&self, index: usize) -> B::FloatTensorPrimitive;
+    /// Module path of parameter `index`.
+    fn path(&self, index: usize) -> &str;
+    /// The dtype parameters are viewed in.
+    fn compute_dtype(&self) -> DType;
+    /// The device parameters live on.
+    fn device(&self) -> &B::Device;
+    /// Parameter `index`'s id for Burn's gradient hand-over.
+    fn id(&self, index: usize) -> DistributedParamId;
+    /// Records how to re-register parameter `index`'s current autodiff leaf.
+    fn set_leaf(&self, index: usize, rearm: Option<LeafRearm<B>>);
+    /// A handle was made (counted while it lives: see `runtime/retention.rs`).
+    fn handle_made(&self);
+    /// A handle was dropped.
+    fn handle_dropped(&self);
+}
+
 /// A parameter: its runtime and its index in the runtime's plan.
 pub struct ParamHandle<B: Backend> {
-    pub(crate) runtime: Arc<Runtime<B>>,
+    pub(crate) runtime: Arc<dyn ParamOwner<B>>,
     pub(crate) index: usize,
     pub(crate) shape: Shape,
 }
@@ -43,7 +68,7 @@ impl<B: Backend> Drop for ParamHandle<B> {
 impl<B: Backend> ParamHandle<B> {
     /// A handle to parameter `index` of `runtime` (counted while it lives: see
     /// `runtime::retention`).
-    pub(crate) fn new(runtime: Arc<Runtime<B>>, index: usize, shape: Shape) -> Self {
+    pub(crate) fn new(runtime: Arc<dyn ParamOwner<B>>, index: usize, shape: Shape) -> Self {
         runtime.handle_made();
         Self {
             runtime,
@@ -54,7 +79,7 @@ impl<B: Backend> ParamHandle<B> {
 
     /// Module path of the parameter.
     pub fn path(&self) -> &str {
-        &self.runtime.plan().params()[self.index].spec.path
+        self.runtime.path(self.index)
     }
 
     /// The parameter as a tensor of `B`: a view into its gathered bucket.
@@ -108,7 +133,7 @@ impl<B: Backend> TensorMetadata for HsdpFloat<B> {
         match self {
             HsdpFloat::Local(t) => t.dtype(),
             // Parameters are viewed in the mixed-precision policy's compute dtype.
-            HsdpFloat::Param(h) => h.runtime.compute_precision().dtype().into(),
+            HsdpFloat::Param(h) => h.runtime.compute_dtype(),
         }
     }
 

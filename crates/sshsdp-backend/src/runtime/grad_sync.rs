@@ -15,11 +15,12 @@
 
 use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
-use crate::codec::BucketCodec;
 use crate::config::Precision;
-use crate::storage::{download, DeviceUnits};
+use crate::lanes::{Reply, Worker};
+use crate::storage::download;
+use crate::storage::{device_piece, BucketCodec};
 use crate::timeline::{Timeline, Track};
-use crate::worker::{Reply, Worker};
+use crate::units::DeviceUnits;
 
 /// One bucket's gradients in flight.
 struct BucketGrads<B: Backend> {
@@ -213,7 +214,7 @@ impl<B: Backend> GradSync<B> {
             .collect();
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
         if !members.is_empty() && bucket.full.is_empty() {
-            use crate::cube_reduce::{reduce_job_if_cube, GradSource};
+            use crate::storage::{reduce_job_if_cube, GradSource};
             let source = if engine_on_device {
                 let full = full_on_device::<B>(codec, &members);
                 GradSource::Full(match reduce {
@@ -275,7 +276,9 @@ impl<B: Backend> GradSync<B> {
                 Ok(Arrived::Device(units)) => {
                     staged.0 += units.uploaded;
                     staged.1 += units.downloaded;
-                    device_piece::<B>(&units, device).map(PieceGrad::Device)
+                    device_piece::<B>(&units, device)
+                        .map(PieceGrad::Device)
+                        .map_err(|e| e.to_string())
                 }
                 Err(e) => Err(e),
             };
@@ -318,29 +321,13 @@ fn reduction_wait(reduction: Reduction) -> Result<Arrived, String> {
     .map_err(|e| e.to_string())
 }
 
-/// A reduced piece in device memory as an f32 tensor of `B` on `device`.
-fn device_piece<B: Backend>(
-    units: &DeviceUnits,
-    device: &B::Device,
-) -> Result<B::FloatTensorPrimitive, String> {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    {
-        crate::cube_reduce::piece_tensor::<B>(units, device).map_err(|e| e.to_string())
-    }
-    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-    {
-        let _ = (units, device);
-        Err("a reduced gradient in device memory without a CubeCL backend".into())
-    }
-}
-
 /// The device gradients `members` (member index, flattened f32 gradient) one after the other,
 /// with where their runs go in the bucket (the staged reduction reads back only these).
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn members_cat<B: Backend>(
     codec: &BucketCodec,
     members: &[(usize, B::FloatTensorPrimitive)],
-) -> crate::cube_reduce::GradSource<B> {
+) -> crate::storage::GradSource<B> {
     let mut runs = Vec::new();
     let mut offset = 0;
     for (k, grad) in members {
@@ -352,7 +339,7 @@ fn members_cat<B: Backend>(
         offset += grad.shape().num_elements();
     }
     let tensors = members.iter().map(|(_, t)| t.clone()).collect();
-    crate::cube_reduce::GradSource::Members {
+    crate::storage::GradSource::Members {
         cat: B::float_cat(tensors, 0),
         runs,
         full_len: codec.bucket_elems(),
@@ -455,7 +442,7 @@ mod tests {
                     bits(&host),
                     "world {world}, bucket {b}: assembled"
                 );
-                let crate::cube_reduce::GradSource::Members {
+                let crate::storage::GradSource::Members {
                     cat,
                     runs,
                     full_len,

@@ -16,7 +16,7 @@
 //!
 //! Every stage's state lives in one [`State`] behind one mutex: an op, a gradient hook and an
 //! update never interleave within a rank. Collectives run on the communication lanes
-//! ([`crate::worker`]); the model thread only queues them and waits for replies.
+//! (`lanes/`); the model thread only queues them and waits for replies.
 //!
 //! Errors inside ops (a failed gather during forward or backward) cannot be returned through
 //! Burn's op signatures: the runtime records the failure (and aborts the engine's
@@ -41,24 +41,18 @@ use sshsdp_plan::Plan;
 pub use counters::Counters;
 pub use update::{Piece, PieceValues, UpdateGroup, Views};
 
-use crate::codec::BucketCodec;
-use crate::comm::LaneFactory;
-use crate::config::{HsdpConfig, NonFinitePolicy};
+use crate::config::{HsdpConfig, NonFinitePolicy, Placement};
 use crate::error::HsdpError;
-use crate::storage::{Gathered, MasterBuf, Placement};
-use crate::tensor::{HsdpFloat, ParamHandle};
+use crate::lanes::comm::LaneFactory;
+use crate::lanes::{Reply, Worker};
+use crate::storage::{with_f32_values, BucketCodec, MasterBuf};
+use crate::tensor::{HsdpFloat, LeafRearm, ParamHandle, ParamOwner};
 use crate::timeline::{Span, Timeline, Track};
-use crate::views::with_f32_values;
-use crate::worker::{Reply, Worker};
+use crate::units::Gathered;
 use grad_sync::GradSync;
 use residency::{BucketStorage, Materialiser};
 use retention::Retention;
 use schedule::Schedule;
-
-/// Re-registers a parameter's autodiff leaf in a fresh graph, given the parameter's primitive:
-/// how the runtime keeps leaves that a backward consumed usable by the next forward (see
-/// [`crate::ShardableBackend::leaf_rearm`]).
-pub type LeafRearm<B> = Arc<dyn Fn(HsdpFloat<B>) + Send + Sync>;
 
 /// Every stage's mutable state.
 pub(crate) struct State<B: Backend> {
@@ -171,7 +165,7 @@ impl<B: Backend> Runtime<B> {
         if shards_on_device {
             for bucket in &mut storage {
                 if let crate::storage::ShardBuf::Host(shard) = &bucket.shard {
-                    let units = update::upload_shard::<B>(&device, shard)?;
+                    let units = crate::storage::upload_shard::<B>(&device, shard)?;
                     bucket.shard = crate::storage::ShardBuf::Device(units);
                 }
             }
@@ -699,14 +693,40 @@ impl<B: Backend> Runtime<B> {
 /// device buffers are staged through the host; an engine on another GPU than `B`'s is staged
 /// too, correct but slower).
 fn engine_on_device<B: Backend>(worker: &Worker, device: &B::Device) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        let ordinal = crate::cube_gather::cuda_ordinal::<B>(device);
-        ordinal.is_some() && ordinal == worker.device_ordinal()
+    let ordinal = crate::storage::cuda_ordinal::<B>(device);
+    ordinal.is_some() && ordinal == worker.device_ordinal()
+}
+
+impl<B: Backend> ParamOwner<B> for Runtime<B> {
+    fn view(&self, index: usize) -> B::FloatTensorPrimitive {
+        Runtime::view(self, index)
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (worker, device);
-        false
+
+    fn path(&self, index: usize) -> &str {
+        &self.plan.params()[index].spec.path
+    }
+
+    fn compute_dtype(&self) -> burn_backend::DType {
+        self.compute_precision().dtype().into()
+    }
+
+    fn device(&self) -> &B::Device {
+        Runtime::device(self)
+    }
+
+    fn id(&self, index: usize) -> DistributedParamId {
+        Runtime::id(self, index)
+    }
+
+    fn set_leaf(&self, index: usize, rearm: Option<LeafRearm<B>>) {
+        Runtime::set_leaf(self, index, rearm)
+    }
+
+    fn handle_made(&self) {
+        Runtime::handle_made(self)
+    }
+
+    fn handle_dropped(&self) {
+        Runtime::handle_dropped(self)
     }
 }

@@ -11,11 +11,12 @@ use std::sync::Arc;
 use burn_backend::Backend;
 
 use super::Counters;
-use crate::codec::BucketCodec;
 use crate::config::{CopyMode, Precision};
-use crate::storage::{Elems, Gathered, MasterBuf, ShardBuf};
-use crate::views::{bucket_views, ComputeBuf, Member};
-use crate::worker::{Reply, ShardPart, StageUnits, Worker};
+use crate::lanes::{Reply, ShardPart, StageUnits, Worker};
+use crate::storage::{
+    bucket_views, device_part, device_views, BucketCodec, ComputeBuf, MasterBuf, Member, ShardBuf,
+};
+use crate::units::{Elems, Gathered};
 use crate::HsdpError;
 
 /// A gathered bucket: each parameter's tensor — a view into the decoded buffer (zero-copy
@@ -120,7 +121,7 @@ impl<B: Backend> BucketStorage<B> {
         let units = codec.gathered_units();
         #[cfg(feature = "cuda")]
         if let Some(device) = on_device {
-            use crate::cube_gather::{gather_buffers, SendUnits};
+            use crate::storage::{gather_buffers, SendUnits};
             let send = match &self.shard {
                 ShardBuf::Host(shard) => SendUnits::Host(shard, range),
                 ShardBuf::Device(shard) => SendUnits::Device(shard, range),
@@ -154,24 +155,6 @@ impl<B: Backend> BucketStorage<B> {
     }
 }
 
-/// What reads units `range` of a device shard back on the shard lane.
-fn device_part(
-    shard: &crate::storage::DeviceUnits,
-    range: std::ops::Range<usize>,
-) -> Result<ShardPart, sshsdp_comm::CommError> {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return crate::cube_shard::units_reader(shard, range)
-        .map(ShardPart::Device)
-        .map_err(|e| sshsdp_comm::CommError::Engine(e.to_string()));
-    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-    {
-        let _ = (shard, range);
-        Err(sshsdp_comm::CommError::Engine(
-            "a device shard without a CubeCL backend".into(),
-        ))
-    }
-}
-
 /// Turns gathered runtime units into parameters of `B`.
 pub(super) struct Materialiser<B: Backend> {
     /// The device parameters live on.
@@ -187,9 +170,8 @@ impl<B: Backend> Materialiser<B> {
     /// buffer (`None` elsewhere: host backends, and the FSDP2-style baseline, which copies
     /// each parameter out on the host).
     pub fn stager(&self) -> Option<Box<dyn StageUnits>> {
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
         if self.copy_mode == CopyMode::ZeroCopy {
-            return crate::cube_codec::stager_if_cube::<B>(&self.device, self.compute);
+            return crate::storage::stager::<B>(&self.device, self.compute);
         }
         None
     }
@@ -210,16 +192,10 @@ impl<B: Backend> Materialiser<B> {
             .collect();
         let full = match full {
             Gathered::Host(full) => full,
-            #[cfg(any(feature = "wgpu", feature = "cuda"))]
             Gathered::Device(units) => {
                 // Gathered by the engine into device memory: decoded there (or used as it is).
-                let params = crate::cube_codec::device_units_views::<B>(
-                    codec,
-                    &units,
-                    &members,
-                    &self.device,
-                    self.compute,
-                )?;
+                let params =
+                    device_views::<B>(codec, &units, &members, &self.device, self.compute)?;
                 let compute_bytes = self.compute.bytes() * codec.compute_elems() as u64;
                 let is_compute = match &units.kind {
                     // (Narrowed f32 units were rounded on the host: a decode too.)
@@ -236,12 +212,6 @@ impl<B: Backend> Materialiser<B> {
                     params,
                     bytes: compute_bytes,
                 });
-            }
-            #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-            Gathered::Device(_) => {
-                return Err(HsdpError::Failed(
-                    "a gathered bucket in device memory without a CubeCL backend".into(),
-                ))
             }
         };
         // A bf16 bucket computed in bf16 is its own compute buffer (the linear layout's units

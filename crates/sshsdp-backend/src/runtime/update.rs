@@ -11,9 +11,13 @@ use super::grad_sync::PieceGrad;
 use super::step_agreement::{global_grad_norm, norm_message_len};
 use super::{Runtime, State};
 use crate::config::NonFinitePolicy;
-use crate::storage::{download, upload, DeviceUnits, Elems, MasterBuf, ShardBuf};
+use crate::lanes::{Reply, Worker};
+use crate::storage::{
+    download, encode_on_device, encode_units_on_device, read_device_units, upload, upload_shard,
+    MasterBuf, ShardBuf,
+};
 use crate::timeline::{Timeline, Track};
-use crate::worker::{Reply, Worker};
+use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
 /// How an update hands this rank's pieces to its caller.
@@ -490,20 +494,22 @@ fn rederive_piece<B: Backend>(
             *t = upload::<B>(values.clone(), device);
             Rederive::Host(values)
         }
-        (Some(MasterBuf::Device(t)), None) => match device_encode::<B>(&rt.codecs[b], piece, t) {
-            Some(bytes) => {
-                let bytes = bytes?;
-                counters.staged_bytes += bytes.len() as u64;
-                counters.downloaded_bytes += bytes.len() as u64;
-                Rederive::Encoded(bytes)
+        (Some(MasterBuf::Device(t)), None) => {
+            match encode_on_device::<B>(&rt.codecs[b], piece, t) {
+                Some(bytes) => {
+                    let bytes = bytes?;
+                    counters.staged_bytes += bytes.len() as u64;
+                    counters.downloaded_bytes += bytes.len() as u64;
+                    Rederive::Encoded(bytes)
+                }
+                None => {
+                    let values = download::<B>(t.clone())?;
+                    counters.staged_bytes += 4 * values.len() as u64;
+                    counters.downloaded_bytes += 4 * values.len() as u64;
+                    Rederive::Host(values)
+                }
             }
-            None => {
-                let values = download::<B>(t.clone())?;
-                counters.staged_bytes += 4 * values.len() as u64;
-                counters.downloaded_bytes += 4 * values.len() as u64;
-                Rederive::Host(values)
-            }
-        },
+        }
         _ => Rederive::Stored,
     };
     let ShardBuf::Host(shard) = &mut bucket.shard else {
@@ -553,14 +559,14 @@ fn rederive_device_piece<B: Backend>(
         *master = upload::<B>(values, device);
     }
     let codec = &rt.codecs[b];
-    let units = device_encode_units::<B>(codec, piece, master)?;
+    let units = encode_units_on_device::<B>(codec, piece, master)?;
     if rt.plan.pieces_per_shard() == 1 {
         return Ok(Rebuild::Done(ShardBuf::Device(units)));
     }
     let shard_len = bucket.shard.len();
     #[cfg(feature = "cuda")]
     if rt.engine_on_device {
-        use crate::cube_gather::{gather_buffers, SendUnits};
+        use crate::storage::{gather_buffers, SendUnits};
         let send = SendUnits::Device(&units, 0..units.len);
         let (job, _) = gather_buffers::<B>(device, send, shard_len)?;
         return Ok(Rebuild::Device(rt.worker.rebuild_on_device(b, job)));
@@ -585,70 +591,6 @@ enum Rederive {
     /// The host master in storage, or (f32 format with host masters) nothing to do: the runtime
     /// elements are the masters, updated in place.
     Stored,
-}
-
-/// Piece `piece`'s runtime bytes encoded on the device from its device master `master`, where
-/// the decorated backend is a CubeCL backend this build supports and the format has an encoding
-/// (`None` otherwise: the master is read back and encoded on the host).
-fn device_encode<B: Backend>(
-    codec: &crate::codec::BucketCodec,
-    piece: usize,
-    master: &B::FloatTensorPrimitive,
-) -> Option<Result<Vec<u8>, HsdpError>> {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    if let Some(bytes) = crate::cube_codec::encode_piece_if_cube::<B>(codec, piece, master) {
-        return Some(bytes);
-    }
-    let _ = (codec, piece, master);
-    None
-}
-
-/// Piece `piece`'s runtime units encoded on the device from its device master, left there (a
-/// device shard exists only on CubeCL backends).
-fn device_encode_units<B: Backend>(
-    codec: &crate::codec::BucketCodec,
-    piece: usize,
-    master: &B::FloatTensorPrimitive,
-) -> Result<DeviceUnits, HsdpError> {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    if let Some(units) = crate::cube_codec::encode_piece_units_if_cube::<B>(codec, piece, master) {
-        return units;
-    }
-    let _ = (codec, piece, master);
-    Err(no_cube())
-}
-
-/// Every unit of `units`, read back to the host.
-fn read_device_units(units: &DeviceUnits) -> Result<Elems, HsdpError> {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return crate::cube_shard::read_units(units, 0..units.len);
-    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-    {
-        let _ = units;
-        Err(no_cube())
-    }
-}
-
-/// `shard` uploaded into a device buffer of `device`.
-pub(super) fn upload_shard<B: Backend>(
-    device: &B::Device,
-    shard: &Elems,
-) -> Result<DeviceUnits, HsdpError> {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    if let Some(units) = crate::cube_shard::upload_units::<B>(device, shard) {
-        return Ok(units);
-    }
-    let _ = (device, shard);
-    Err(no_cube())
-}
-
-/// Why a runtime shard cannot be on this backend's device.
-fn no_cube() -> HsdpError {
-    HsdpError::Unsupported(
-        "runtime shards on the device need a CubeCL backend (burn-cubecl's CubeBackend on wgpu \
-         or CUDA, with this crate's `wgpu` or `cuda` feature)"
-            .into(),
-    )
 }
 
 /// The update-group rank holding each piece of `plan`: the world rank when hierarchical, the

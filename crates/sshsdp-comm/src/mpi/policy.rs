@@ -1,8 +1,8 @@
 //! How a reduce-scatter runs on MPI: the calls it can use and the measured choice by size.
 
 /// Default size of a reduce-scatter's `send` buffer, in bytes, from which
-/// [`Collective::reduce_scatter`] runs as an all-reduce into a scratch buffer instead of
-/// `MPI_Reduce_scatter` (measured; see the module docs).
+/// [`Collective::reduce_scatter`](crate::Collective::reduce_scatter) runs as an all-reduce
+/// into a scratch buffer instead of `MPI_Reduce_scatter` (measured; see the module docs).
 pub const DEFAULT_ALLREDUCE_FROM_BYTES: usize = 32 << 20;
 
 /// An MPI call a reduce-scatter can run as.

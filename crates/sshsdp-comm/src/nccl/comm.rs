@@ -1,78 +1,21 @@
-//! [`NcclComm`]: one rank's NCCL communicator, its bootstrap and its device-buffer collectives.
+//! [`NcclComm`]: one rank's NCCL communicator, its state and lifecycle: creation (from an id,
+//! over a bootstrap engine, as threads, by split), accessors, the entry check of every call,
+//! and its release on drop.
 
 use std::cell::Cell;
-use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
-use cudarc::nccl::result::NcclError;
+use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result, sys};
 
 use super::enqueue::enqueue_lock;
-use super::watch::{timeout_from_env, wait_until, Liveness, Progress};
-use super::{cuda_error, nccl_dtype, nccl_error, probe, DeviceElement};
-use crate::collective::{check_chunks, check_counts, check_root, counts_mismatch, equal_chunks};
-use crate::{Collective, CommError, CommResult, ElementKind, ReduceOp};
-
-/// Length in bytes of an NCCL unique id.
-pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
-
-/// The id every rank of a new NCCL world must share: 128 opaque bytes made by one rank
-/// ([`NcclUniqueId::new`]) and sent to the others by any means ([`NcclUniqueId::as_bytes`],
-/// [`NcclUniqueId::from_bytes`]).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct NcclUniqueId {
-    bytes: [u8; NCCL_UNIQUE_ID_BYTES],
-}
-
-impl std::fmt::Debug for NcclUniqueId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NcclUniqueId").finish_non_exhaustive()
-    }
-}
-
-impl NcclUniqueId {
-    /// Makes a new id (`ncclGetUniqueId`); call it on one rank only.
-    ///
-    /// [`CommError::Unavailable`] when NCCL or CUDA is missing (see [`probe`]).
-    pub fn new() -> CommResult<Self> {
-        probe()?;
-        let id = result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e, None))?;
-        let mut bytes = [0u8; NCCL_UNIQUE_ID_BYTES];
-        for (b, &c) in bytes.iter_mut().zip(id.internal.iter()) {
-            *b = c as u8;
-        }
-        Ok(Self { bytes })
-    }
-
-    /// Rebuilds an id from the bytes another rank sent ([`NcclUniqueId::as_bytes`]).
-    pub fn from_bytes(bytes: &[u8]) -> CommResult<Self> {
-        let bytes: [u8; NCCL_UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| {
-            CommError::InvalidArgument(format!(
-                "an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, not {}",
-                bytes.len()
-            ))
-        })?;
-        Ok(Self { bytes })
-    }
-
-    /// The id's bytes, to send to the other ranks.
-    pub fn as_bytes(&self) -> &[u8; NCCL_UNIQUE_ID_BYTES] {
-        &self.bytes
-    }
-
-    fn raw(&self) -> sys::ncclUniqueId {
-        let mut internal = [0 as std::ffi::c_char; NCCL_UNIQUE_ID_BYTES];
-        for (c, &b) in internal.iter_mut().zip(self.bytes.iter()) {
-            *c = b as std::ffi::c_char;
-        }
-        sys::ncclUniqueId { internal }
-    }
-}
+use super::id::{agree_ids, NcclUniqueId};
+use super::watch::{timeout_from_env, Liveness};
+use super::{cuda_error, nccl_error, probe};
+use crate::{Collective, CommError, CommResult};
 
 /// One rank's NCCL communicator, bound to one GPU and one CUDA stream.
 ///
@@ -80,16 +23,16 @@ impl NcclUniqueId {
 /// [`Collective`] implementation on host slices stages through device memory and waits.
 /// Not `Send`: create it on the thread that uses it (one thread or process per rank).
 pub struct NcclComm {
-    raw: sys::ncclComm_t,
-    stream: Arc<CudaStream>,
-    rank: usize,
-    size: usize,
+    pub(super) raw: sys::ncclComm_t,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) rank: usize,
+    pub(super) size: usize,
     /// Whether this rank's communicators may still be used (shared with its other lanes).
-    live: Arc<Liveness>,
+    pub(super) live: Arc<Liveness>,
     /// The watchdog timeout of every wait.
-    timeout: Duration,
+    pub(super) timeout: Duration,
     /// Set once `ncclCommAbort` has freed the communicator.
-    aborted: Cell<bool>,
+    pub(super) aborted: Cell<bool>,
     /// An NCCL communicator is driven from one thread; keeps the type `!Send` and `!Sync`.
     _not_send: PhantomData<*mut ()>,
 }
@@ -244,458 +187,6 @@ impl NcclComm {
         }))
     }
 
-    /// This rank's index.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Number of ranks.
-    pub fn size(&self) -> usize {
-        self.size
-    }
-
-    /// The GPU ordinal this rank runs on.
-    pub fn device(&self) -> usize {
-        self.stream.context().ordinal()
-    }
-
-    /// The stream collectives are enqueued on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-
-    /// The CUDA context (GPU) of this rank.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        self.stream.context()
-    }
-
-    /// The raw `ncclComm_t`, for NCCL calls this type does not wrap. Do not destroy it.
-    pub fn raw(&self) -> sys::ncclComm_t {
-        self.raw
-    }
-
-    /// Waits until everything enqueued on the stream (collectives included) has finished, and
-    /// reports an asynchronous CUDA error if one was recorded.
-    ///
-    /// A bounded wait (see `watch.rs`): it polls the stream, NCCL's asynchronous error and this
-    /// rank's liveness, and gives up after the watchdog timeout ([`NcclComm::timeout`]). On an
-    /// error, an abort or a timeout the communicator is aborted (`ncclCommAbort`), the rank's
-    /// other lanes fail their next call, and this call returns the error.
-    pub fn synchronize(&self) -> CommResult<()> {
-        const OP: &str = "synchronize";
-        self.enter(OP)?;
-        if let Err(failure) = wait_until(|| self.progress(), &self.live, self.timeout) {
-            let e = failure.into_error(OP);
-            self.abort_comm(&e.to_string());
-            return Err(e);
-        }
-        self.context()
-            .check_err()
-            .map_err(|e| cuda_error("asynchronous CUDA error", e))
-    }
-
-    /// The watchdog timeout of [`NcclComm::synchronize`] (default
-    /// [`DEFAULT_NCCL_TIMEOUT`](super::DEFAULT_NCCL_TIMEOUT), or
-    /// [`NCCL_TIMEOUT_ENV`](super::NCCL_TIMEOUT_ENV) seconds).
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
-    /// Sets the watchdog timeout of this communicator's waits.
-    pub fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
-    }
-
-    /// Shares `live` with other communicators of this rank (e.g. its lanes): a failure or abort
-    /// of one fails the next call of every other.
-    pub fn with_liveness(mut self, live: Arc<Liveness>) -> Self {
-        self.live = live;
-        self
-    }
-
-    /// The liveness this communicator shares with the rank's others; [`Liveness::fail`] on it
-    /// ends waits in progress with an error and fails later calls before they enqueue.
-    pub fn liveness(&self) -> Arc<Liveness> {
-        self.live.clone()
-    }
-
-    /// The check before any call: `Err` once the rank has failed; then binds the stream's
-    /// context to this thread.
-    fn enter(&self, op: &str) -> CommResult<()> {
-        self.live.check(op)?;
-        bind(&self.stream)
-    }
-
-    /// [`NcclComm::enter`] for a call that enqueues NCCL work: also takes this GPU's enqueue
-    /// lock (`enqueue.rs`), held by the returned guard until the call has enqueued (never
-    /// across a wait).
-    fn enter_enqueue(&self, op: &str) -> CommResult<std::sync::MutexGuard<'static, ()>> {
-        self.enter(op)?;
-        Ok(enqueue_lock(self.device()))
-    }
-
-    /// One look at the work queued on this communicator's stream.
-    fn progress(&self) -> Progress {
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: `self.raw` is live (not aborted: `enter` checked the liveness, which an abort
-        // sets first); `state` is a valid out-pointer. The symbol was checked by the probe.
-        let got = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut state) };
-        if got != sys::ncclResult_t::ncclSuccess {
-            return Progress::Failed(
-                nccl_error("ncclCommGetAsyncError", NcclError(got), None).to_string(),
-            );
-        }
-        if state != sys::ncclResult_t::ncclSuccess && state != sys::ncclResult_t::ncclInProgress {
-            return Progress::Failed(
-                nccl_error("asynchronous NCCL error", NcclError(state), Some(self.raw)).to_string(),
-            );
-        }
-        // SAFETY: the stream is live for as long as `self` holds it.
-        match unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) } {
-            cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS => Progress::Done,
-            cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_READY => Progress::Pending,
-            e => Progress::Failed(format!("cuStreamQuery: {e:?}")),
-        }
-    }
-
-    /// Marks the rank failed and aborts this communicator (once): `ncclCommAbort` stops its
-    /// kernels and frees it, so the stream drains and nothing waits on a dead peer.
-    fn abort_comm(&self, reason: &str) {
-        self.live.fail(reason);
-        if !self.aborted.replace(true) {
-            // SAFETY: `self.raw` is live and not used again (`aborted` is set; every call
-            // checks the liveness, failed above, before touching it).
-            let _ = unsafe { result::comm_abort(self.raw) };
-        }
-    }
-
-    fn check_buffer<D: DeviceElement, B: DeviceSlice<D>>(&self, op: &str, b: &B) -> CommResult<()> {
-        let ordinal = b.stream().context().ordinal();
-        if ordinal != self.device() {
-            return Err(CommError::InvalidArgument(format!(
-                "{op}: buffer on GPU {ordinal}, communicator on GPU {}",
-                self.device()
-            )));
-        }
-        Ok(())
-    }
-
-    fn nccl_op(
-        &self,
-        op: &str,
-        kind: ElementKind,
-        reduce: ReduceOp,
-    ) -> CommResult<sys::ncclRedOp_t> {
-        match (reduce, kind) {
-            (ReduceOp::Sum, _) => Ok(sys::ncclRedOp_t::ncclSum),
-            // The average over one rank is the value itself, exactly what `ncclSum` returns.
-            // And `ncclAvg` is wrong there: NCCL 2.28.9 on an H200 (world 1) left the last 3 of
-            // 2^20 + 3 elements of an out-of-place reduce-scatter unwritten (2^20 right), in
-            // f32 and bf16, while `ncclSum` and an `ncclAvg` all-reduce were right.
-            (ReduceOp::Avg, ElementKind::F32 | ElementKind::Bf16) if self.size == 1 => {
-                Ok(sys::ncclRedOp_t::ncclSum)
-            }
-            (ReduceOp::Avg, ElementKind::U8) => Err(CommError::InvalidArgument(format!(
-                "{op}: averaging u8 is not supported"
-            ))),
-            (ReduceOp::Avg, _) => Ok(sys::ncclRedOp_t::ncclAvg),
-        }
-    }
-
-    fn cu_stream(&self) -> sys::cudaStream_t {
-        self.stream.cu_stream() as sys::cudaStream_t
-    }
-
-    /// In-place all-gather on the device: `buf` holds `size` chunks; chunk `rank` is this rank's
-    /// input and the others are filled from the peers. Uses NCCL's in-place convention
-    /// (`sendbuff = recvbuff + rank · chunk`): no staging buffer.
-    pub fn all_gather_in_place_dev<D: DeviceElement, B: DevicePtrMut<D>>(
-        &self,
-        buf: &mut B,
-    ) -> CommResult<()> {
-        const OP: &str = "all_gather_in_place_dev";
-        self.check_buffer(OP, buf)?;
-        let chunk = equal_chunks(OP, buf.len(), self.size)?;
-        if chunk == 0 {
-            return Ok(());
-        }
-        let _serial = self.enter_enqueue(OP)?;
-        let (ptr, _write) = buf.device_ptr_mut(&self.stream);
-        let send = ptr + (self.rank * chunk * std::mem::size_of::<D>()) as CUdeviceptr;
-        // SAFETY: `ptr` is a live device allocation of `size · chunk` elements of D on this
-        // comm's GPU, borrowed mutably for the call; `send` is its chunk `rank` (NCCL's in-place
-        // all-gather). The stream waits for prior work on the buffer (cudarc events) and `_write`
-        // records this write when dropped after the enqueue.
-        unsafe {
-            result::all_gather(
-                send as *const c_void,
-                ptr as *mut c_void,
-                chunk,
-                nccl_dtype(D::KIND),
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
-        Ok(())
-    }
-
-    /// All-gather on the device: `recv` (`size · send.len()`) receives every rank's `send` in
-    /// rank order.
-    pub fn all_gather_dev<D: DeviceElement, S: DevicePtr<D>, R: DevicePtrMut<D>>(
-        &self,
-        send: &S,
-        recv: &mut R,
-    ) -> CommResult<()> {
-        const OP: &str = "all_gather_dev";
-        self.check_buffer(OP, send)?;
-        self.check_buffer(OP, recv)?;
-        check_chunks(OP, "recv", recv.len(), send.len(), self.size)?;
-        if send.is_empty() {
-            return Ok(());
-        }
-        let _serial = self.enter_enqueue(OP)?;
-        let (src, _read) = send.device_ptr(&self.stream);
-        let (dst, _write) = recv.device_ptr_mut(&self.stream);
-        // SAFETY: `src` holds send.len() elements and `dst` size · send.len(), both live device
-        // allocations on this GPU; distinct Rust borrows, so they do not overlap.
-        unsafe {
-            result::all_gather(
-                src as *const c_void,
-                dst as *mut c_void,
-                send.len(),
-                nccl_dtype(D::KIND),
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
-        Ok(())
-    }
-
-    /// Reduce-scatter on the device: `send` holds `size` chunks of `recv.len()`; `recv` gets
-    /// the reduction of chunk `rank` over all ranks. [`ReduceOp::Avg`] is `ncclAvg`.
-    pub fn reduce_scatter_dev<D: DeviceElement, S: DevicePtr<D>, R: DevicePtrMut<D>>(
-        &self,
-        send: &S,
-        recv: &mut R,
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        const OP: &str = "reduce_scatter_dev";
-        self.check_buffer(OP, send)?;
-        self.check_buffer(OP, recv)?;
-        let redop = self.nccl_op(OP, D::KIND, op)?;
-        check_chunks(OP, "send", send.len(), recv.len(), self.size)?;
-        let count = recv.len();
-        if count == 0 {
-            return Ok(());
-        }
-        let _serial = self.enter_enqueue(OP)?;
-        let (src, _read) = send.device_ptr(&self.stream);
-        let (dst, _write) = recv.device_ptr_mut(&self.stream);
-        // SAFETY: `src` holds size · recv.len() elements and `dst` recv.len(), both live device
-        // allocations on this GPU; distinct Rust borrows, so they do not overlap.
-        unsafe {
-            result::reduce_scatter(
-                src as *const c_void,
-                dst as *mut c_void,
-                count,
-                nccl_dtype(D::KIND),
-                redop,
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
-        Ok(())
-    }
-
-    /// All-to-all with per-peer counts on the device (see [`Collective::all_to_all_v`]): one
-    /// `ncclSend` and one `ncclRecv` per peer with a non-empty chunk, in one NCCL group. The
-    /// counts are first all-gathered (16 bytes per rank and peer, through the host) and checked
-    /// pair by pair, so counts that disagree are [`CommError::Mismatch`] on every rank instead
-    /// of a hang.
-    pub fn all_to_all_v_dev<D: DeviceElement, S: DevicePtr<D>, R: DevicePtrMut<D>>(
-        &self,
-        send: &S,
-        send_counts: &[usize],
-        recv: &mut R,
-        recv_counts: &[usize],
-    ) -> CommResult<()> {
-        const OP: &str = "all_to_all_v_dev";
-        self.check_buffer(OP, send)?;
-        self.check_buffer(OP, recv)?;
-        check_counts(OP, "send", send.len(), send_counts, self.size)?;
-        check_counts(OP, "recv", recv.len(), recv_counts, self.size)?;
-        let mine: Vec<u8> = send_counts
-            .iter()
-            .chain(recv_counts)
-            .flat_map(|&c| (c as u64).to_le_bytes())
-            .collect();
-        let mut all = vec![0u8; mine.len() * self.size];
-        Collective::all_gather(self, &mine, &mut all)?;
-        let counts: Vec<Vec<usize>> = all
-            .chunks(mine.len())
-            .map(|r| {
-                r.chunks(8)
-                    .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
-                    .collect()
-            })
-            .collect();
-        let sends: Vec<&[usize]> = counts.iter().map(|c| &c[..self.size]).collect();
-        let recvs: Vec<&[usize]> = counts.iter().map(|c| &c[self.size..]).collect();
-        if let Some(msg) = counts_mismatch(OP, &sends, &recvs) {
-            return Err(CommError::Mismatch(msg));
-        }
-        let _serial = self.enter_enqueue(OP)?;
-        let elem = std::mem::size_of::<D>() as u64;
-        let (src, _read) = send.device_ptr(&self.stream);
-        let (dst, _write) = recv.device_ptr_mut(&self.stream);
-        let (mut s_at, mut r_at) = (0u64, 0u64);
-        result::group_start().map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
-        let mut posted = Ok(());
-        for peer in 0..self.size {
-            let (sn, rn) = (send_counts[peer], recv_counts[peer]);
-            // SAFETY: [s_at, s_at + sn) lies in `send` and [r_at, r_at + rn) in `recv` (their
-            // counts add up to their lengths), live device allocations on this GPU; distinct
-            // Rust borrows, so they do not overlap. The peer posts the matching call (checked).
-            let r = unsafe {
-                let sent = match sn {
-                    0 => Ok(()),
-                    _ => result::send(
-                        (src + s_at * elem) as *const c_void,
-                        sn,
-                        nccl_dtype(D::KIND),
-                        peer as i32,
-                        self.raw,
-                        self.cu_stream(),
-                    )
-                    .map(|_| ()),
-                };
-                sent.and_then(|()| match rn {
-                    0 => Ok(()),
-                    _ => result::recv(
-                        (dst + r_at * elem) as *mut c_void,
-                        rn,
-                        nccl_dtype(D::KIND),
-                        peer as i32,
-                        self.raw,
-                        self.cu_stream(),
-                    )
-                    .map(|_| ()),
-                })
-            };
-            if let Err(e) = r {
-                posted = Err(nccl_error(OP, e, Some(self.raw)));
-                break;
-            }
-            s_at += sn as u64;
-            r_at += rn as u64;
-        }
-        // The group is closed whatever happened inside it.
-        let ended = result::group_end().map_err(|e| nccl_error(OP, e, Some(self.raw)));
-        posted.and(ended.map(|_| ()))
-    }
-
-    /// In-place reduce-scatter on the device: `buf` holds `size` chunks; afterwards chunk
-    /// `rank` holds the reduction of chunk `rank` over all ranks (NCCL's in-place convention
-    /// `recvbuff = sendbuff + rank · chunk`); the other chunks are unspecified.
-    pub fn reduce_scatter_in_place_dev<D: DeviceElement, B: DevicePtrMut<D>>(
-        &self,
-        buf: &mut B,
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        const OP: &str = "reduce_scatter_in_place_dev";
-        self.check_buffer(OP, buf)?;
-        let redop = self.nccl_op(OP, D::KIND, op)?;
-        let chunk = equal_chunks(OP, buf.len(), self.size)?;
-        if chunk == 0 {
-            return Ok(());
-        }
-        let _serial = self.enter_enqueue(OP)?;
-        let (ptr, _write) = buf.device_ptr_mut(&self.stream);
-        let recv = ptr + (self.rank * chunk * std::mem::size_of::<D>()) as CUdeviceptr;
-        // SAFETY: `ptr` is a live device allocation of size · chunk elements on this GPU,
-        // borrowed mutably; `recv` is its chunk `rank` (NCCL's in-place reduce-scatter).
-        unsafe {
-            result::reduce_scatter(
-                ptr as *const c_void,
-                recv as *mut c_void,
-                chunk,
-                nccl_dtype(D::KIND),
-                redop,
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
-        Ok(())
-    }
-
-    /// All-reduce in place on the device. [`ReduceOp::Avg`] is `ncclAvg`.
-    pub fn all_reduce_dev<D: DeviceElement, B: DevicePtrMut<D>>(
-        &self,
-        buf: &mut B,
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        const OP: &str = "all_reduce_dev";
-        self.check_buffer(OP, buf)?;
-        let redop = self.nccl_op(OP, D::KIND, op)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let count = buf.len();
-        let _serial = self.enter_enqueue(OP)?;
-        let (ptr, _write) = buf.device_ptr_mut(&self.stream);
-        // SAFETY: `ptr` is a live device allocation of `count` elements on this GPU, borrowed
-        // mutably; NCCL supports sendbuff == recvbuff for all-reduce.
-        unsafe {
-            result::all_reduce(
-                ptr as *const c_void,
-                ptr as *mut c_void,
-                count,
-                nccl_dtype(D::KIND),
-                redop,
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
-        Ok(())
-    }
-
-    /// Broadcast in place on the device: every rank's `buf` gets `root`'s.
-    pub fn broadcast_dev<D: DeviceElement, B: DevicePtrMut<D>>(
-        &self,
-        buf: &mut B,
-        root: usize,
-    ) -> CommResult<()> {
-        const OP: &str = "broadcast_dev";
-        self.check_buffer(OP, buf)?;
-        check_root(OP, root, self.size)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let count = buf.len();
-        let _serial = self.enter_enqueue(OP)?;
-        let (ptr, _write) = buf.device_ptr_mut(&self.stream);
-        // SAFETY: `ptr` is a live device allocation of `count` elements on this GPU, borrowed
-        // mutably; NCCL supports sendbuff == recvbuff for broadcast. root < size fits i32.
-        unsafe {
-            result::broadcast(
-                ptr as *const c_void,
-                ptr as *mut c_void,
-                count,
-                nccl_dtype(D::KIND),
-                root as i32,
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
-        Ok(())
-    }
-
     /// Splits into sub-communicators with `ncclCommSplit` (collective over this communicator):
     /// ranks with the same `color` form one, ordered by `key`, then by rank. The child uses
     /// this communicator's GPU and stream.
@@ -739,6 +230,51 @@ impl NcclComm {
             _not_send: PhantomData,
         })
     }
+
+    /// This rank's index.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The GPU ordinal this rank runs on.
+    pub fn device(&self) -> usize {
+        self.stream.context().ordinal()
+    }
+
+    /// The stream collectives are enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The CUDA context (GPU) of this rank.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.stream.context()
+    }
+
+    /// The raw `ncclComm_t`, for NCCL calls this type does not wrap. Do not destroy it.
+    pub fn raw(&self) -> sys::ncclComm_t {
+        self.raw
+    }
+
+    /// The check before any call: `Err` once the rank has failed; then binds the stream's
+    /// context to this thread.
+    pub(super) fn enter(&self, op: &str) -> CommResult<()> {
+        self.live.check(op)?;
+        bind(&self.stream)
+    }
+
+    /// [`NcclComm::enter`] for a call that enqueues NCCL work: also takes this GPU's enqueue
+    /// lock (`enqueue.rs`), held by the returned guard until the call has enqueued (never
+    /// across a wait).
+    pub(super) fn enter_enqueue(&self, op: &str) -> CommResult<std::sync::MutexGuard<'static, ()>> {
+        self.enter(op)?;
+        Ok(enqueue_lock(self.device()))
+    }
 }
 
 /// Makes the stream's context current on this thread (NCCL uses the current device).
@@ -747,48 +283,4 @@ fn bind(stream: &CudaStream) -> CommResult<()> {
         .context()
         .bind_to_thread()
         .map_err(|e| cuda_error("bind context", e))
-}
-
-/// `count` fresh unique ids, the same on every rank of `boot`: checks every rank has NCCL, rank
-/// 0 makes the ids, `boot` broadcasts their bytes. Collective over `boot`; if any rank lacks
-/// NCCL or rank 0 cannot make an id, every rank returns the error (no rank hangs).
-pub(super) fn agree_ids<C: Collective>(boot: &C, count: usize) -> CommResult<Vec<NcclUniqueId>> {
-    let local = probe();
-    let mut missing = [if local.is_err() { 1f32 } else { 0f32 }];
-    boot.all_reduce(&mut missing, ReduceOp::Sum)?;
-    if missing[0] > 0.0 {
-        return Err(match local {
-            Err(e) => e,
-            Ok(()) => CommError::Unavailable(format!(
-                "NCCL engine: unavailable on {} rank(s) of the bootstrap world",
-                missing[0]
-            )),
-        });
-    }
-    // Byte 0: 1 when rank 0 made the ids; then the ids.
-    let mut msg = vec![0u8; 1 + count * NCCL_UNIQUE_ID_BYTES];
-    let mut made = Ok(());
-    if boot.rank() == 0 {
-        let ids: CommResult<Vec<NcclUniqueId>> = (0..count).map(|_| NcclUniqueId::new()).collect();
-        match ids {
-            Ok(ids) => {
-                msg[0] = 1;
-                for (chunk, id) in msg[1..].chunks_mut(NCCL_UNIQUE_ID_BYTES).zip(&ids) {
-                    chunk.copy_from_slice(id.as_bytes());
-                }
-            }
-            Err(e) => made = Err(e),
-        }
-    }
-    boot.broadcast(&mut msg, 0)?;
-    made?;
-    if msg[0] != 1 {
-        return Err(CommError::Engine(
-            "rank 0 of the bootstrap world could not create an NCCL unique id".into(),
-        ));
-    }
-    msg[1..]
-        .chunks(NCCL_UNIQUE_ID_BYTES)
-        .map(NcclUniqueId::from_bytes)
-        .collect()
 }

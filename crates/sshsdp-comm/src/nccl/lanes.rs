@@ -3,7 +3,7 @@
 
 use crate::{Collective, CommError, CommFactory, CommResult};
 
-use super::comm::agree_ids;
+use super::id::agree_ids;
 use super::{Liveness, NcclComm, NcclUniqueId};
 
 /// One NCCL unique id per lane, agreed by every rank; [`CommFactory::connect`] creates lane

@@ -106,8 +106,11 @@
 //! ```
 
 mod comm;
+mod device;
 mod enqueue;
+mod failure;
 mod host;
+mod id;
 mod lanes;
 mod probe;
 mod raw;
@@ -121,8 +124,9 @@ use cudarc::nccl::result::NcclError;
 use cudarc::nccl::sys;
 use half::bf16;
 
-pub use comm::{NcclComm, NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
+pub use comm::NcclComm;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView};
+pub use id::{NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
 pub use lanes::NcclLanes;
 pub use probe::{device_count, is_available, nccl_version, probe};
 pub use watch::{timeout_from_env, Liveness, DEFAULT_NCCL_TIMEOUT, NCCL_TIMEOUT_ENV};

@@ -23,12 +23,13 @@ use sshsdp_kernels::{
     dequantize_square, narrow_bf16, quantize_square, widen_bf16, InputDType, KernelError, SquareAt,
 };
 
-use crate::codec::{BucketCodec, CodecOp, MX_FORMAT};
+use super::views::member_views;
+use super::{client_of, for_each_runtime, is_cube, lane_client, padded_to_words};
 use crate::config::Precision;
-use crate::cube_views::{client_of, for_each_runtime, is_cube, lane_client, member_views};
-use crate::storage::{padded_to_words, DeviceUnits, Elems};
-use crate::views::{ComputeBuf, Member};
-use crate::worker::StageUnits;
+use crate::lanes::StageUnits;
+use crate::storage::codec::{BucketCodec, CodecOp, MX_FORMAT};
+use crate::storage::compute::{ComputeBuf, Member};
+use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
 /// Uploads gathered host units into a CubeCL buffer of `device` on the shard lane, if `B` is a
@@ -110,7 +111,7 @@ pub(crate) struct CubeUnits<R: CubeRuntime> {
     /// The buffer: its length is a whole number of 4-byte words (the codec kernels read words).
     pub handle: Handle,
     /// Where kernels wrote the buffer after its allocation (the update's encode), a
-    /// [`stream_mark`](crate::cube_views::stream_mark) made once they were queued: what an
+    /// [`stream_mark`](super::stream_mark) made once they were queued: what an
     /// engine on another stream must wait for before it reads the buffer (`cube_gather.rs`).
     /// `None` where the buffer was written with its allocation (an upload) or by an engine
     /// whose wait has returned.
@@ -255,7 +256,7 @@ pub(crate) fn encode_piece_units_if_cube<B: Backend>(
             // The encode (or the update that wrote the f32 master) is queued: mark it, so an
             // engine on another stream reads the units only after it (`cube_gather.rs`).
             let units = units.map(|mut units| {
-                units.written = Some(crate::cube_views::stream_mark(&units.client));
+                units.written = Some(super::stream_mark(&units.client));
                 units
             });
             return Some(units.map(|units| {
@@ -397,7 +398,7 @@ fn run<R: CubeRuntime>(
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use super::*;
-    use crate::storage::download;
+    use crate::storage::buffers::download;
     use burn_cubecl::CubeBackend;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
     use sshsdp_plan::{DType, Mesh, ParamSpec, Plan, PlanConfig, Role, RuntimeFormat};
@@ -488,7 +489,7 @@ mod tests {
 
     #[test]
     fn device_encode_is_bit_identical_to_the_host_encode() {
-        use crate::storage::upload;
+        use crate::storage::buffers::upload;
         let device = WgpuDevice::default();
         // Ordinary values with specials mixed in: NaN (signalling too), ±inf, ±0, subnormals,
         // bf16 rounding ties and the largest finite f32.

@@ -27,115 +27,24 @@ use std::sync::Arc;
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use sshsdp_comm::{Collective, CommFactory, SplitLanes};
-use sshsdp_plan::{DType, ParamSpec, Plan};
+use sshsdp_plan::Plan;
 
 use crate::backend_ext::ShardableBackend;
-use crate::buffers::{buffer_specs, BufferSpec};
-use crate::codec::BucketCodec;
-use crate::comm::{LaneId, RUNTIME_LANES};
-use crate::leaves::leaf;
-use crate::paths::{map_at, visit_at, MapAt, VisitAt};
-use crate::plan_agreement::agree_on_plan;
+use crate::lanes::comm::{LaneFactory, LaneId, RUNTIME_LANES};
+use crate::model::buffers::{buffer_specs, BufferSpec};
+use crate::model::leaves::leaf;
+use crate::model::params::{param_specs, placeholder, without_drawing};
+use crate::model::paths::{map_at, MapAt};
 use crate::runtime::Runtime;
-pub use crate::source::ParamSource;
-use crate::source::{buffers_from_source, check_source, read_shard};
+use crate::storage::BucketCodec;
+use plan_agreement::agree_on_plan;
+mod plan_agreement;
+mod source;
+
 use crate::tensor::{HsdpFloat, ParamHandle};
 use crate::{registry, HsdpConfig, HsdpError, HsdpRuntime};
-
-/// A float parameter of a module, keyed by its path.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NamedParam {
-    /// Module path, e.g. `blocks.0.attn.query.weight`.
-    pub path: String,
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// Values, row-major, as f32.
-    pub values: Vec<f32>,
-}
-
-/// Collects each float parameter's path, shape and values, in module order.
-struct Collector {
-    params: Vec<NamedParam>,
-    error: Option<String>,
-}
-
-impl<B: burn::tensor::backend::Backend> VisitAt<B> for Collector {
-    fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
-        let tensor = param.val();
-        let shape = tensor.dims().to_vec();
-        match tensor.into_data().convert::<f32>().into_vec::<f32>() {
-            Ok(values) => self.params.push(NamedParam {
-                path: path.to_string(),
-                shape,
-                values,
-            }),
-            Err(e) => {
-                self.error.get_or_insert(format!("reading {path}: {e:?}"));
-            }
-        }
-    }
-}
-
-/// Every float parameter of `module`, in module order, keyed by the paths [`shard`] plans by.
-/// Useful to compare or export weights.
-pub fn named_params<B: burn::tensor::backend::Backend, M: Module<B>>(
-    module: &M,
-) -> Result<Vec<NamedParam>, HsdpError> {
-    let mut collector = Collector {
-        params: Vec::new(),
-        error: None,
-    };
-    visit_at(module, &mut collector);
-    match collector.error {
-        Some(e) => Err(HsdpError::Unsupported(e)),
-        None => Ok(collector.params),
-    }
-}
-
-/// Collects each float parameter's path and shape (in module order) without initialising it.
-struct ShapeCollector {
-    specs: Vec<ParamSpec>,
-}
-
-impl<B: burn::tensor::backend::Backend> VisitAt<B> for ShapeCollector {
-    fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
-        let order = self.specs.len() as u64;
-        self.specs.push(
-            ParamSpec::new(path, param.lazy_shape().to_vec(), DType::F32)
-                .with_order(order)
-                .with_frozen(is_frozen(param)),
-        );
-    }
-}
-
-/// Whether `param` is frozen (`require_grad` false on a backend that computes gradients), read
-/// without initialising a lazy parameter (on a clone: the parameter itself is untouched).
-fn is_frozen<B: burn::tensor::backend::Backend, const D: usize>(
-    param: &Param<Tensor<B, D>>,
-) -> bool {
-    B::ad_enabled(&param.lazy_device()) && !without_drawing(param.clone()).is_require_grad()
-}
-
-/// `param` initialised: as it is if it is, else with a [`placeholder`] through Burn's load
-/// path, which gives it its gradient setting without running its initialiser.
-fn without_drawing<B: burn::tensor::backend::Backend, const D: usize>(
-    param: Param<Tensor<B, D>>,
-) -> Param<Tensor<B, D>> {
-    if param.is_initialized() {
-        return param;
-    }
-    let (id, device) = (param.id, param.lazy_device());
-    param.transform_for_load(placeholder::<B, D>(&device, false), id)
-}
-
-/// A one-element stand-in for a parameter's value: what a parameter holds between the moment
-/// its value is read into a bucket and the moment it becomes a handle into the runtime.
-fn placeholder<B: burn::tensor::backend::Backend, const D: usize>(
-    device: &B::Device,
-    require_grad: bool,
-) -> Tensor<B, D> {
-    Tensor::<B, D>::zeros([1; D], device).set_require_grad(require_grad)
-}
+pub use source::ParamSource;
+use source::{buffers_from_source, check_source, read_shard};
 
 /// Rank 0's reader of one bucket: initialises (if lazy) and reads each member parameter into
 /// the bucket's fp32 element space, and leaves a [`placeholder`] in its place so the module
@@ -167,34 +76,6 @@ impl<B: burn::tensor::backend::Backend> MapAt<B> for BucketReader<'_> {
         }
         Param::from_mapped_value(id, placeholder::<B, D>(&device, require_grad), mapper)
     }
-}
-
-/// Every float parameter's module path and shape, in module order, without initialising any
-/// (Burn's lazy parameters report their shapes): what [`shard`] plans from. Module buffers
-/// (BatchNorm's running statistics) are not parameters and are left out.
-pub fn param_shapes<B: burn::tensor::backend::Backend, M: Module<B>>(
-    module: &M,
-) -> Vec<(String, Vec<usize>)> {
-    param_specs(module, &buffer_specs(module))
-        .into_iter()
-        .map(|s| (s.path, s.shape))
-        .collect()
-}
-
-/// Every float parameter's spec (path, lazy shape, module order; buffers left out, see
-/// [`crate::buffers`]), without initialising any.
-fn param_specs<B: burn::tensor::backend::Backend, M: Module<B>>(
-    module: &M,
-    buffers: &[BufferSpec],
-) -> Vec<ParamSpec> {
-    let mut shapes = ShapeCollector { specs: Vec::new() };
-    visit_at(module, &mut shapes);
-    let mut specs = shapes.specs;
-    specs.retain(|s| !buffers.iter().any(|b| b.path == s.path));
-    for (order, spec) in specs.iter_mut().enumerate() {
-        spec.order = Some(order as u64);
-    }
-    specs
 }
 
 /// Swaps each float parameter for a handle into bucket storage, without initialising the
@@ -314,7 +195,7 @@ where
 {
     let rank = factory.rank();
     let factory = Arc::new(factory);
-    let lanes: Arc<dyn crate::comm::LaneFactory> = factory.clone();
+    let lanes: Arc<dyn LaneFactory> = factory.clone();
     let sharded = shard_on::<B, M>(module, config, lanes, device, source);
     if let Err(e) = &sharded {
         factory.abort(&format!("rank {rank} failed in shard: {e}"));
@@ -326,7 +207,7 @@ where
 fn shard_on<B, M>(
     module: M,
     config: HsdpConfig,
-    factory: Arc<dyn crate::comm::LaneFactory>,
+    factory: Arc<dyn LaneFactory>,
     device: &B::Device,
     source: Option<&dyn ParamSource>,
 ) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
@@ -335,10 +216,9 @@ where
     M: Module<B>,
 {
     // Parameters start on the device's buffer-offset alignment, so each is a view of its bucket.
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
     let config = {
         let mut config = config;
-        if let Some(align) = crate::cube_views::alignment::<B::Inner>(device) {
+        if let Some(align) = crate::storage::alignment::<B::Inner>(device) {
             // The plan aligns starts in f32 bytes; a bf16 compute buffer has half the bytes
             // before each parameter, so it needs twice the alignment in f32 terms.
             let align = align.next_multiple_of(32) * (4 / config.precision.compute.bytes());
@@ -493,7 +373,7 @@ fn local_plan<B: ShardableBackend, M: Module<B>>(
     module: &M,
     buffers: &[BufferSpec],
     config: &HsdpConfig,
-    factory: &dyn crate::comm::LaneFactory,
+    factory: &dyn LaneFactory,
 ) -> Result<Plan, HsdpError> {
     sshsdp_comm::faults::inject("sshsdp::shard", factory.world_rank())
         .map_err(HsdpError::Failed)?;

@@ -5,8 +5,8 @@
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use super::paths::{visit_at, VisitAt};
 use crate::backend_ext::ShardableBackend;
-use crate::paths::{visit_at, VisitAt};
 use crate::tensor::HsdpFloat;
 use crate::HsdpError;
 

@@ -24,12 +24,12 @@ use half::bf16;
 use sshsdp_comm::{CommError, CommResult, ElementKind};
 use sshsdp_plan::Sharding;
 
-use crate::comm::MeshComm;
+use super::codec::{float_tensor, CubeUnits};
+use super::{for_each_runtime, is_cube, lane_client, stream_mark, word_buffer_len};
 use crate::config::Precision;
-use crate::cube_codec::{float_tensor, CubeUnits};
-use crate::cube_views::{for_each_runtime, is_cube, lane_client, stream_mark};
-use crate::storage::{word_buffer_len, DeviceUnits, Elems};
-use crate::worker::DeviceReduceJob;
+use crate::lanes::comm::MeshComm;
+use crate::lanes::DeviceReduceJob;
+use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
 /// A bucket's device gradient as a reduction starts from it.
@@ -119,7 +119,7 @@ fn addresses_for<R: CubeRuntime>() -> Option<Addresses<R>> {
     #[cfg(feature = "cuda")]
     {
         let cuda: Box<dyn Any> =
-            Box::new(crate::cube_gather::ready_addresses as Addresses<cubecl::cuda::CudaRuntime>);
+            Box::new(super::gather::ready_addresses as Addresses<cubecl::cuda::CudaRuntime>);
         if let Ok(f) = cuda.downcast::<Addresses<R>>() {
             return Some(*f);
         }

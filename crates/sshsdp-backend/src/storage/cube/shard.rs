@@ -11,10 +11,10 @@ use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
 use sshsdp_comm::{CommError, CommResult};
 
-use crate::cube_codec::CubeUnits;
-use crate::cube_views::{client_of, for_each_runtime, is_cube};
-use crate::storage::{DeviceUnits, Elems};
-use crate::worker::ReadUnits;
+use super::codec::CubeUnits;
+use super::{client_of, for_each_runtime, is_cube};
+use crate::lanes::ReadUnits;
+use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
 /// `units` in a new CubeCL buffer of `device`, if `B` is a CubeCL backend this build supports

@@ -1,26 +1,7 @@
-//! Storage of one rank: where each role's buffers live ([`Placement`]) and the runtime units
-//! of a bucket's runtime shards.
-//!
-//! Roles and where they live today:
-//!
-//! | role | placement |
-//! |---|---|
-//! | runtime shard | [`HsdpConfig::with_shard_placement`](crate::HsdpConfig::with_shard_placement) ([`ShardBuf`]): host (what the host collectives read and write) or a CubeCL buffer of `B`'s device (by default where the engine moves device memory, NCCL: gathered from and rebuilt on the device, each update's piece encoded into it; elsewhere this rank's part is read back for each gather) |
-//! | gathered bucket | `B`'s device: on CubeCL backends the gathered units land in a device buffer ([`DeviceUnits`]: written by NCCL itself, `cube_gather.rs`, or gathered on the host and uploaded by the shard lane) and are decoded there by kernels; elsewhere decoded on the host into one `B` tensor; parameters are views of it |
-//! | gradient bucket | [`HsdpConfig::with_grad_placement`](crate::HsdpConfig::with_grad_placement): host (default; each gradient read back as it arrives) or `B`'s device (summed there; on CubeCL backends reduced from the device, `cube_reduce.rs`; elsewhere read back once per bucket for the host reduction) |
-//! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`MasterBuf`]) |
-//! | optimizer state | with the masters: the optimizer's tensors on its device |
-//!
-//! With device masters the update runs on `B`'s device with no host copy of a master (the
-//! optimizer gets [`crate::PieceValues::Device`]); each piece's runtime units are re-derived on
-//! the device where `B` is a CubeCL backend (square-block MXFP8 tiles and bf16 encoded by the
-//! kernels of `cube_codec.rs`); with device shards they stay there (they become the shard, or are
-//! gathered into it), with host shards only those bytes are read back for the host collectives
-//! that rebuild the shards — about half the master's bytes; elsewhere, and for the f32 format
-//! with host shards, the master's values are read back and encoded on the host
-//! ([`crate::Counters::staged_bytes`]).
-//!
-//! Runtime units: what a bucket's runtime shards hold and what its all-gathers move.
+//! Runtime units: the runs of elements a bucket's runtime shards hold and its collectives move
+//! ([`Elems`] on the host, [`DeviceUnits`] in a device buffer, [`Gathered`] either way). The
+//! payload of the lanes (`lanes/`) and of storage (`storage/`), known to both, depending on
+//! neither.
 //!
 //! * `F32`: the runtime elements *are* the fp32 master weights of this rank's piece (updated in
 //!   place) and the gathered buffer becomes the compute tensor as it is.
@@ -30,138 +11,11 @@
 //!   apart.
 //!
 //! Where a parameter sits in these units and how they are encoded from the masters and decoded
-//! for compute is the plan's layout, read by the bucket's [`crate::codec::BucketCodec`].
+//! for compute is the plan's layout, read by the bucket's codec (`storage/codec.rs`).
 
-use burn_backend::{read_sync, Backend, TensorData, TensorMetadata};
 use half::bf16;
 
 use crate::HsdpError;
-
-/// Where the buffers of a storage role live.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Placement {
-    /// Host memory (`Vec`s), read and written by the host collectives directly.
-    #[default]
-    Host,
-    /// The device of the decorated backend `B` (`B` tensors): on a GPU backend, GPU memory;
-    /// values cross to the host only where a host collective or codec needs them (staged).
-    Device,
-}
-
-/// Memory of the decorated backend's device as its allocator reports it (CubeCL's
-/// `memory_usage`): what tensors use against what the memory pools hold. Shared by every user
-/// of the device in the process (all ranks driving it, and anything else on it).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DeviceMemory {
-    /// Bytes in live allocations.
-    pub in_use: u64,
-    /// Bytes the pools hold (in use, plus free pages kept for reuse).
-    pub reserved: u64,
-    /// Live allocations.
-    pub allocations: u64,
-}
-
-/// The memory of `device` if `B` is a CubeCL backend this build supports (`None` otherwise,
-/// and when the device cannot say).
-pub(crate) fn device_memory<B: Backend>(device: &B::Device) -> Option<DeviceMemory> {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    {
-        crate::cube_views::memory_usage::<B>(device)
-    }
-    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-    {
-        let _ = device;
-        None
-    }
-}
-
-/// One piece's fp32 master weights, where [`Placement`] put them.
-pub(crate) enum MasterBuf<B: Backend> {
-    /// On the host.
-    Host(Vec<f32>),
-    /// A 1-D tensor on `B`'s device.
-    Device(B::FloatTensorPrimitive),
-}
-
-impl<B: Backend> MasterBuf<B> {
-    /// `values` placed by `placement` (uploaded to `device` for [`Placement::Device`]).
-    pub fn new(placement: Placement, values: Vec<f32>, device: &B::Device) -> Self {
-        match placement {
-            Placement::Host => MasterBuf::Host(values),
-            Placement::Device => MasterBuf::Device(upload::<B>(values, device)),
-        }
-    }
-
-    /// Bytes held on the host.
-    pub fn host_bytes(&self) -> u64 {
-        match self {
-            MasterBuf::Host(v) => 4 * v.len() as u64,
-            MasterBuf::Device(_) => 0,
-        }
-    }
-
-    /// Bytes held on the device.
-    pub fn device_bytes(&self) -> u64 {
-        match self {
-            MasterBuf::Host(_) => 0,
-            MasterBuf::Device(t) => 4 * t.shape().num_elements() as u64,
-        }
-    }
-}
-
-/// `values` as a 1-D f32 tensor on `device`.
-pub(crate) fn upload<B: Backend>(values: Vec<f32>, device: &B::Device) -> B::FloatTensorPrimitive {
-    let n = values.len();
-    B::float_from_data(TensorData::new(values, [n]), device)
-}
-
-/// A float tensor's values, read back to the host as f32.
-pub(crate) fn download<B: Backend>(tensor: B::FloatTensorPrimitive) -> Result<Vec<f32>, HsdpError> {
-    read_sync(B::float_into_data(tensor))
-        .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))?
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))
-}
-
-/// A bucket's runtime shard on this rank, where its [`Placement`] put it.
-pub(crate) enum ShardBuf {
-    /// Host memory, what the host collectives read (shared with a gather in flight).
-    Host(std::sync::Arc<Elems>),
-    /// A CubeCL buffer of the decorated backend's device (`cube_shard.rs`).
-    Device(DeviceUnits),
-}
-
-impl ShardBuf {
-    /// Number of runtime units.
-    pub fn len(&self) -> usize {
-        match self {
-            ShardBuf::Host(e) => e.len(),
-            ShardBuf::Device(d) => d.len,
-        }
-    }
-
-    /// Bytes of the units.
-    pub fn bytes(&self) -> u64 {
-        match self {
-            ShardBuf::Host(e) => e.bytes(),
-            ShardBuf::Device(d) => d.bytes(),
-        }
-    }
-
-    /// `len` zeros of the shard's unit type (a receive buffer).
-    pub fn zeros_like(&self, len: usize) -> Elems {
-        match self {
-            ShardBuf::Host(e) => e.zeros_like(len),
-            ShardBuf::Device(d) => d.kind.zeros_like(len),
-        }
-    }
-
-    /// Whether the shard is in device memory.
-    pub fn on_device(&self) -> bool {
-        matches!(self, ShardBuf::Device(_))
-    }
-}
 
 /// Runtime units in a device buffer of the decorated backend (a CubeCL buffer: written by the
 /// engine itself, `cube_gather.rs`, or uploaded by the shard lane after a host gather,
@@ -221,7 +75,6 @@ pub(crate) fn word_buffer_len(bytes: usize) -> usize {
 }
 
 /// `bytes` zero-padded to [`word_buffer_len`].
-#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
 pub(crate) fn padded_to_words(mut bytes: Vec<u8>) -> Vec<u8> {
     bytes.resize(word_buffer_len(bytes.len()), 0);
     bytes

@@ -25,8 +25,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-use crate::paths::{map_at, visit_at, MapAt, VisitAt};
-use crate::{HsdpError, NamedParam};
+use super::paths::{map_at, visit_at, MapAt, NamedParam, VisitAt};
+use crate::HsdpError;
 
 /// A module buffer every rank agreed on at `shard`: its module path and shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

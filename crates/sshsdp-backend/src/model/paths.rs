@@ -7,6 +7,17 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+/// A float parameter of a module, keyed by its path.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NamedParam {
+    /// Module path, e.g. `blocks.0.attn.query.weight`.
+    pub path: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values, row-major, as f32.
+    pub values: Vec<f32>,
+}
+
 /// Walks module paths as a visitor or mapper enters and leaves modules.
 #[derive(Default)]
 struct PathTracker {

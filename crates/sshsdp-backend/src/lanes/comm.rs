@@ -16,7 +16,7 @@ use sshsdp_comm::{
 use sshsdp_plan::Sharding;
 use std::ops::Range;
 
-use crate::storage::Elems;
+use crate::units::Elems;
 
 /// The lanes of a runtime: the model thread's during `shard` (registration), then the shard
 /// lane's and the replica lane's.

@@ -7,8 +7,8 @@ use std::hash::{Hash, Hasher};
 
 use sshsdp_plan::Plan;
 
-use crate::buffers::BufferSpec;
-use crate::comm::MeshComm;
+use crate::lanes::comm::MeshComm;
+use crate::model::buffers::BufferSpec;
 use crate::HsdpError;
 
 /// A rank's parameters or buffers: each one's path and shape, in module order.

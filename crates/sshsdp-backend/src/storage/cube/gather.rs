@@ -8,7 +8,7 @@
 //! cubecl-cuda gives each host thread its own stream and stamps every allocation with its
 //! stream's position; a thread touching another stream's buffer waits for that stream only if
 //! it has not synchronised with it past the buffer's stamp (see
-//! [`stream_mark`](crate::cube_views::stream_mark)). NCCL runs on its own stream, outside that
+//! [`stream_mark`](super::stream_mark)). NCCL runs on its own stream, outside that
 //! scheme, so a lane readies the buffers first (`ready_addresses`): `get_resource` on each makes
 //! the lane's CubeCL stream wait for the streams that own them where needed, and a host wait on
 //! the lane's stream makes that wait complete before NCCL is called.
@@ -41,10 +41,10 @@ use cubecl::server::Handle;
 use cubecl::Runtime;
 use sshsdp_comm::{CommError, CommResult, ElementKind};
 
-use crate::cube_codec::CubeUnits;
-use crate::cube_views::is_cube;
-use crate::storage::{padded_to_words, word_buffer_len, DeviceUnits, Elems};
-use crate::worker::DeviceGatherJob;
+use super::codec::CubeUnits;
+use super::{is_cube, padded_to_words, word_buffer_len};
+use crate::lanes::DeviceGatherJob;
+use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
 /// The CUDA ordinal of `device` if `B` is `CubeBackend<CudaRuntime, …>` (`None` otherwise).

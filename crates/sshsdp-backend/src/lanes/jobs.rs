@@ -1,0 +1,88 @@
+//! What the lanes carry besides host runtime units: the device jobs that storage hands over
+//! (made in `storage/cube/`, run on a lane's thread against its communicators) and the reply
+//! to any request.
+
+use std::ops::Range;
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::Arc;
+
+use sshsdp_comm::{CommError, CommResult};
+use sshsdp_plan::Sharding;
+
+use super::comm::MeshComm;
+use crate::units::{DeviceUnits, Elems};
+
+/// What a rank sends in a bucket all-gather on host memory.
+pub(crate) enum ShardPart {
+    /// Units `range` of a host shard.
+    Host(Arc<Elems>, Range<usize>),
+    /// Units of a device shard, read back to the host on the shard lane first.
+    // Made only on CubeCL backends (`storage/cube/shard.rs`).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    Device(Box<dyn ReadUnits>),
+}
+
+/// Reads runtime units of a device buffer back to the host, on a lane (so the read overlaps the
+/// model thread's compute, as the gather does).
+pub(crate) trait ReadUnits: Send {
+    /// The units, in host memory.
+    fn read(self: Box<Self>) -> CommResult<Elems>;
+}
+
+/// The buffers of an all-gather on device memory (`storage/cube/gather.rs`), made by the model thread
+/// and handed to the shard lane, which keeps them alive until the engine is done.
+pub(crate) trait DeviceGatherJob: Send {
+    /// The element type moved.
+    fn kind(&self) -> sshsdp_comm::ElementKind;
+    /// Units each rank sends.
+    fn count(&self) -> usize;
+    /// Called on the lane's thread: waits until the device work queued before the buffers
+    /// (their writes, earlier reads of recycled memory) is done, then returns the send and
+    /// receive addresses, valid while `self` lives.
+    fn ready(&mut self) -> CommResult<(u64, u64)>;
+    /// The receive buffer, once the engine is done with it (the resources pinned for the
+    /// engine are let go).
+    fn into_units(self: Box<Self>) -> DeviceUnits;
+}
+
+/// A gradient reduction of a full-bucket gradient held in device memory of the decorated
+/// backend (`storage/cube/reduce.rs`): its two stages run on the two lanes in turn, as host reductions
+/// do, either by the engine on device memory (NCCL) or staged through the host.
+pub(crate) trait DeviceReduceJob: Send {
+    /// Shard lane: the shard-group stage.
+    fn within_shard_group(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()>;
+    /// Replica lane: the replica stage.
+    fn across_replicas(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()>;
+    /// The world-averaged gradient piece, in device memory.
+    fn into_piece(self: Box<Self>) -> DeviceUnits;
+}
+
+/// Uploads gathered host units into a device buffer of the decorated backend, on the shard
+/// lane (the staged path of engines without device collectives: the upload overlaps the model
+/// thread's compute, as the gather does).
+pub(crate) trait StageUnits: Send {
+    /// `units` in a new device buffer.
+    fn stage(self: Box<Self>, units: Elems) -> DeviceUnits;
+}
+
+/// A reply on its way: runtime elements (gathers, rebuilds) or a gradient piece (reductions).
+pub(crate) struct Reply<T = Vec<f32>>(pub(super) Receiver<CommResult<T>>);
+
+impl<T> Reply<T> {
+    /// A reply that is already the failure `e` (a collective that could not be queued: the
+    /// caller records the failure, which aborts the peers' side of it).
+    pub fn failed(e: CommError) -> Self {
+        let (tx, rx) = channel();
+        let _ = tx.send(Err(e));
+        Reply(rx)
+    }
+
+    /// Blocks until the collective is done.
+    pub fn wait(self) -> CommResult<T> {
+        self.0.recv().unwrap_or_else(|_| {
+            Err(CommError::PeerFailed(
+                "the communication thread stopped".into(),
+            ))
+        })
+    }
+}

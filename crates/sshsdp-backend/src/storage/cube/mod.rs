@@ -1,0 +1,138 @@
+//! Device storage on CubeCL backends (`CubeBackend<R, …>` with this crate's `wgpu` or `cuda`
+//! feature): everything that touches a CubeCL buffer, one module per job.
+//!
+//! * `views.rs`: parameter views over a gathered bucket's device buffer (no kernel, no copy);
+//! * `codec.rs`: the square-block MXFP8 and bf16 kernels of `sshsdp-kernels` run on a bucket's
+//!   units (decode after a gather, encode of a piece after its update), and the lane's upload;
+//! * `gather.rs`: all-gathers whose engine (NCCL) moves device memory itself;
+//! * `reduce.rs`: gradient reductions from device memory, by the engine or staged via the host;
+//! * `shard.rs`: runtime shards held in device memory (read back, uploaded).
+//!
+//! This module holds what they share: the runtimes this build supports ([`for_each_runtime`]),
+//! the client of a device, stream ordering across threads, and buffer sizes.
+
+use std::any::{Any, TypeId};
+
+use burn_backend::Backend;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::Runtime;
+
+use crate::storage::buffers::DeviceMemory;
+pub(crate) use crate::units::{padded_to_words, word_buffer_len};
+
+pub(crate) mod codec;
+#[cfg(feature = "cuda")]
+pub(crate) mod gather;
+pub(crate) mod reduce;
+pub(crate) mod shard;
+pub(crate) mod views;
+
+/// Calls `$body` with `$R` bound to each CubeCL runtime this build supports.
+macro_rules! for_each_runtime {
+    ($R:ident => $body:block) => {{
+        #[cfg(feature = "wgpu")]
+        {
+            type $R = cubecl::wgpu::WgpuRuntime;
+            $body
+        }
+        #[cfg(feature = "cuda")]
+        {
+            type $R = cubecl::cuda::CudaRuntime;
+            $body
+        }
+    }};
+}
+
+pub(crate) use for_each_runtime;
+
+/// The CubeCL client of `device`, a device of `B` whose float tensors are `CubeTensor<R>`
+/// (checked by the caller with [`is_cube`]).
+pub(crate) fn client_of<B: Backend, R: CubeRuntime>(
+    device: &B::Device,
+) -> cubecl::prelude::ComputeClient<R> {
+    let any: &dyn Any = device;
+    let device: &<R as cubecl::Runtime>::Device = any.downcast_ref().expect("checked by is_cube");
+    <R as cubecl::Runtime>::client(device)
+}
+
+/// `client` for work a lane thread queues on behalf of the calling (model) thread.
+///
+/// On wgpu it is pinned to the calling thread's stream. CubeCL-wgpu's streams are queues of
+/// tasks over one device queue, and a queued task holds the raw buffer, not the allocation: a
+/// buffer allocated on a lane's stream, read by kernels queued on the model's stream and then
+/// dropped returns to the lane stream's pool at once, and the lane's next upload into that
+/// memory can reach the device queue before the model's kernels that read the old contents
+/// (the MXFP8 decode of a gathered bucket, whose bytes are dropped right after the decode is
+/// queued, read the next bucket's bytes: NaN losses with more than one bucket). One stream
+/// orders every allocation, write and read. (On the device there is no concurrency to lose:
+/// wgpu has one queue.) CUDA keeps the lanes' own streams: its multi-stream runtime waits on
+/// events across streams and frees a shared buffer only once the other stream has passed it.
+pub(crate) fn lane_client<R: CubeRuntime>(
+    client: cubecl::prelude::ComputeClient<R>,
+) -> cubecl::prelude::ComputeClient<R> {
+    #[cfg(feature = "wgpu")]
+    if TypeId::of::<R>() == TypeId::of::<cubecl::wgpu::WgpuRuntime>() {
+        let mut client = client;
+        // SAFETY: the stream exists (it is the calling thread's) and is used from other
+        // threads only through this client, whose calls the device's server serialises.
+        unsafe { client.set_stream(cubecl::stream_id::StreamId::current()) };
+        return client;
+    }
+    client
+}
+
+/// A mark of "now" in the calling thread's CubeCL stream: a fresh 4-byte allocation.
+///
+/// CubeCL stamps each allocation with its stream's cursor (the count of commands resolved on
+/// it), and a thread that touches a buffer of another stream waits for that stream only if it
+/// has not synchronised with it at or past the buffer's stamp (`cubecl-runtime`'s
+/// `MultiStream::align_streams`). The stamp is the *allocation's*, not the last write's: a
+/// buffer written by kernels queued after its allocation (an encode into a zeroed buffer, an
+/// update) can look synchronised to another stream while those kernels are still queued. A
+/// mark made on the producing thread once the writes are queued carries a stamp past them;
+/// handing it to `get_resource` together with the buffer makes the other stream wait for the
+/// writes. Such a wait covers everything the producing stream has queued at that moment; once
+/// the other stream has synchronised past the mark, later reads of the buffer wait for
+/// nothing. Keep the mark alive as long as the buffer may be read from another stream.
+pub(crate) fn stream_mark<R: CubeRuntime>(
+    client: &cubecl::client::ComputeClient<R>,
+) -> cubecl::server::Handle {
+    client.empty(4)
+}
+
+/// Whether `B`'s float tensors are `CubeTensor<R>`.
+pub(crate) fn is_cube<B: Backend, R: CubeRuntime>() -> bool {
+    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<CubeTensor<R>>()
+}
+
+/// The buffer-offset alignment of `device` in bytes, if `B` is a CubeCL backend this build
+/// supports (`None` otherwise: other backends place no constraint on views).
+pub(crate) fn alignment<B: Backend>(device: &B::Device) -> Option<u64> {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            let probe = B::float_zeros([1].into(), device, burn_backend::FloatDType::F32);
+            let any: Box<dyn Any> = Box::new(probe);
+            let tensor = any.downcast::<CubeTensor<R>>().expect("the type was checked");
+            return Some(tensor.client.properties().memory.alignment);
+        }
+    });
+    None
+}
+
+/// The allocator's view of `device`'s memory, if `B` is a CubeCL backend this build supports.
+pub(crate) fn memory_usage<B: Backend>(device: &B::Device) -> Option<DeviceMemory> {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            let any: &dyn Any = device;
+            let device: &<R as Runtime>::Device = any.downcast_ref()?;
+            let usage = R::client(device).memory_usage().ok()?;
+            return Some(DeviceMemory {
+                in_use: usage.bytes_in_use,
+                reserved: usage.bytes_reserved,
+                allocations: usage.number_allocs,
+            });
+        }
+    });
+    None
+}

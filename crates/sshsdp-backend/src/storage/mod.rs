@@ -1,0 +1,262 @@
+//! Storage of one rank: where each role's buffers live ([`Placement`]) and the runtime units
+//! of a bucket's runtime shards.
+//!
+//! Roles and where they live today:
+//!
+//! | role | placement |
+//! |---|---|
+//! | runtime shard | [`HsdpConfig::with_shard_placement`](crate::HsdpConfig::with_shard_placement) ([`ShardBuf`]): host (what the host collectives read and write) or a CubeCL buffer of `B`'s device (by default where the engine moves device memory, NCCL: gathered from and rebuilt on the device, each update's piece encoded into it; elsewhere this rank's part is read back for each gather) |
+//! | gathered bucket | `B`'s device: on CubeCL backends the gathered units land in a device buffer ([`DeviceUnits`]: written by NCCL itself, `cube/gather.rs`, or gathered on the host and uploaded by the shard lane) and are decoded there by kernels; elsewhere decoded on the host into one `B` tensor; parameters are views of it |
+//! | gradient bucket | [`HsdpConfig::with_grad_placement`](crate::HsdpConfig::with_grad_placement): host (default; each gradient read back as it arrives) or `B`'s device (summed there; on CubeCL backends reduced from the device, `cube/reduce.rs`; elsewhere read back once per bucket for the host reduction) |
+//! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`MasterBuf`]) |
+//! | optimizer state | with the masters: the optimizer's tensors on its device |
+//!
+//! With device masters the update runs on `B`'s device with no host copy of a master (the
+//! optimizer gets [`crate::PieceValues::Device`]); each piece's runtime units are re-derived on
+//! the device where `B` is a CubeCL backend (square-block MXFP8 tiles and bf16 encoded by the
+//! kernels of `cube/codec.rs`); with device shards they stay there (they become the shard, or are
+//! gathered into it), with host shards only those bytes are read back for the host collectives
+//! that rebuild the shards — about half the master's bytes; elsewhere, and for the f32 format
+//! with host shards, the master's values are read back and encoded on the host
+//! ([`crate::Counters::staged_bytes`]).
+//!
+//! # The seam
+//!
+//! The runtime's stages (`runtime/`) reach storage only through this module: the buffers of each
+//! role ([`ShardBuf`], [`MasterBuf`], [`ComputeBuf`]), the codec of a bucket ([`BucketCodec`]:
+//! layout and ops), and the functions below, which choose the placement's implementation:
+//! `host/` (host memory; burn-ndarray views) or `cube/` (CubeCL buffers: views, kernels,
+//! device collectives; features `wgpu`/`cuda`). What no placement supports is an error here,
+//! not a `cfg` in the runtime.
+//!
+//! Layers: `storage` uses the lanes (`lanes/`, to hand device collectives over) and the
+//! runtime units (`units.rs`), never the runtime or registration.
+
+use std::ops::Range;
+
+use burn_backend::{Backend, Shape, Slice};
+use sshsdp_comm::CommError;
+
+use crate::config::Precision;
+use crate::lanes::{ShardPart, StageUnits};
+use crate::units::{DeviceUnits, Elems};
+use crate::HsdpError;
+
+pub(crate) mod buffers;
+pub(crate) mod codec;
+pub(crate) mod compute;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub(crate) mod cube;
+pub(crate) mod host;
+
+pub use buffers::DeviceMemory;
+pub(crate) use buffers::{download, upload, MasterBuf, ShardBuf};
+pub(crate) use codec::BucketCodec;
+pub(crate) use compute::{ComputeBuf, Member};
+#[cfg(feature = "cuda")]
+pub(crate) use cube::gather::{gather_buffers, SendUnits};
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub(crate) use cube::reduce::{reduce_job_if_cube, GradSource};
+pub(crate) use host::views::with_f32_values;
+
+/// The memory of `device` if `B` is a CubeCL backend this build supports (`None` otherwise,
+/// and when the device cannot say).
+pub(crate) fn device_memory<B: Backend>(device: &B::Device) -> Option<DeviceMemory> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    {
+        cube::memory_usage::<B>(device)
+    }
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = device;
+        None
+    }
+}
+
+/// The buffer-offset alignment of `device` in bytes where `B` is a CubeCL backend this build
+/// supports (`None` otherwise: other backends place no constraint on views).
+pub(crate) fn alignment<B: Backend>(device: &B::Device) -> Option<u64> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::alignment::<B>(device);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = device;
+        None
+    }
+}
+
+/// The CUDA ordinal of `device` where `B` is `CubeBackend<CudaRuntime, …>` (`None` elsewhere):
+/// where an engine that moves device memory (NCCL) can gather and reduce `B`'s buffers.
+pub(crate) fn cuda_ordinal<B: Backend>(device: &B::Device) -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    return cube::gather::cuda_ordinal::<B>(device);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        None
+    }
+}
+
+/// The bucket buffer `full` as one tensor per member, each a view into it; also the bytes
+/// uploaded into `B`'s memory (0 where `B` takes the host allocation itself: burn-ndarray).
+pub(crate) fn bucket_views<B: Backend>(
+    full: ComputeBuf,
+    members: &[Member],
+    device: &B::Device,
+) -> (Vec<B::FloatTensorPrimitive>, u64) {
+    let bytes = full.bytes();
+    #[cfg(feature = "ndarray")]
+    let full = match full {
+        ComputeBuf::F32(values) => match host::views::views_if_ndarray::<B>(values, members) {
+            Ok(views) => return (views, 0),
+            Err(values) => ComputeBuf::F32(values),
+        },
+        other => other,
+    };
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    let full = match cube::views::views_if_cube::<B>(full, members, device) {
+        Ok(views) => return (views, bytes),
+        Err(full) => full,
+    };
+    let bucket = B::float_from_data(full.into_data(), device);
+    let views = members
+        .iter()
+        .map(|m| {
+            let slice = Slice {
+                start: m.start as isize,
+                end: Some(m.end() as isize),
+                step: 1,
+            };
+            let flat = B::float_slice(bucket.clone(), &[slice]);
+            B::float_reshape(flat, Shape::from(m.shape.clone()))
+        })
+        .collect();
+    (views, bytes)
+}
+
+/// What uploads a host gather's units on the lane, where parameters are views of a CubeCL
+/// buffer of `device` in `compute` (`None` elsewhere: host backends).
+pub(crate) fn stager<B: Backend>(
+    device: &B::Device,
+    compute: Precision,
+) -> Option<Box<dyn StageUnits>> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::codec::stager_if_cube::<B>(device, compute);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (device, compute);
+        None
+    }
+}
+
+/// Parameter views of units gathered into device memory, decoded there where they are not in
+/// the compute dtype `compute`.
+pub(crate) fn device_views<B: Backend>(
+    codec: &BucketCodec,
+    units: &DeviceUnits,
+    members: &[Member],
+    device: &B::Device,
+    compute: Precision,
+) -> Result<Vec<B::FloatTensorPrimitive>, HsdpError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::codec::device_units_views::<B>(codec, units, members, device, compute);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (codec, units, members, device, compute);
+        Err(no_cube())
+    }
+}
+
+/// What reads units `range` of a device shard back on the shard lane.
+pub(crate) fn device_part(
+    shard: &DeviceUnits,
+    range: Range<usize>,
+) -> Result<ShardPart, CommError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::shard::units_reader(shard, range)
+        .map(ShardPart::Device)
+        .map_err(|e| CommError::Engine(e.to_string()));
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (shard, range);
+        Err(CommError::Engine(no_cube().to_string()))
+    }
+}
+
+/// Piece `piece`'s runtime bytes encoded on the device from its device master `master`, where
+/// the decorated backend is a CubeCL backend this build supports and the format has an encoding
+/// (`None` otherwise: the master is read back and encoded on the host).
+pub(crate) fn encode_on_device<B: Backend>(
+    codec: &BucketCodec,
+    piece: usize,
+    master: &B::FloatTensorPrimitive,
+) -> Option<Result<Vec<u8>, HsdpError>> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if let Some(bytes) = cube::codec::encode_piece_if_cube::<B>(codec, piece, master) {
+        return Some(bytes);
+    }
+    let _ = (codec, piece, master);
+    None
+}
+
+/// Piece `piece`'s runtime units encoded on the device from its device master, left there (a
+/// device shard exists only on CubeCL backends).
+pub(crate) fn encode_units_on_device<B: Backend>(
+    codec: &BucketCodec,
+    piece: usize,
+    master: &B::FloatTensorPrimitive,
+) -> Result<DeviceUnits, HsdpError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if let Some(units) = cube::codec::encode_piece_units_if_cube::<B>(codec, piece, master) {
+        return units;
+    }
+    let _ = (codec, piece, master);
+    Err(no_cube())
+}
+
+/// Every unit of `units`, read back to the host.
+pub(crate) fn read_device_units(units: &DeviceUnits) -> Result<Elems, HsdpError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::shard::read_units(units, 0..units.len);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = units;
+        Err(no_cube())
+    }
+}
+
+/// `shard` uploaded into a device buffer of `device`.
+pub(crate) fn upload_shard<B: Backend>(
+    device: &B::Device,
+    shard: &Elems,
+) -> Result<DeviceUnits, HsdpError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if let Some(units) = cube::shard::upload_units::<B>(device, shard) {
+        return Ok(units);
+    }
+    let _ = (device, shard);
+    Err(no_cube())
+}
+
+/// A reduced piece in device memory as an f32 tensor of `B` on `device`.
+pub(crate) fn device_piece<B: Backend>(
+    units: &DeviceUnits,
+    device: &B::Device,
+) -> Result<B::FloatTensorPrimitive, HsdpError> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::reduce::piece_tensor::<B>(units, device);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (units, device);
+        Err(no_cube())
+    }
+}
+
+/// Why device runtime units cannot exist on this backend.
+fn no_cube() -> HsdpError {
+    HsdpError::Unsupported(
+        "runtime shards on the device need a CubeCL backend (burn-cubecl's CubeBackend on wgpu \
+         or CUDA, with this crate's `wgpu` or `cuda` feature)"
+            .into(),
+    )
+}
