@@ -32,7 +32,7 @@ impl<B: burn::tensor::backend::Backend> VisitAt<B> for Collector {
     }
 }
 
-/// Every float parameter of `module`, in module order, keyed by the paths [`shard`] plans by.
+/// Every float parameter of `module`, in module order, keyed by the paths [`crate::shard()`] plans by.
 /// Useful to compare or export weights.
 pub fn named_params<B: burn::tensor::backend::Backend, M: Module<B>>(
     module: &M,

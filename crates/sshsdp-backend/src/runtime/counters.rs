@@ -1,6 +1,6 @@
 //! What a step moved and copied, for benchmarks, the projection's cross-check and tests.
 
-/// Bytes moved and copied since the last [`super::Runtime::take_counters`].
+/// Bytes moved and copied since the last [`crate::HsdpRuntime::take_counters`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
     /// Bytes received by bucket all-gathers (forward and backward).

@@ -1,4 +1,4 @@
-//! Storage of one rank: where each role's buffers live ([`Placement`]) and the runtime units
+//! Storage of one rank: where each role's buffers live ([`crate::Placement`]) and the runtime units
 //! of a bucket's runtime shards.
 //!
 //! Roles and where they live today:

@@ -1,0 +1,153 @@
+//! Gathering: an op that meets a parameter handle asks [`Runtime::view`] for it; the bucket is
+//! made resident through the schedule and residency stages (one all-gather on the shard lane,
+//! the next bucket prefetched), and the parameter is a view into it.
+
+use burn_backend::{Backend, Shape};
+
+use super::residency;
+use super::{Runtime, State};
+use crate::lanes::Reply;
+use crate::timeline::Track;
+use crate::units::Gathered;
+
+impl<B: Backend> Runtime<B> {
+    /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.
+    pub(crate) fn view(&self, index: usize) -> B::FloatTensorPrimitive {
+        let p = &self.plan.params()[index];
+        let shape = Shape::from(p.spec.shape.clone());
+        let zeros = |shape| {
+            B::float_zeros(
+                shape,
+                &self.materialiser.device,
+                burn_backend::FloatDType::F32,
+            )
+        };
+        let mut st = self.lock();
+        let b = p.bucket;
+        if !self.make_resident(&mut st, b) {
+            return zeros(shape);
+        }
+        let k = index - self.plan.buckets()[b].params.start;
+        st.storage[b].resident().expect("made resident").params[k].clone()
+    }
+
+    /// Gathers bucket `b` if it is not resident (waiting for its prefetch if one is in flight),
+    /// then prefetches the bucket the schedule expects next; `false` after a failure.
+    pub(super) fn make_resident(&self, st: &mut State<B>, b: usize) -> bool {
+        if st.storage[b].resident().is_some() {
+            return true;
+        }
+        if let Err(e) = sshsdp_comm::faults::inject("sshsdp::gather", self.world_rank) {
+            self.record_failure(st, e);
+        }
+        // After a failure the gather is still queued (it fails at once on every rank: see
+        // `worker::run`) and the bucket is installed as zeros, so that this rank's later calls
+        // are exactly its peers' (the same schedule, prefetches included): the ranks stay in
+        // step until the update reports the failure.
+        let reply = match st.storage[b].take_gather() {
+            Some(reply) => {
+                st.counters.prefetched += 1;
+                reply
+            }
+            None => self.start_gather(st, b),
+        };
+        let zeros = |st: &State<B>| {
+            let units = self.codecs[b].gathered_units();
+            Gathered::Host(st.storage[b].shard.zeros_like(units))
+        };
+        let full = match self.wait(b, "wait gather", reply) {
+            Ok(full) if st.failure.is_none() => full,
+            Ok(_) => zeros(st),
+            Err(e) => {
+                self.record_failure(st, e.to_string());
+                zeros(st)
+            }
+        };
+        self.count_gather(st, &full);
+        if !self.install(st, b, full) {
+            return false;
+        }
+        if st.schedule.in_backward() {
+            st.counters.backward_gathers += 1;
+        }
+        let buckets = st.storage.len();
+        for other in st.schedule.gathered(b, buckets) {
+            st.release(other);
+        }
+        self.prefetch_after(st, b);
+        true
+    }
+
+    /// Queues the gather of the bucket the schedule expects after `b`, so it runs on the
+    /// communication lane while `b` computes.
+    pub(super) fn prefetch_after(&self, st: &mut State<B>, b: usize) {
+        let Some(next) = st.schedule.next_after(b) else {
+            return;
+        };
+        if st.storage[next].is_sharded() {
+            let reply = self.start_gather(st, next);
+            st.storage[next].residency = residency::Residency::Gathering(reply);
+        }
+    }
+
+    /// Queues the all-gather of bucket `b`'s runtime shards.
+    pub(super) fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply<Gathered> {
+        let State {
+            storage, counters, ..
+        } = st;
+        let on_device = self.engine_on_device.then_some(&self.materialiser.device);
+        storage[b].start_gather(
+            b,
+            &self.worker,
+            &self.codecs[b],
+            self.materialiser.copy_mode,
+            on_device,
+            self.materialiser.stager(),
+            counters,
+        )
+    }
+
+    /// Waits for `reply`, timed as the model thread's wait on bucket `b`.
+    pub(super) fn wait<T>(
+        &self,
+        b: usize,
+        name: &'static str,
+        reply: Reply<T>,
+    ) -> sshsdp_comm::CommResult<T> {
+        self.timeline
+            .span(Track::Model, name, Some(b), || reply.wait())
+    }
+
+    /// Counts the bytes of a completed gather.
+    pub(super) fn count_gather(&self, st: &mut State<B>, full: &Gathered) {
+        if self.plan.config().sharding == sshsdp_plan::Sharding::Ddp {
+            // Replicated parameters are copied into a fresh tensor after each update.
+            st.counters.param_bytes_copied += full.bytes();
+        } else {
+            st.counters.gathers += 1;
+            // Every rank's part but our own.
+            let shards = self.plan.runtime_shards() as u64;
+            st.counters.gathered_bytes += full.bytes() - full.bytes() / shards;
+        }
+    }
+
+    /// Materialises the gathered units `full` as bucket `b`'s parameters (→ `Unsharded`);
+    /// `false` after recording a failure.
+    pub(super) fn install(&self, st: &mut State<B>, b: usize, full: Gathered) -> bool {
+        let installed = self
+            .materialiser
+            .install(&self.codecs[b], full, &mut st.counters);
+        let resident = match installed {
+            Ok(resident) => resident,
+            Err(e) => {
+                self.record_failure(st, e.to_string());
+                return false;
+            }
+        };
+        st.release(b);
+        st.resident_bytes += resident.bytes;
+        st.counters.peak_resident_bytes = st.counters.peak_resident_bytes.max(st.resident_bytes);
+        st.storage[b].residency = residency::Residency::Unsharded(resident);
+        true
+    }
+}

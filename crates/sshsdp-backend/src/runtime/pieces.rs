@@ -1,0 +1,187 @@
+//! What the optimizer sees of an update: this rank's pieces (fp32 masters and their reduced
+//! gradients, on the host or the device) and the update group it may exchange with (Muon's
+//! whole matrices).
+
+use burn_backend::{Backend, TensorMetadata};
+
+use crate::lanes::Worker;
+use crate::timeline::{Timeline, Track};
+use crate::HsdpError;
+
+/// How an update hands this rank's pieces to its caller.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Views {
+    /// Where the masters live ([`crate::Placement`]): [`PieceValues::Host`] slices or
+    /// [`PieceValues::Device`] tensors, for optimizers that step either (as
+    /// `sshsdp_optim::ShardedOptimizer` does).
+    #[default]
+    AsStored,
+    /// Always [`PieceValues::Host`] slices: device masters are staged to the host before the
+    /// step and back after it (counted in [`crate::Counters::staged_bytes`]), for code written
+    /// over host slices (distributed Muon's exchange, checkpoints).
+    Host,
+}
+
+/// A piece's fp32 master weights and world-averaged gradient, where they live.
+pub enum PieceValues<'a, B: Backend> {
+    /// Host memory.
+    Host {
+        /// Master elements (padding elements included), updated in place.
+        master: &'a mut [f32],
+        /// Their gradient (empty when handing out masters only).
+        grad: &'a [f32],
+    },
+    /// Tensors on the decorated backend's device (1-D, the piece's element count).
+    Device {
+        /// Master elements; the optimizer replaces the tensor with the updated one.
+        master: &'a mut B::FloatTensorPrimitive,
+        /// Their gradient.
+        grad: B::FloatTensorPrimitive,
+    },
+}
+
+/// One bucket's piece on this rank during an update.
+pub struct Piece<'a, B: Backend> {
+    /// The bucket.
+    pub bucket: usize,
+    /// Position of the piece's first element in the bucket's element space (the plan's update
+    /// views of the piece say where parameters sit in it).
+    pub start: usize,
+    /// The master and gradient values.
+    pub values: PieceValues<'a, B>,
+}
+
+impl<B: Backend> Piece<'_, B> {
+    /// Number of elements (padding included).
+    pub fn len(&self) -> usize {
+        match &self.values {
+            PieceValues::Host { master, .. } => master.len(),
+            PieceValues::Device { master, .. } => master.shape().num_elements(),
+        }
+    }
+
+    /// Whether the piece has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The host master and gradient slices; an error for device values (ask the update for
+    /// [`Views::Host`] to get host slices in every placement).
+    pub fn host(&mut self) -> Result<(&mut [f32], &[f32]), HsdpError> {
+        match &mut self.values {
+            PieceValues::Host { master, grad } => Ok((&mut **master, &**grad)),
+            PieceValues::Device { .. } => Err(HsdpError::Failed(format!(
+                "bucket {}'s piece is on the device: request host views (Views::Host)",
+                self.bucket
+            ))),
+        }
+    }
+}
+
+/// The collectives an optimizer may run during an update, over the *update group*: the ranks
+/// whose pieces make up a bucket (the world when hierarchical, the shard group under HSDP, this
+/// rank alone under DDP).
+pub struct UpdateGroup<'a> {
+    pub(super) worker: &'a Worker,
+    pub(super) timeline: &'a Timeline,
+    pub(super) piece: usize,
+    /// The update-group rank holding each piece.
+    pub(super) piece_ranks: Vec<usize>,
+    pub(super) grad_norm: f64,
+    /// Per parameter, whether it received a gradient on some rank in this step.
+    pub(super) received: Vec<bool>,
+}
+
+impl UpdateGroup<'_> {
+    /// Element-wise sum of `buf` over the update group (every rank calls it, in the same order).
+    pub fn all_reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, HsdpError> {
+        let reply = self.worker.all_reduce(buf);
+        Ok(self
+            .timeline
+            .span(Track::Model, "wait optimizer all-reduce", None, || {
+                reply.wait()
+            })?)
+    }
+
+    /// Sends `send[p]` to the holder of piece `p` and returns, per piece `p`, the
+    /// `recv_counts[p]` elements its holder sent this rank (one all-to-all-v over the update
+    /// group; every rank calls it in the same order, and what piece `a` sends piece `b` must be
+    /// what `b` expects from `a`, or it is an error on every rank). Chunks may be empty; only
+    /// non-empty chunks between different ranks cross the network.
+    pub fn exchange(
+        &self,
+        send: Vec<Vec<f32>>,
+        recv_counts: &[usize],
+    ) -> Result<Vec<Vec<f32>>, HsdpError> {
+        let (recv, ranges) = self.exchange_flat(send, recv_counts)?;
+        Ok(ranges.into_iter().map(|r| recv[r].to_vec()).collect())
+    }
+
+    /// [`Self::exchange`] without splitting what arrives: one buffer and, per piece `p`, the
+    /// range of it that piece `p`'s holder sent (no second copy of the received elements).
+    pub fn exchange_flat(
+        &self,
+        send: Vec<Vec<f32>>,
+        recv_counts: &[usize],
+    ) -> Result<(Vec<f32>, Vec<std::ops::Range<usize>>), HsdpError> {
+        let pieces = self.piece_ranks.len();
+        if send.len() != pieces || recv_counts.len() != pieces {
+            return Err(HsdpError::Failed(format!(
+                "exchange: {} chunks to send and {} counts for {pieces} pieces",
+                send.len(),
+                recv_counts.len()
+            )));
+        }
+        // Pieces in update-group rank order.
+        let mut by_rank = vec![0; pieces];
+        for (p, &r) in self.piece_ranks.iter().enumerate() {
+            by_rank[r] = p;
+        }
+        let send_counts: Vec<usize> = by_rank.iter().map(|&p| send[p].len()).collect();
+        let rank_recv: Vec<usize> = by_rank.iter().map(|&p| recv_counts[p]).collect();
+        let mut flat = Vec::with_capacity(send_counts.iter().sum());
+        for &p in &by_rank {
+            flat.extend_from_slice(&send[p]);
+        }
+        drop(send);
+        let reply = self.worker.all_to_all_v(flat, send_counts, rank_recv);
+        let recv = self
+            .timeline
+            .span(Track::Model, "wait optimizer all-to-all", None, || {
+                reply.wait()
+            })?;
+        let mut ranges = vec![0..0; pieces];
+        let mut at = 0;
+        for &p in &by_rank {
+            ranges[p] = at..at + recv_counts[p];
+            at += recv_counts[p];
+        }
+        Ok((recv, ranges))
+    }
+
+    /// Number of pieces in the update group (one per rank of it).
+    pub fn pieces(&self) -> usize {
+        self.piece_ranks.len()
+    }
+
+    /// This rank's piece index (what the plan's `ns_owner` refers to).
+    pub fn piece(&self) -> usize {
+        self.piece
+    }
+
+    /// The L2 norm of the whole model's world-averaged gradient (every piece of the update
+    /// group, summed in f64; the same on every rank). Always finite here: a non-finite gradient
+    /// never reaches an optimizer (see [`crate::NonFinitePolicy`]). 0 when handing out masters only.
+    pub fn grad_norm(&self) -> f64 {
+        self.grad_norm
+    }
+
+    /// Whether parameter `param` (its index in the plan) received a gradient in this step, on
+    /// any rank and in any backward since the last update (the same answer on every rank).
+    /// One that did not — frozen (`require_grad` false), or unused by every rank's graph — is
+    /// not stepped and its optimizer state is left alone, as Burn's optimizers skip a
+    /// parameter without a gradient. False for every parameter when handing out masters only.
+    pub fn received_gradient(&self, param: usize) -> bool {
+        self.received.get(param).copied().unwrap_or(false)
+    }
+}
