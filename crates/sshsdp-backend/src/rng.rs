@@ -106,7 +106,8 @@ pub struct ConcurrentDrawer {
 }
 
 impl ConcurrentDrawer {
-    /// Starts drawing on a new thread (each round: a fresh seed, then a 64×64 draw).
+    /// Starts drawing on a new thread (each round: a fresh seed, then a 64×64 draw); returns once
+    /// its first round has begun.
     pub fn start<B: Backend>() -> Self {
         let (stop, draws) = (
             Arc::new(AtomicBool::new(false)),
@@ -126,6 +127,11 @@ impl ConcurrentDrawer {
                 }
             })
         };
+        // Returns once the thread is drawing: a caller that starts checking at once would
+        // otherwise finish before a loaded machine first schedules it.
+        while draws.load(Ordering::Relaxed) == 0 {
+            std::thread::yield_now();
+        }
         Self {
             stop,
             draws,
@@ -166,10 +172,14 @@ mod tests {
     fn seeded_weights_do_not_move_while_another_thread_draws() {
         let expected = weights(7);
         let drawer = ConcurrentDrawer::start::<B>();
-        for _ in 0..50 {
+        let first = drawer.draws();
+        // At least 50 checks, and on until the drawer has drawn 20 rounds alongside them.
+        let mut checks = 0;
+        while checks < 50 || (drawer.draws() < first + 20 && checks < 100_000) {
             assert_eq!(weights(7), expected);
+            checks += 1;
         }
-        assert!(drawer.draws() > 0, "the drawer ran alongside");
+        assert!(drawer.draws() >= first + 20, "the drawer ran alongside");
         drop(drawer);
         assert_ne!(weights(8), expected, "another seed draws other weights");
     }
