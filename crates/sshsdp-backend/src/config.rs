@@ -122,7 +122,7 @@ impl MixedPrecision {
 /// after any backward, locks every graph of the process in turn. They run on a communication
 /// lane of their own that never waits behind replica-group work, so a rank blocked inside
 /// backward waits only for shard-group peers in the same step (the argument is written out in
-/// `worker.rs`).
+/// `lanes/`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct HsdpConfig {
     /// The rank mesh; must cover the communicator's world.

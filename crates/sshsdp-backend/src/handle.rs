@@ -13,7 +13,7 @@ use crate::{HsdpError, NamedParam};
 /// One rank's handle on its sharded parameters: the plan, the update step and the counters.
 pub struct HsdpRuntime<B: Backend> {
     runtime: Arc<Runtime<B>>,
-    /// The module's buffers, as every rank agreed at `shard` (not planned: see `buffers.rs`).
+    /// The module's buffers, as every rank agreed at `shard` (not planned: see `model/buffers.rs`).
     buffers: Arc<[BufferSpec]>,
 }
 

@@ -18,12 +18,12 @@ use half::bf16;
 use crate::HsdpError;
 
 /// Runtime units in a device buffer of the decorated backend (a CubeCL buffer: written by the
-/// engine itself, `cube_gather.rs`, or uploaded by the shard lane after a host gather,
-/// `cube_codec.rs`), opaque to the backend-generic runtime.
+/// engine itself, `storage/cube/gather.rs`, or uploaded by the shard lane after a host gather,
+/// `storage/cube/codec.rs`), opaque to the backend-generic runtime.
 // Made and read only on CubeCL backends.
 #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
 pub(crate) struct DeviceUnits {
-    /// The buffer and its client, as `cube_gather` made them.
+    /// The buffer and its client, as `storage/cube/gather.rs` made them.
     pub buffer: Box<dyn std::any::Any + Send>,
     /// Number of runtime units it holds.
     pub len: usize,

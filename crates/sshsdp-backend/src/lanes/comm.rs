@@ -1,7 +1,7 @@
 //! The communication a runtime needs, as an object-safe trait over a mesh's communicators, so
 //! the runtime and its tensors need no engine type parameter.
 //!
-//! Every method belongs to one of the worker's two lanes (see `worker.rs`): the *shard lane*
+//! Every method belongs to one of the worker's two lanes (see `lanes/`): the *shard lane*
 //! (bucket gathers, the shard-group stage of gradient reductions) or the *replica lane* (the
 //! replica-group stage of reductions, runtime-shard rebuilds, the update group's exchanges).
 //! Each lane owns its own set of communicators, made on the lane's thread from the user's

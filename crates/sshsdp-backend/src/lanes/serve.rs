@@ -25,7 +25,7 @@ pub(super) enum Request {
         stage: Option<Box<dyn StageUnits>>,
         reply: Sender<CommResult<Gathered>>,
     },
-    // Made only on `CubeBackend<CudaRuntime>` (`cube_gather.rs`).
+    // Made only on `CubeBackend<CudaRuntime>` (`storage/cube/gather.rs`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     GatherOnDevice {
         tag: CallTag,

@@ -9,7 +9,7 @@
 //! (each gradient read back as autodiff hands it over) or on the device (each member's gradient
 //! kept as a `B` tensor, summed there over a backward's contributions). Device gradients on a
 //! CubeCL backend are assembled into the full-bucket gradient on the device and reduced from
-//! there (`cube_reduce.rs`: by the engine on device memory, or staged through the host on the
+//! there (`storage/cube/reduce.rs`: by the engine on device memory, or staged through the host on the
 //! lanes), and the piece comes back as a device tensor; on other backends they are read back
 //! once per bucket — one concatenation, one transfer — for the host reduction.
 
@@ -195,7 +195,7 @@ impl<B: Backend> GradSync<B> {
 
     /// Queues bucket `b`'s reduction. Device gradients on a CubeCL backend are assembled into
     /// the full-bucket gradient on the device and reduced from there (by the engine on device
-    /// memory where `engine_on_device`: see `cube_reduce.rs`); elsewhere they are read back
+    /// memory where `engine_on_device`: see `storage/cube/reduce.rs`); elsewhere they are read back
     /// first, in one transfer, into the bucket's element space.
     pub fn reduce(
         &mut self,

@@ -90,7 +90,7 @@ pub struct Runtime<B: Backend> {
     codecs: Vec<BucketCodec>,
     materialiser: Materialiser<B>,
     /// Whether the engine gathers and reduces device memory itself (NCCL on the same GPU as
-    /// `B`'s CUDA device: `cube_gather.rs`, `cube_reduce.rs`); otherwise device buffers are
+    /// `B`'s CUDA device: `storage/cube/gather.rs`, `storage/cube/reduce.rs`); otherwise device buffers are
     /// staged through the host.
     engine_on_device: bool,
     non_finite: NonFinitePolicy,

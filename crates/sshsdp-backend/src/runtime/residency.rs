@@ -104,7 +104,7 @@ impl<B: Backend> BucketStorage<B> {
     /// Queues the all-gather of every rank's shard of bucket `bucket` (the result is
     /// returned, not stored: the caller waits for it or records it as a prefetch): into device
     /// memory of `on_device` where given (zero-copy only; the engine moves device memory, see
-    /// `cube_gather.rs`), else into host memory, uploaded on the lane by `stage` where given.
+    /// `storage/cube/gather.rs`), else into host memory, uploaded on the lane by `stage` where given.
     #[allow(clippy::too_many_arguments)]
     pub fn start_gather(
         &self,

@@ -268,7 +268,7 @@ impl BucketCodec {
 
     /// How to encode piece `p` from its fp32 elements into its runtime bytes: one operation per
     /// rectangle of tiles or bf16 run, in piece order — what the host ([`Self::encode`])
-    /// and the device (`cube_codec.rs`) both run. The bf16 runtime format is one run over the
+    /// and the device (`storage/cube/codec.rs`) both run. The bf16 runtime format is one run over the
     /// whole piece; `None` for f32, whose runtime elements are the fp32 elements themselves.
     /// Bytes not written by any operation are zero.
     pub fn encode_ops(&self, p: usize) -> Option<Vec<CodecOp>> {
@@ -320,7 +320,7 @@ impl BucketCodec {
 
     /// How to decode a gathered bucket (every piece) into the compute buffer: one operation per
     /// view, in bucket order — what the host ([`Self::decode`], MXFP8) and the device
-    /// (`cube_codec.rs`, MXFP8 and bf16) both run. `gathered` is the gathered buffer's length in
+    /// (`storage/cube/codec.rs`, MXFP8 and bf16) both run. `gathered` is the gathered buffer's length in
     /// bytes, checked against the layout. The f32 format has nothing to decode (an error).
     pub fn decode_ops(&self, gathered: usize) -> Result<Vec<CodecOp>, HsdpError> {
         let unit = us(self.format.element_bytes().unwrap_or(1));

@@ -112,7 +112,7 @@ pub(crate) struct CubeUnits<R: CubeRuntime> {
     pub handle: Handle,
     /// Where kernels wrote the buffer after its allocation (the update's encode), a
     /// [`stream_mark`](super::stream_mark) made once they were queued: what an
-    /// engine on another stream must wait for before it reads the buffer (`cube_gather.rs`).
+    /// engine on another stream must wait for before it reads the buffer (`gather.rs`).
     /// `None` where the buffer was written with its allocation (an upload) or by an engine
     /// whose wait has returned.
     pub written: Option<Handle>,
@@ -254,7 +254,7 @@ pub(crate) fn encode_piece_units_if_cube<B: Backend>(
                     .map(|m| CubeUnits::new(m.client.clone(), m.handle.clone())),
             };
             // The encode (or the update that wrote the f32 master) is queued: mark it, so an
-            // engine on another stream reads the units only after it (`cube_gather.rs`).
+            // engine on another stream reads the units only after it (`gather.rs`).
             let units = units.map(|mut units| {
                 units.written = Some(super::stream_mark(&units.client));
                 units

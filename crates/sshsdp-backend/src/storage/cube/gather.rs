@@ -1,6 +1,6 @@
 //! Bucket all-gathers straight into device memory on `CubeBackend<CudaRuntime, …>` over an
 //! engine that moves device memory itself (NCCL): the engine writes the gathered runtime units
-//! into a CubeCL buffer, which the device codec then decodes in place (`cube_codec.rs`) — no
+//! into a CubeCL buffer, which the device codec then decodes in place (`codec.rs`) — no
 //! host copy of the bucket, where the host path (gather on the host, upload) moves it once per
 //! gather and NCCL's own host path three times.
 //!

@@ -1,10 +1,10 @@
 //! Gradient reductions of device-resident gradient buckets on CubeCL backends: the full-bucket
 //! gradient is assembled on the device (the members' gradients at their places in the bucket's
 //! element space, zeros between) and its reduction's two stages run on the two lanes, as host
-//! reductions do (`worker.rs`), in one of two ways:
+//! reductions do (`lanes/`), in one of two ways:
 //!
 //! * **By the engine on device memory** (NCCL on `CubeBackend<CudaRuntime>`, where the runtime's
-//!   gathers go to device memory too: `cube_gather.rs`): reduce-scatter in the shard group,
+//!   gathers go to device memory too: `gather.rs`): reduce-scatter in the shard group,
 //!   then across replicas, on CubeCL's buffers in the reduction dtype (the bf16 cast is Burn's
 //!   kernel); no byte crosses to the host.
 //! * **Staged**: the shard lane reads the f32 gradient back, the host collectives reduce it
@@ -52,7 +52,7 @@ pub(crate) enum GradSource<B: Backend> {
 
 /// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in
 /// the reduction dtype `reduce` — by the engine on device memory for [`GradSource::Full`]
-/// (CUDA only, see `cube_gather.rs`), staged through the host for [`GradSource::Members`] — if
+/// (CUDA only, see `gather.rs`), staged through the host for [`GradSource::Members`] — if
 /// `B` is a CubeCL backend this build supports (`None` otherwise).
 pub(crate) fn reduce_job_if_cube<B: Backend>(
     source: GradSource<B>,
@@ -110,7 +110,7 @@ pub(crate) fn piece_tensor<B: Backend>(
     ))
 }
 
-/// The addresses of CubeCL buffers, readied for the engine (CUDA's, `cube_gather.rs`).
+/// The addresses of CubeCL buffers, readied for the engine (CUDA's, `gather.rs`).
 type Addresses<R> =
     fn(&ComputeClient<R>, &[Handle], &mut Vec<Box<dyn Send>>) -> CommResult<Vec<u64>>;
 
@@ -262,7 +262,7 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
         for &(at, from, len) in &self.runs {
             values[at..at + len].copy_from_slice(&cat[from..from + len]);
         }
-        // Rounded to the reduction dtype as the host path rounds (`worker.rs`).
+        // Rounded to the reduction dtype as the host path rounds (`lanes/`).
         let full = match self.reduce {
             Precision::Bf16 => Elems::Bf16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
             _ => Elems::F32(values),

@@ -1,6 +1,6 @@
 //! Runtime shards in CubeCL buffers ([`ShardBuf::Device`](crate::storage::ShardBuf)): made once
 //! at registration from the host-encoded shard, replaced by each update's piece encoded on the
-//! device (`cube_codec::encode_piece_units_if_cube`) or by the rebuilt shard, and read back only
+//! device (`codec.rs`, `encode_piece_units_if_cube`) or by the rebuilt shard, and read back only
 //! where a host collective needs this rank's part (engines without device collectives).
 
 use std::ops::Range;
