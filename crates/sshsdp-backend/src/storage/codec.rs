@@ -17,8 +17,6 @@
 //!   parameter in a fresh f32 compute buffer (the CPU analogue of dequantising in a GEMM's load
 //!   stage).
 
-use half::bf16;
-
 use sshsdp_mx::{ElemFormat, MxShape, ScaleRule};
 use sshsdp_plan::{Encoding, Plan, RuntimeFormat, Span, UpdateView};
 
@@ -51,10 +49,10 @@ struct Member {
 /// One bucket's codec (see the module docs).
 #[derive(Clone, Debug)]
 pub(crate) struct BucketCodec {
-    format: RuntimeFormat,
-    piece_elems: usize,
+    pub(super) format: RuntimeFormat,
+    pub(super) piece_elems: usize,
     /// Runtime units of one piece: elements (linear) or bytes (MXFP8).
-    piece_units: usize,
+    pub(super) piece_units: usize,
     compute_elems: usize,
     members: Vec<Member>,
     /// The plan's views of each piece.
@@ -195,79 +193,8 @@ impl BucketCodec {
         }
     }
 
-    /// Encodes the element space of consecutive pieces `first..` (`values`, whole pieces) into
-    /// runtime units.
-    pub fn encode(&self, first: usize, values: Vec<f32>) -> Result<Elems, HsdpError> {
-        Ok(match self.format {
-            RuntimeFormat::F32 => Elems::F32(values),
-            RuntimeFormat::Bf16 => Elems::Bf16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
-            RuntimeFormat::Mxfp8 => {
-                let n = values.len() / self.piece_elems.max(1);
-                let mut out = vec![0u8; n * self.piece_units];
-                for i in 0..n {
-                    let master = &values[i * self.piece_elems..(i + 1) * self.piece_elems];
-                    let units = &mut out[i * self.piece_units..(i + 1) * self.piece_units];
-                    self.encode_piece(first + i, master, units)?;
-                }
-                Elems::U8(out)
-            }
-        })
-    }
-
-    /// Re-derives the runtime units of piece `piece`, the `slot`-th piece of `shard`, from its
-    /// fp32 `master` (a copy for f32, whose runtime elements are the master's values).
-    pub fn rederive(
-        &self,
-        shard: &mut Elems,
-        slot: usize,
-        piece: usize,
-        master: &[f32],
-    ) -> Result<(), HsdpError> {
-        let units = slot * self.piece_units..(slot + 1) * self.piece_units;
-        match shard {
-            Elems::F32(v) => v[units].copy_from_slice(master),
-            Elems::Bf16(v) => v[units]
-                .iter_mut()
-                .zip(master)
-                .for_each(|(d, &m)| *d = bf16::from_f32(m)),
-            Elems::U8(v) => self.encode_piece(piece, master, &mut v[units])?,
-        }
-        Ok(())
-    }
-
-    /// Encodes piece `p`'s views (tiled layout) from its fp32 elements.
-    fn encode_piece(&self, p: usize, master: &[f32], out: &mut [u8]) -> Result<(), HsdpError> {
-        out.fill(0);
-        let err = |e: sshsdp_mx::MxError| HsdpError::Failed(format!("MXFP8 encode: {e}"));
-        let (fmt, rule) = MX_FORMAT;
-        for op in self.encode_ops(p).unwrap_or_default() {
-            match op {
-                CodecOp::Square {
-                    shape,
-                    values,
-                    stride,
-                    data,
-                    scales,
-                } => {
-                    let src = &master[values..];
-                    let (d, rest) = out[data..].split_at_mut(scales - data);
-                    let d = &mut d[..shape.square_data_bytes()];
-                    let s = &mut rest[..shape.square_scale_bytes()];
-                    sshsdp_mx::encode_square(src, stride, shape, fmt, rule, d, s).map_err(err)?;
-                }
-                CodecOp::Bf16 { bytes, n, values } => {
-                    let dst = &mut out[bytes..bytes + 2 * n];
-                    for (d, &x) in dst.chunks_exact_mut(2).zip(&master[values..values + n]) {
-                        d.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// How to encode piece `p` from its fp32 elements into its runtime bytes: one operation per
-    /// rectangle of tiles or bf16 run, in piece order — what the host ([`Self::encode`])
+    /// rectangle of tiles or bf16 run, in piece order — what the host (`host/codec.rs`)
     /// and the device (`storage/cube/codec.rs`) both run. The bf16 runtime format is one run over the
     /// whole piece; `None` for f32, whose runtime elements are the fp32 elements themselves.
     /// Bytes not written by any operation are zero.
@@ -309,17 +236,8 @@ impl BucketCodec {
         }
     }
 
-    /// The compute buffer of a gathered bucket `full` (every piece).
-    pub fn to_compute(&self, full: Elems) -> Result<Vec<f32>, HsdpError> {
-        match full {
-            Elems::F32(v) => Ok(v),
-            Elems::Bf16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
-            Elems::U8(bytes) => self.decode(&bytes),
-        }
-    }
-
     /// How to decode a gathered bucket (every piece) into the compute buffer: one operation per
-    /// view, in bucket order — what the host ([`Self::decode`], MXFP8) and the device
+    /// view, in bucket order — what the host (`host/codec.rs`, MXFP8) and the device
     /// (`storage/cube/codec.rs`, MXFP8 and bf16) both run. `gathered` is the gathered buffer's length in
     /// bytes, checked against the layout. The f32 format has nothing to decode (an error).
     pub fn decode_ops(&self, gathered: usize) -> Result<Vec<CodecOp>, HsdpError> {
@@ -372,41 +290,6 @@ impl BucketCodec {
     pub fn compute_elems(&self) -> usize {
         self.compute_elems
     }
-
-    /// Decodes a gathered tiled bucket (every piece).
-    pub fn decode(&self, bytes: &[u8]) -> Result<Vec<f32>, HsdpError> {
-        let ops = self.decode_ops(bytes.len())?;
-        let mut out = vec![0f32; self.compute_elems()];
-        for op in ops {
-            match op {
-                CodecOp::Square {
-                    shape,
-                    values,
-                    stride,
-                    data,
-                    scales,
-                } => {
-                    let (d, s) = (
-                        &bytes[data..data + shape.square_data_bytes()],
-                        &bytes[scales..scales + shape.square_scale_bytes()],
-                    );
-                    sshsdp_mx::decode_square(d, s, shape, MX_FORMAT.0, &mut out[values..], stride)
-                        .map_err(|e| HsdpError::Failed(format!("MXFP8 decode: {e}")))?;
-                }
-                CodecOp::Bf16 {
-                    bytes: at,
-                    n,
-                    values,
-                } => {
-                    let src = &bytes[at..at + 2 * n];
-                    for (d, s) in out[values..values + n].iter_mut().zip(src.chunks_exact(2)) {
-                        *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
-                    }
-                }
-            }
-        }
-        Ok(out)
-    }
 }
 
 /// One step of a piece's encode or of a gathered bucket's decode: an MXFP8 rectangle or a bf16 run
@@ -443,6 +326,7 @@ pub(crate) enum CodecOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
     use sshsdp_plan::{DType, Mesh, ParamSpec, PlanConfig, Role, Sharding};
 
     fn plan(world: usize, format: RuntimeFormat) -> Plan {

@@ -25,8 +25,8 @@
 //! The runtime's stages (`runtime/`) reach storage only through this module: the buffers of each
 //! role ([`ShardBuf`], [`MasterBuf`], [`ComputeBuf`]), the codec of a bucket ([`BucketCodec`]:
 //! layout and ops), and the functions below, which choose the placement's implementation:
-//! `host/` (host memory; burn-ndarray views) or `cube/` (CubeCL buffers: views, kernels,
-//! device collectives; features `wgpu`/`cuda`). What no placement supports is an error here,
+//! `host/` (host memory: the codec run with `sshsdp-mx`, burn-ndarray views) or `cube/` (CubeCL
+//! buffers: views, kernels, device collectives; features `wgpu`/`cuda`). What no placement supports is an error here,
 //! not a `cfg` in the runtime.
 //!
 //! Layers: `storage` uses the lanes (`lanes/`, to hand device collectives over) and the

@@ -1,4 +1,5 @@
 //! Host storage: buffers in host memory, and the views and reads that burn-ndarray lets share
-//! them. The host codec is the bucket codec's own execution (`storage/codec.rs`).
+//! them, and the bucket codec run on the host.
 
+pub(crate) mod codec;
 pub(crate) mod views;
