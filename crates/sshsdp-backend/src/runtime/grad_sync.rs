@@ -18,7 +18,7 @@ use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 use crate::config::Precision;
 use crate::lanes::{Reply, Worker};
 use crate::storage::download;
-use crate::storage::{device_piece, BucketCodec};
+use crate::storage::{device_piece, device_reduce_job, reduces_on_device, BucketCodec, GradSource};
 use crate::timeline::{Timeline, Track};
 use crate::units::DeviceUnits;
 
@@ -41,7 +41,6 @@ struct BucketGrads<B: Backend> {
 /// A reduction on its way: to a host piece, or to a piece in device memory.
 enum Reduction {
     Host(Reply),
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     Device(Reply<DeviceUnits>),
 }
 
@@ -212,9 +211,7 @@ impl<B: Backend> GradSync<B> {
             .enumerate()
             .filter_map(|(k, t)| t.map(|t| (k, t)))
             .collect();
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if !members.is_empty() && bucket.full.is_empty() {
-            use crate::storage::{reduce_job_if_cube, GradSource};
+        if !members.is_empty() && bucket.full.is_empty() && reduces_on_device::<B>() {
             let source = if engine_on_device {
                 let full = full_on_device::<B>(codec, &members);
                 GradSource::Full(match reduce {
@@ -225,7 +222,7 @@ impl<B: Backend> GradSync<B> {
                 members_cat::<B>(codec, &members)
             };
             let shape = (shards, codec.piece_elems());
-            if let Some(job) = reduce_job_if_cube::<B>(source, reduce, sharding, shape) {
+            if let Some(job) = device_reduce_job::<B>(source, reduce, sharding, shape) {
                 let bytes = reduce.bytes() * codec.bucket_elems() as u64;
                 bucket
                     .reductions
@@ -233,8 +230,6 @@ impl<B: Backend> GradSync<B> {
                 return Ok(Reduced { bytes, staged });
             }
         }
-        #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-        let _ = (sharding, shards, engine_on_device);
         if !members.is_empty() {
             let (ks, tensors): (Vec<usize>, Vec<_>) = members.into_iter().unzip();
             let values = download::<B>(B::float_cat(tensors, 0)).map_err(|e| e.to_string())?;
@@ -323,11 +318,10 @@ fn reduction_wait(reduction: Reduction) -> Result<Arrived, String> {
 
 /// The device gradients `members` (member index, flattened f32 gradient) one after the other,
 /// with where their runs go in the bucket (the staged reduction reads back only these).
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn members_cat<B: Backend>(
     codec: &BucketCodec,
     members: &[(usize, B::FloatTensorPrimitive)],
-) -> crate::storage::GradSource<B> {
+) -> GradSource<B> {
     let mut runs = Vec::new();
     let mut offset = 0;
     for (k, grad) in members {
@@ -339,7 +333,7 @@ fn members_cat<B: Backend>(
         offset += grad.shape().num_elements();
     }
     let tensors = members.iter().map(|(_, t)| t.clone()).collect();
-    crate::storage::GradSource::Members {
+    GradSource::Members {
         cat: B::float_cat(tensors, 0),
         runs,
         full_len: codec.bucket_elems(),
@@ -349,7 +343,6 @@ fn members_cat<B: Backend>(
 /// The full-bucket gradient (f32, the bucket's element space) of the device gradients
 /// `members` (member index, flattened gradient), assembled on their device: each member's runs
 /// at their places, zeros between (one concatenation).
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn full_on_device<B: Backend>(
     codec: &BucketCodec,
     members: &[(usize, B::FloatTensorPrimitive)],

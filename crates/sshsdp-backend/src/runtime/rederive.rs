@@ -9,8 +9,8 @@ use burn_backend::Backend;
 use super::{Runtime, State};
 use crate::lanes::Reply;
 use crate::storage::{
-    download, encode_on_device, encode_units_on_device, read_device_units, upload, upload_shard,
-    MasterBuf, ShardBuf,
+    device_gather, download, encode_on_device, encode_units_on_device, read_device_units, upload,
+    upload_shard, MasterBuf, SendUnits, ShardBuf,
 };
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
@@ -23,8 +23,6 @@ pub(super) enum Rebuild {
     /// once rebuilt.
     Staged(Reply<Elems>),
     /// A device shard rebuilt by the engine on device memory.
-    // Made only on `CubeBackend<CudaRuntime>` over NCCL.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Device(Reply<DeviceUnits>),
     /// A device shard that is one piece: the re-derived piece is the shard.
     Done(ShardBuf),
@@ -148,11 +146,9 @@ fn rederive_device_piece<B: Backend>(
         return Ok(Rebuild::Done(ShardBuf::Device(units)));
     }
     let shard_len = bucket.shard.len();
-    #[cfg(feature = "cuda")]
     if rt.engine_on_device {
-        use crate::storage::{gather_buffers, SendUnits};
         let send = SendUnits::Device(&units, 0..units.len);
-        let (job, _) = gather_buffers::<B>(device, send, shard_len)?;
+        let (job, _) = device_gather::<B>(device, send, shard_len)?;
         return Ok(Rebuild::Device(rt.worker.rebuild_on_device(b, job)));
     }
     // Through the host: this rank's piece in its slot of a host shard, rebuilt by the host

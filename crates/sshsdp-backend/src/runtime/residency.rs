@@ -14,7 +14,8 @@ use super::Counters;
 use crate::config::{CopyMode, Precision};
 use crate::lanes::{Reply, ShardPart, StageUnits, Worker};
 use crate::storage::{
-    bucket_views, device_part, device_views, BucketCodec, ComputeBuf, MasterBuf, Member, ShardBuf,
+    bucket_views, device_gather, device_part, device_views, BucketCodec, ComputeBuf, MasterBuf,
+    Member, SendUnits, ShardBuf,
 };
 use crate::units::{Elems, Gathered};
 use crate::HsdpError;
@@ -119,14 +120,12 @@ impl<B: Backend> BucketStorage<B> {
         // The whole shard (one or more pieces).
         let range = 0..self.shard.len();
         let units = codec.gathered_units();
-        #[cfg(feature = "cuda")]
         if let Some(device) = on_device {
-            use crate::storage::{gather_buffers, SendUnits};
             let send = match &self.shard {
                 ShardBuf::Host(shard) => SendUnits::Host(shard, range),
                 ShardBuf::Device(shard) => SendUnits::Device(shard, range),
             };
-            return match gather_buffers::<B>(device, send, units) {
+            return match device_gather::<B>(device, send, units) {
                 Ok((job, uploaded)) => {
                     counters.uploaded_bytes += uploaded;
                     worker.gather_on_device(bucket, job)
@@ -134,8 +133,6 @@ impl<B: Backend> BucketStorage<B> {
                 Err(e) => Reply::failed(sshsdp_comm::CommError::Engine(e.to_string())),
             };
         }
-        #[cfg(not(feature = "cuda"))]
-        let _ = on_device;
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
         // collective writes every byte (our own shard included), nothing is copied around it.
         let source = match (&self.shard, copy_mode) {

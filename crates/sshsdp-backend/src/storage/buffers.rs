@@ -2,6 +2,7 @@
 //! ([`MasterBuf`]), runtime shards ([`ShardBuf`]), moves between host and device, and the
 //! device allocator's report ([`DeviceMemory`]).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use burn_backend::{read_sync, Backend, TensorData, TensorMetadata};
@@ -109,4 +110,35 @@ impl ShardBuf {
     pub fn on_device(&self) -> bool {
         matches!(self, ShardBuf::Device(_))
     }
+}
+
+/// What this rank sends in an all-gather on device memory.
+// Read only on `CubeBackend<CudaRuntime>` (`cube/gather.rs`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum SendUnits<'a> {
+    /// Units `range` of a host shard: uploaded first.
+    Host(&'a Elems, Range<usize>),
+    /// Units `range` of a CubeCL buffer (a device shard, or an updated piece for a rebuild):
+    /// sent from where they are.
+    Device(&'a DeviceUnits, Range<usize>),
+}
+
+/// A bucket's device gradient as a reduction starts from it.
+// Read only on CubeCL backends (`cube/reduce.rs`).
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) enum GradSource<B: Backend> {
+    /// The full-bucket gradient in the bucket's element space (a contiguous 1-D tensor in the
+    /// reduction dtype), for the engine's reduction on device memory.
+    Full(B::FloatTensorPrimitive),
+    /// The members' flattened f32 gradients one after the other (`cat`), and where their runs
+    /// go in the bucket's `full_len` elements: `(first element in the bucket, first element in
+    /// cat, length)`. The staged path reads back only these values and places them on the host.
+    Members {
+        /// The concatenated gradients.
+        cat: B::FloatTensorPrimitive,
+        /// The runs.
+        runs: Vec<(usize, usize, usize)>,
+        /// Elements of the bucket.
+        full_len: usize,
+    },
 }

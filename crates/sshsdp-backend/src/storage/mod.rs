@@ -36,9 +36,10 @@ use std::ops::Range;
 
 use burn_backend::{Backend, Shape, Slice};
 use sshsdp_comm::CommError;
+use sshsdp_plan::Sharding;
 
 use crate::config::Precision;
-use crate::lanes::{ShardPart, StageUnits};
+use crate::lanes::{DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits};
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
@@ -50,13 +51,9 @@ pub(crate) mod cube;
 pub(crate) mod host;
 
 pub use buffers::DeviceMemory;
-pub(crate) use buffers::{download, upload, MasterBuf, ShardBuf};
+pub(crate) use buffers::{download, upload, GradSource, MasterBuf, SendUnits, ShardBuf};
 pub(crate) use codec::BucketCodec;
 pub(crate) use compute::{ComputeBuf, Member};
-#[cfg(feature = "cuda")]
-pub(crate) use cube::gather::{gather_buffers, SendUnits};
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-pub(crate) use cube::reduce::{reduce_job_if_cube, GradSource};
 pub(crate) use host::views::with_f32_values;
 
 /// The memory of `device` if `B` is a CubeCL backend this build supports (`None` otherwise,
@@ -250,6 +247,58 @@ pub(crate) fn device_piece<B: Backend>(
         let _ = (units, device);
         Err(no_cube())
     }
+}
+
+/// Whether gradients of `B` held on its device are reduced from there (a CubeCL backend this
+/// build supports; elsewhere the runtime reads them back for the host collectives).
+#[cfg_attr(
+    not(any(feature = "wgpu", feature = "cuda")),
+    allow(clippy::extra_unused_type_parameters)
+)]
+pub(crate) fn reduces_on_device<B: Backend>() -> bool {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::is_cube_backend::<B>();
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    false
+}
+
+/// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in
+/// the reduction dtype `reduce`: by the engine on device memory for [`GradSource::Full`],
+/// staged through the host for [`GradSource::Members`] (`None` where `B` is not a CubeCL
+/// backend this build supports: see [`reduces_on_device`]).
+pub(crate) fn device_reduce_job<B: Backend>(
+    source: GradSource<B>,
+    reduce: Precision,
+    sharding: Sharding,
+    shape: (usize, usize),
+) -> Option<Box<dyn DeviceReduceJob>> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::reduce::reduce_job_if_cube::<B>(source, reduce, sharding, shape);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (source, reduce, sharding, shape);
+        None
+    }
+}
+
+/// The buffers of an all-gather of `send` into `full_len` units on `device`, moved by the engine
+/// in device memory (NCCL on `CubeBackend<CudaRuntime>`, where [`cuda_ordinal`] matches the
+/// engine's GPU): the job for the shard lane and the bytes it will upload.
+pub(crate) fn device_gather<B: Backend>(
+    device: &B::Device,
+    send: SendUnits<'_>,
+    full_len: usize,
+) -> Result<(Box<dyn DeviceGatherJob>, u64), HsdpError> {
+    #[cfg(feature = "cuda")]
+    if cuda_ordinal::<B>(device).is_some() {
+        return cube::gather::gather_buffers::<B>(device, send, full_len);
+    }
+    let _ = (device, send, full_len);
+    Err(HsdpError::Unsupported(
+        "all-gathers on device memory need `CubeBackend<CudaRuntime>` (this crate's `cuda` \
+         feature) and an engine that moves device memory (NCCL)"
+            .into(),
+    ))
 }
 
 /// Why device runtime units cannot exist on this backend.

@@ -32,7 +32,6 @@
 //! context, so CubeCL's addresses are valid for NCCL.
 
 use std::any::Any;
-use std::ops::Range;
 
 use burn_backend::Backend;
 use cubecl::client::ComputeClient;
@@ -44,6 +43,7 @@ use sshsdp_comm::{CommError, CommResult, ElementKind};
 use super::codec::CubeUnits;
 use super::{is_cube, padded_to_words, word_buffer_len};
 use crate::lanes::DeviceGatherJob;
+use crate::storage::buffers::SendUnits;
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
@@ -54,15 +54,6 @@ pub(crate) fn cuda_ordinal<B: Backend>(device: &B::Device) -> Option<usize> {
     }
     let any: &dyn Any = device;
     any.downcast_ref::<CudaDevice>().map(|d| d.index)
-}
-
-/// What this rank sends in an all-gather on device memory.
-pub(crate) enum SendUnits<'a> {
-    /// Units `range` of a host shard: uploaded first.
-    Host(&'a Elems, Range<usize>),
-    /// Units `range` of a CubeCL buffer (a device shard, or an updated piece for a rebuild):
-    /// sent from where they are.
-    Device(&'a DeviceUnits, Range<usize>),
 }
 
 /// The buffers of an all-gather of `send` into `full_len` units on `device` (a CUDA device of

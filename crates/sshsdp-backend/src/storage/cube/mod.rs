@@ -136,3 +136,13 @@ pub(crate) fn memory_usage<B: Backend>(device: &B::Device) -> Option<DeviceMemor
     });
     None
 }
+
+/// Whether `B` is a CubeCL backend this build supports.
+pub(crate) fn is_cube_backend<B: Backend>() -> bool {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            return true;
+        }
+    });
+    false
+}

@@ -29,26 +29,9 @@ use super::{for_each_runtime, is_cube, lane_client, stream_mark, word_buffer_len
 use crate::config::Precision;
 use crate::lanes::comm::MeshComm;
 use crate::lanes::DeviceReduceJob;
+use crate::storage::buffers::GradSource;
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
-
-/// A bucket's device gradient as a reduction starts from it.
-pub(crate) enum GradSource<B: Backend> {
-    /// The full-bucket gradient in the bucket's element space (a contiguous 1-D tensor in the
-    /// reduction dtype), for the engine's reduction on device memory.
-    Full(B::FloatTensorPrimitive),
-    /// The members' flattened f32 gradients one after the other (`cat`), and where their runs
-    /// go in the bucket's `full_len` elements: `(first element in the bucket, first element in
-    /// cat, length)`. The staged path reads back only these values and places them on the host.
-    Members {
-        /// The concatenated gradients.
-        cat: B::FloatTensorPrimitive,
-        /// The runs.
-        runs: Vec<(usize, usize, usize)>,
-        /// Elements of the bucket.
-        full_len: usize,
-    },
-}
 
 /// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in
 /// the reduction dtype `reduce` — by the engine on device memory for [`GradSource::Full`]
