@@ -60,6 +60,8 @@ pub struct Args {
     pub nccl: bool,
     /// `--unsharded`: the same job on plain Burn, one rank, nothing sharded (the baseline).
     pub unsharded: bool,
+    /// `--no-fusion`: wgpu and CUDA without burn-fusion (`CubeBackend`), autotune still on.
+    pub no_fusion: bool,
 }
 
 /// Parses a `--compute`/`--reduce` dtype.
@@ -96,12 +98,16 @@ impl BackendKind {
         }
     }
 
-    /// One line for the summary.
-    pub fn describe(self) -> &'static str {
-        match self {
-            BackendKind::Flex => "burn-flex (CPU, SIMD)",
-            BackendKind::Wgpu => "wgpu (CubeCL, no fusion; lavapipe when there is no GPU)",
-            BackendKind::Cuda => "cuda (CubeCL, no fusion, no autotune)",
+    /// One line for the summary (`fusion`: whether a GPU backend runs burn-fusion).
+    pub fn describe(self, fusion: bool) -> &'static str {
+        match (self, fusion) {
+            (BackendKind::Flex, _) => "burn-flex (CPU, SIMD)",
+            (BackendKind::Wgpu, true) => {
+                "wgpu (Burn's default: fusion, autotune; lavapipe when there is no GPU)"
+            }
+            (BackendKind::Wgpu, false) => "wgpu (CubeCL without fusion, autotune on)",
+            (BackendKind::Cuda, true) => "cuda (Burn's default: fusion, autotune)",
+            (BackendKind::Cuda, false) => "cuda (CubeCL without fusion, autotune on)",
         }
     }
 }
@@ -142,6 +148,8 @@ Backend:
                        a machine without a GPU it runs on Mesa's lavapipe, slowly); cuda:
                        CubeCL's CUDA runtime, every in-process rank on GPU 0 (--features cuda;
                        collectives through the host engine unless --nccl)
+  --no-fusion          wgpu and cuda without burn-fusion (CubeCL's CubeBackend; autotune on):
+                       Burn's default GPU types (fusion and autotune on) otherwise
   --storage host|device  where fp32 masters, optimizer state and gradient buckets live
                        (default: device on wgpu and cuda, host on flex)
   --compute f32|bf16|f16  dtype parameters and activations compute in (default f32; fp32
@@ -207,6 +215,7 @@ pub fn parse_args(
         precision: MixedPrecision::default(),
         nccl: false,
         unsharded: false,
+        no_fusion: false,
     };
     let mut storage = None;
     let mut args = args.into_iter();
@@ -307,6 +316,7 @@ pub fn parse_args(
                 )
             }
             "--unsharded" => out.unsharded = true,
+            "--no-fusion" => out.no_fusion = true,
             "--compute" => out.precision.compute = parse_precision(&flag, &value()?)?,
             "--reduce" => out.precision.reduce = parse_precision(&flag, &value()?)?,
             other => {

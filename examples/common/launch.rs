@@ -84,9 +84,13 @@ pub fn run<T: Tasks>(task: &T, args: &Args) -> Result<Option<Report>, String> {
     match args.backend {
         BackendKind::Flex => run_on::<Flex, T>(task, args),
         #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu if args.no_fusion => run_on::<WgpuUnfused, T>(task, args),
+        #[cfg(feature = "wgpu")]
         BackendKind::Wgpu => run_on::<Wgpu, T>(task, args),
         #[cfg(not(feature = "wgpu"))]
         BackendKind::Wgpu => Err("--backend wgpu needs the `wgpu` feature".into()),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda if args.no_fusion => run_on::<CudaUnfused, T>(task, args),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => run_on::<Cuda, T>(task, args),
         #[cfg(not(feature = "cuda"))]

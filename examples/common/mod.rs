@@ -41,14 +41,20 @@ impl<I: FusedOps<Device: Default>> Compute for I {}
 /// `examples/train_gpt/main.rs`), although the decorator's zero-copy parameter views are specific to
 /// NdArray; the models' GELU and softmax use `sshsdp::kernels`' fused ops on it.
 pub type Flex = burn::backend::Flex;
-/// The GPU backend of `--backend wgpu` (feature `wgpu`): CubeCL's wgpu runtime without fusion
-/// (Vulkan, Metal, DirectX; Mesa's lavapipe on a machine without a GPU).
+/// The GPU backend of `--backend wgpu` (feature `wgpu`): burn-wgpu's `Wgpu` as Burn's users run
+/// it, fusion and autotune on (Vulkan, Metal, DirectX; Mesa's lavapipe without a GPU).
 #[cfg(feature = "wgpu")]
 pub type Wgpu = burn_wgpu::Wgpu;
-/// The NVIDIA backend of `--backend cuda` (feature `cuda`): CubeCL's CUDA runtime without fusion
-/// or autotune.
+/// `--backend wgpu --no-fusion`: CubeCL's wgpu runtime without burn-fusion (autotune on).
+#[cfg(feature = "wgpu")]
+pub type WgpuUnfused = burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, f32, i32, u32>;
+/// The NVIDIA backend of `--backend cuda` (feature `cuda`): burn-cuda's `Cuda` as Burn's users
+/// run it, fusion and autotune on.
 #[cfg(feature = "cuda")]
 pub type Cuda = burn_cuda::Cuda;
+/// `--backend cuda --no-fusion`: CubeCL's CUDA runtime without burn-fusion (autotune on).
+#[cfg(feature = "cuda")]
+pub type CudaUnfused = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 /// The training backend over `I`: autodiff over the sharding decorator.
 pub type Train<I> = Autodiff<Hsdp<I>>;
 /// The backend of evaluation and sampling over `I`: the decorator without autodiff

@@ -51,22 +51,22 @@ pub trait Task<I: Compute>: Job {
     ) -> Result<String, String>;
 }
 
-/// A job on Wgpu where this build has it (feature `wgpu`; any type otherwise).
+/// A job on Wgpu, fused and not, where this build has it (feature `wgpu`; any type otherwise).
 #[cfg(feature = "wgpu")]
-pub trait OnWgpu: Task<Wgpu> {}
+pub trait OnWgpu: Task<Wgpu> + Task<WgpuUnfused> {}
 #[cfg(feature = "wgpu")]
-impl<T: Task<Wgpu>> OnWgpu for T {}
+impl<T: Task<Wgpu> + Task<WgpuUnfused>> OnWgpu for T {}
 /// A job on Wgpu where this build has it (feature `wgpu`; any type otherwise).
 #[cfg(not(feature = "wgpu"))]
 pub trait OnWgpu {}
 #[cfg(not(feature = "wgpu"))]
 impl<T> OnWgpu for T {}
 
-/// A job on CUDA where this build has it (feature `cuda`; any type otherwise).
+/// A job on CUDA, fused and not, where this build has it (feature `cuda`; any type otherwise).
 #[cfg(feature = "cuda")]
-pub trait OnCuda: Task<Cuda> {}
+pub trait OnCuda: Task<Cuda> + Task<CudaUnfused> {}
 #[cfg(feature = "cuda")]
-impl<T: Task<Cuda>> OnCuda for T {}
+impl<T: Task<Cuda> + Task<CudaUnfused>> OnCuda for T {}
 /// A job on CUDA where this build has it (feature `cuda`; any type otherwise).
 #[cfg(not(feature = "cuda"))]
 pub trait OnCuda {}
@@ -182,7 +182,7 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
     );
     println!(
         "backend     {}; fp32 masters, optimizer state and gradients on the {}",
-        args.backend.describe(),
+        args.backend.describe(!args.no_fusion),
         match args.storage {
             Placement::Host => "host",
             Placement::Device => "device",

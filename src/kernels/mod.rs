@@ -269,13 +269,28 @@ fn map_f32(x: &FlexTensor, kernel: impl FnOnce(&[f32], &mut [f32])) -> FlexTenso
 /// NdArray: Burn's ops (the workspace's test backend; its numerics are the reference).
 impl FusedOps for burn::backend::NdArray {}
 
-/// CubeCL's wgpu runtime (as the examples build it: f32, no fusion): Burn's ops.
+/// burn-wgpu's `Wgpu` (Burn's default features: fusion and autotune): Burn's ops, which fusion
+/// merges.
 #[cfg(feature = "wgpu")]
 impl FusedOps for burn_wgpu::Wgpu {}
 
-/// CubeCL's CUDA runtime (as the examples build it: f32, no fusion): Burn's ops.
+/// CubeCL's wgpu runtime without fusion (`--no-fusion`): Burn's ops.
+#[cfg(feature = "wgpu")]
+impl<F: burn_wgpu::FloatElement, I: burn_wgpu::IntElement, BT: burn_wgpu::BoolElement> FusedOps
+    for burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, F, I, BT>
+{
+}
+
+/// burn-cuda's `Cuda` (Burn's default features: fusion and autotune): Burn's ops.
 #[cfg(feature = "cuda")]
 impl FusedOps for burn_cuda::Cuda {}
+
+/// CubeCL's CUDA runtime without fusion (`--no-fusion`): Burn's ops.
+#[cfg(feature = "cuda")]
+impl<F: burn_cubecl::FloatElement, I: burn_cubecl::IntElement, BT: burn_cubecl::BoolElement>
+    FusedOps for burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, F, I, BT>
+{
+}
 
 #[cfg(test)]
 mod tests {

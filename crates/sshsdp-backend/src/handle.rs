@@ -244,11 +244,11 @@ impl<B: Backend> HsdpRuntime<B> {
 
     /// Whether the engine moves device memory itself: bucket all-gathers write straight into
     /// the decorated backend's buffers and device gradients are reduced where they are. True
-    /// for NCCL when the decorated backend is `CubeBackend<CudaRuntime, …>` (the `cuda`
-    /// feature, fusion off) on the communicators' GPU and parameters are views (zero-copy):
-    /// then no gathered bucket and no gradient crosses to the host. Elsewhere device buffers are
-    /// staged through the host on the communication lanes (counted in
-    /// [`crate::Counters::uploaded_bytes`] and `downloaded_bytes`).
+    /// for NCCL when the decorated backend is burn-cuda's `Cuda` (`Fusion<CubeBackend<CudaRuntime,
+    /// …>>`) or `CubeBackend<CudaRuntime, …>` (the `cuda` feature) on the communicators' GPU and
+    /// parameters are views (zero-copy): then no gathered bucket and no gradient crosses to the
+    /// host. Elsewhere device buffers are staged through the host on the communication lanes
+    /// (counted in [`crate::Counters::uploaded_bytes`] and `downloaded_bytes`).
     pub fn collectives_on_device(&self) -> bool {
         self.runtime.collectives_on_device()
     }

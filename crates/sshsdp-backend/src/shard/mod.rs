@@ -328,11 +328,11 @@ where
     Ok((module, runtime))
 }
 
-/// Refuses inner backends whose tensors cannot be views of a gathered bucket: burn-fusion's
-/// (`Fusion<CubeBackend<…>>`, what `Wgpu` and `Cuda` are when burn's `fusion` feature is on)
-/// keep every tensor in fusion's lazy stream, so each parameter would be a copy and the
-/// decorator's memory and copy accounting would be false. Refuses a bf16 compute policy on a
-/// backend that cannot compute in bf16.
+/// Refuses inner backends whose tensors cannot be views of a gathered bucket: burn-fusion over
+/// anything but the CubeCL runtimes this build supports (`Fusion<CubeBackend<…>>`, what `Wgpu`
+/// and `Cuda` are with Burn's default features, is supported through `storage/cube/adapter.rs`;
+/// fusion over another backend would make every parameter a copy, and the memory and copy
+/// counters false). Refuses a bf16 compute policy on a backend that cannot compute in bf16.
 fn check_backend<B: burn_backend::Backend>(
     device: &B::Device,
     config: &HsdpConfig,
@@ -346,15 +346,13 @@ fn check_backend<B: burn_backend::Backend>(
              (burn-flex on the CPU, CUDA) or `Precision::F32`"
         )));
     }
-    if is_fusion(&name) {
+    if is_fusion(&name) && !crate::storage::is_cube_backend::<B>() {
         return Err(HsdpError::Unsupported(format!(
-            "Hsdp<{name}>: burn-fusion backends are not supported (a parameter cannot be a view \
-             of its gathered bucket in fusion's lazy stream). Use the CubeCL backend without \
-             fusion: `CubeBackend<WgpuRuntime, f32, i32, u32>` (burn_wgpu) or \
-             `CubeBackend<CudaRuntime, f32, i32, u8>` (burn_cuda), which is what `Wgpu` and \
-             `Cuda` are with burn's `fusion` feature off, e.g. `burn = {{ version = \"=0.21.0\", \
-             default-features = false, features = [\"std\", \"autodiff\", \"wgpu\"] }}` \
-             (burn's default features turn `fusion` on)"
+            "Hsdp<{name}>: burn-fusion is supported over CubeCL's wgpu and CUDA runtimes \
+             (burn-wgpu's `Wgpu`, burn-cuda's `Cuda`) with sshsdp's `wgpu` or `cuda` feature; \
+             over this backend, or without that feature, a parameter could not be a view of its \
+             gathered bucket. Enable the feature matching your backend (`sshsdp = {{ features = \
+             [\"wgpu\"] }}`), or decorate the backend without fusion"
         )));
     }
     Ok(())
@@ -397,7 +395,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fusion_backends_are_refused_by_name() {
+    fn fusion_backends_are_told_by_name() {
         // burn-fusion 0.21 names itself `fusion<{inner}>`; CubeCL backends `cubecl<{runtime}>`.
         assert!(is_fusion("fusion<cubecl<wgpu<vulkan>>>"));
         assert!(!is_fusion("cubecl<wgpu<vulkan>>"));

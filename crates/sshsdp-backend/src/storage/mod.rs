@@ -82,7 +82,8 @@ pub(crate) fn alignment<B: Backend>(device: &B::Device) -> Option<u64> {
     }
 }
 
-/// The CUDA ordinal of `device` where `B` is `CubeBackend<CudaRuntime, …>` (`None` elsewhere):
+/// The CUDA ordinal of `device` where `B` is `CubeBackend<CudaRuntime, …>` or fusion over it
+/// (`None` elsewhere):
 /// where an engine that moves device memory (NCCL) can gather and reduce `B`'s buffers.
 pub(crate) fn cuda_ordinal<B: Backend>(device: &B::Device) -> Option<usize> {
     #[cfg(feature = "cuda")]
@@ -249,6 +250,19 @@ pub(crate) fn device_piece<B: Backend>(
     }
 }
 
+/// Whether `B`'s float tensors hold CubeCL buffers of a runtime this build supports
+/// (`CubeBackend<R, …>` or `Fusion<CubeBackend<R, …>>`, `cube/adapter.rs`).
+#[cfg_attr(
+    not(any(feature = "wgpu", feature = "cuda")),
+    allow(clippy::extra_unused_type_parameters)
+)]
+pub(crate) fn is_cube_backend<B: Backend>() -> bool {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::is_cube_backend::<B>();
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    false
+}
+
 /// Whether gradients of `B` held on its device are reduced from there (a CubeCL backend this
 /// build supports; elsewhere the runtime reads them back for the host collectives).
 #[cfg_attr(
@@ -256,10 +270,7 @@ pub(crate) fn device_piece<B: Backend>(
     allow(clippy::extra_unused_type_parameters)
 )]
 pub(crate) fn reduces_on_device<B: Backend>() -> bool {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return cube::is_cube_backend::<B>();
-    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-    false
+    is_cube_backend::<B>()
 }
 
 /// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in

@@ -12,8 +12,7 @@
 //!   bytes are read back for the host collectives (≈1.001 bytes per value for MXFP8, 2 for
 //!   bf16) instead of the 4-byte master.
 
-use std::any::Any;
-
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, DType, FloatDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
@@ -23,8 +22,11 @@ use sshsdp_kernels::{
     dequantize_square, narrow_bf16, quantize_square, widen_bf16, InputDType, KernelError, SquareAt,
 };
 
+use super::adapter::{to_cube, Inner};
 use super::views::member_views;
-use super::{client_of, for_each_runtime, is_cube, lane_client, padded_to_words};
+use super::{
+    client_of, cube_device, for_each_runtime, is_cube, lane_client, lane_upload, padded_to_words,
+};
 use crate::config::Precision;
 use crate::lanes::StageUnits;
 use crate::storage::codec::{BucketCodec, CodecOp, MX_FORMAT};
@@ -66,11 +68,11 @@ impl<R: CubeRuntime> StageUnits for CubeStager<R> {
                 let data = ComputeBuf::new(values, compute).into_data();
                 let uploaded = data.bytes.len() as u64;
                 let bytes = padded_to_words(data.bytes.to_vec());
-                let handle = self.client.create_from_slice(&bytes);
+                let handle = lane_upload(&self.client, &bytes);
                 (handle, uploaded, Some(compute), Elems::F32(Vec::new()))
             }
             (units, _) => {
-                let handle = self.client.create_from_slice(&units.word_bytes());
+                let handle = lane_upload(&self.client, &units.word_bytes());
                 (handle, units.bytes(), None, units.zeros_like(0))
             }
         };
@@ -93,13 +95,12 @@ fn decode<B: Backend, R: CubeRuntime>(
     bytes: Vec<u8>,
     device: &B::Device,
 ) -> Result<B::FloatTensorPrimitive, HsdpError> {
-    let any: &dyn Any = device;
-    let cube_device: &R::Device = any.downcast_ref().expect("the type was checked");
-    let client = R::client(cube_device);
+    let client = client_of::<B, R>(device);
     let len = bytes.len();
     let handle = client.create_from_slice(&padded_to_words(bytes));
     let units = CubeUnits::<R>::new(client, handle);
-    decode_buffer::<B, R>(codec, &units, len, device)
+    let values = decode_buffer::<B, R>(codec, &units, len, device)?;
+    Ok(super::adapter::from_cube::<B, R>(values))
 }
 
 /// A CubeCL buffer of runtime units and the client that owns it (what
@@ -135,34 +136,30 @@ fn decode_buffer<B: Backend, R: CubeRuntime>(
     units: &CubeUnits<R>,
     len: usize,
     device: &B::Device,
-) -> Result<B::FloatTensorPrimitive, HsdpError> {
+) -> Result<CubeTensor<R>, HsdpError> {
     let ops = codec.decode_ops(len)?;
     let n = codec.compute_elems();
+    // A fresh buffer for every decode: a wrapped buffer is never rewritten (`adapter.rs`).
     let out = units.client.empty(4 * n.max(1));
     run(&units.client, &ops, Direction::Decode, &out, &units.handle)?;
-    Ok(float_tensor::<B, R>(units, out, n, DType::F32, device))
+    Ok(cube_tensor::<B, R>(units, out, n, DType::F32, device))
 }
 
-/// `handle` (`n` values of `dtype`, on `units`' client) as `B`'s float primitive.
-pub(crate) fn float_tensor<B: Backend, R: CubeRuntime>(
+/// `handle` (`n` values of `dtype`, on `units`' client) as a 1-D `CubeTensor` on `device`.
+pub(crate) fn cube_tensor<B: Backend, R: CubeRuntime>(
     units: &CubeUnits<R>,
     handle: Handle,
     n: usize,
     dtype: DType,
     device: &B::Device,
-) -> B::FloatTensorPrimitive {
-    let any: &dyn Any = device;
-    let device: &R::Device = any.downcast_ref().expect("the type was checked");
-    let tensor = CubeTensor::<R>::new_contiguous(
+) -> CubeTensor<R> {
+    CubeTensor::<R>::new_contiguous(
         units.client.clone(),
-        device.clone(),
+        cube_device::<B, R>(device).clone(),
         Shape::from([n]),
         handle,
         dtype,
-    );
-    let any: Box<dyn Any> = Box::new(tensor);
-    *any.downcast::<B::FloatTensorPrimitive>()
-        .expect("the type was checked")
+    )
 }
 
 /// The parameters `members` of runtime units an engine gathered into device memory (`units`:
@@ -179,7 +176,7 @@ pub(crate) fn device_units_views<B: Backend>(
     for_each_runtime!(R => {
         if let (true, Some(cube)) = (is_cube::<B, R>(), units.buffer.downcast_ref::<CubeUnits<R>>()) {
             let n = codec.compute_elems();
-            let tensor = |dtype| float_tensor::<B, R>(cube, cube.handle.clone(), n, dtype, device);
+            let tensor = |dtype| cube_tensor::<B, R>(cube, cube.handle.clone(), n, dtype, device);
             // The bucket, and whether it is in the compute dtype already.
             let (bucket, is_compute) = match (&units.kind, compute) {
                 _ if units.narrowed == Some(compute) => (tensor(compute.dtype().into()), true),
@@ -191,10 +188,11 @@ pub(crate) fn device_units_views<B: Backend>(
                     (f32s, compute == Precision::F32)
                 }
             };
+            // The cast runs on the CubeCL stream now (a fresh buffer), not in fusion's.
             let bucket = if is_compute {
                 bucket
             } else {
-                B::float_cast(bucket, compute.dtype())
+                Inner::<R>::float_cast(bucket, compute.dtype())
             };
             return Ok(member_views::<B, R>(bucket, members));
         }
@@ -226,7 +224,8 @@ fn encode<B: Backend, R: CubeRuntime>(
     ops: &[CodecOp],
     master: &B::FloatTensorPrimitive,
 ) -> Result<Vec<u8>, HsdpError> {
-    let units = encode_on_device::<B, R>(codec, ops, master)?;
+    let master = to_cube::<B, R>(master.clone());
+    let units = encode_on_device::<R>(codec, ops, &master)?;
     let mut read = units
         .client
         .read_one(units.handle)
@@ -248,9 +247,12 @@ pub(crate) fn encode_piece_units_if_cube<B: Backend>(
 ) -> Option<Result<DeviceUnits, HsdpError>> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
+            // The master's buffer as the update left it (on fusion: its queued work drained,
+            // once per piece).
+            let master = to_cube::<B, R>(master.clone());
             let units = match codec.encode_ops(piece) {
-                Some(ops) => encode_on_device::<B, R>(codec, &ops, master),
-                None => f32_master::<R>(codec, master)
+                Some(ops) => encode_on_device::<R>(codec, &ops, &master),
+                None => f32_master::<R>(codec, &master)
                     .map(|m| CubeUnits::new(m.client.clone(), m.handle.clone())),
             };
             // The encode (or the update that wrote the f32 master) is queued: mark it, so an
@@ -278,9 +280,8 @@ pub(crate) fn encode_piece_units_if_cube<B: Backend>(
 /// `master` as the piece's contiguous f32 elements of a `CubeTensor<R>`, or why it is not.
 fn f32_master<'a, R: CubeRuntime>(
     codec: &BucketCodec,
-    master: &'a dyn Any,
+    master: &'a CubeTensor<R>,
 ) -> Result<&'a CubeTensor<R>, HsdpError> {
-    let master: &CubeTensor<R> = master.downcast_ref().expect("the type was checked");
     let n = codec.piece_elems();
     let shape = master.meta.shape();
     if master.dtype != DType::F32 || !master.is_contiguous() || shape.num_elements() != n {
@@ -295,24 +296,20 @@ fn f32_master<'a, R: CubeRuntime>(
 
 /// Runs the encode `ops` of a piece from its device master into a new zeroed buffer of its
 /// runtime bytes (whole words).
-fn encode_on_device<B: Backend, R: CubeRuntime>(
+fn encode_on_device<R: CubeRuntime>(
     codec: &BucketCodec,
     ops: &[CodecOp],
-    master: &B::FloatTensorPrimitive,
+    master: &CubeTensor<R>,
 ) -> Result<CubeUnits<R>, HsdpError> {
-    let device = B::float_device(master);
     let master = f32_master::<R>(codec, master)?;
     let bytes = codec.piece_bytes();
-    // A zeroed buffer (Burn's fill kernel): bytes no operation writes are zero, as on the host.
-    let zeros = B::float_zeros(
+    // A fresh zeroed buffer (Burn's fill kernel, on the CubeCL stream): bytes no operation
+    // writes are zero, as on the host.
+    let out = Inner::<R>::float_zeros(
         Shape::from([bytes.div_ceil(4).max(1)]),
-        &device,
+        &master.device,
         FloatDType::F32,
     );
-    let any: Box<dyn Any> = Box::new(zeros);
-    let out = any
-        .downcast::<CubeTensor<R>>()
-        .expect("the type was checked");
     let client = &master.client;
     run(client, ops, Direction::Encode, &master.handle, &out.handle)?;
     Ok(CubeUnits::new(client.clone(), out.handle))

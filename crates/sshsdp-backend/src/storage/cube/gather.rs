@@ -41,13 +41,14 @@ use cubecl::Runtime;
 use sshsdp_comm::{CommError, CommResult, ElementKind};
 
 use super::codec::CubeUnits;
-use super::{is_cube, padded_to_words, word_buffer_len};
+use super::{is_cube, lane_upload, padded_to_words, word_buffer_len};
 use crate::lanes::DeviceGatherJob;
 use crate::storage::buffers::SendUnits;
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
-/// The CUDA ordinal of `device` if `B` is `CubeBackend<CudaRuntime, …>` (`None` otherwise).
+/// The CUDA ordinal of `device` if `B` is `CubeBackend<CudaRuntime, …>` or fusion over it (`None`
+/// otherwise).
 pub(crate) fn cuda_ordinal<B: Backend>(device: &B::Device) -> Option<usize> {
     if !is_cube::<B, CudaRuntime>() {
         return None;
@@ -177,7 +178,7 @@ impl DeviceGatherJob for CudaGatherJob {
             self.empty.unit_bytes() as usize * self.full_len,
         ));
         let mut handles = match &self.send {
-            Outgoing::Upload(bytes) => vec![self.client.create_from_slice(bytes)],
+            Outgoing::Upload(bytes) => vec![lane_upload(&self.client, bytes)],
             Outgoing::Device { send, written } => {
                 let mut handles = vec![send.clone()];
                 handles.extend(written.iter().cloned());

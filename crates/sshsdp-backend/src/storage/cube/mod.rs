@@ -1,6 +1,9 @@
-//! Device storage on CubeCL backends (`CubeBackend<R, …>` with this crate's `wgpu` or `cuda`
-//! feature): everything that touches a CubeCL buffer, one module per job.
+//! Device storage on CubeCL backends (`CubeBackend<R, …>` and `Fusion<CubeBackend<R, …>>`, with
+//! this crate's `wgpu` or `cuda` feature): everything that touches a CubeCL buffer, one module per
+//! job.
 //!
+//! * `adapter.rs`: the decorated backend's float tensors to and from `CubeTensor`s (plain or
+//!   through burn-fusion): the only place that knows which;
 //! * `views.rs`: parameter views over a gathered bucket's device buffer (no kernel, no copy);
 //! * `codec.rs`: the square-block MXFP8 and bf16 kernels of `sshsdp-kernels` run on a bucket's
 //!   units (decode after a gather, encode of a piece after its update), and the lane's upload;
@@ -11,16 +14,16 @@
 //! This module holds what they share: the runtimes this build supports ([`for_each_runtime`]),
 //! the client of a device, stream ordering across threads, and buffer sizes.
 
-use std::any::{Any, TypeId};
+use std::any::Any;
 
 use burn_backend::Backend;
-use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::Runtime;
 
 use crate::storage::buffers::DeviceMemory;
 pub(crate) use crate::units::{padded_to_words, word_buffer_len};
 
+pub(crate) mod adapter;
 pub(crate) mod codec;
 #[cfg(feature = "cuda")]
 pub(crate) mod gather;
@@ -46,14 +49,19 @@ macro_rules! for_each_runtime {
 
 pub(crate) use for_each_runtime;
 
-/// The CubeCL client of `device`, a device of `B` whose float tensors are `CubeTensor<R>`
+/// `device`, a device of `B` whose float tensors hold `CubeTensor<R>`s (checked by the caller
+/// with [`is_cube`]), as runtime `R`'s device (fusion over a CubeCL backend keeps its device type).
+pub(crate) fn cube_device<B: Backend, R: CubeRuntime>(device: &B::Device) -> &R::Device {
+    let any: &dyn Any = device;
+    any.downcast_ref().expect("checked by is_cube")
+}
+
+/// The CubeCL client of `device`, a device of `B` whose float tensors hold `CubeTensor<R>`s
 /// (checked by the caller with [`is_cube`]).
 pub(crate) fn client_of<B: Backend, R: CubeRuntime>(
     device: &B::Device,
 ) -> cubecl::prelude::ComputeClient<R> {
-    let any: &dyn Any = device;
-    let device: &<R as cubecl::Runtime>::Device = any.downcast_ref().expect("checked by is_cube");
-    <R as cubecl::Runtime>::client(device)
+    <R as cubecl::Runtime>::client(cube_device::<B, R>(device))
 }
 
 /// `client` for work a lane thread queues on behalf of the calling (model) thread.
@@ -71,8 +79,7 @@ pub(crate) fn client_of<B: Backend, R: CubeRuntime>(
 pub(crate) fn lane_client<R: CubeRuntime>(
     client: cubecl::prelude::ComputeClient<R>,
 ) -> cubecl::prelude::ComputeClient<R> {
-    #[cfg(feature = "wgpu")]
-    if TypeId::of::<R>() == TypeId::of::<cubecl::wgpu::WgpuRuntime>() {
+    if is_wgpu::<R>() {
         let mut client = client;
         // SAFETY: the stream exists (it is the calling thread's) and is used from other
         // threads only through this client, whose calls the device's server serialises.
@@ -80,6 +87,40 @@ pub(crate) fn lane_client<R: CubeRuntime>(
         return client;
     }
     client
+}
+
+/// `bytes` uploaded by a lane thread into a new buffer of `client`, the upload's host copy
+/// released.
+///
+/// cubecl-cuda keeps the host copy of every upload in its stream's pending-drop queue
+/// (`cubecl-cuda` 0.10, `compute/command.rs`: `drop_queue.push(data)` after the copy is queued)
+/// until a kernel launches on that stream (`execute_task` flushes the queue when its policy says)
+/// or the client flushes (`server.rs`: `drop_queue.flush`, which waits for the previous flush's
+/// fence and frees what it protected: one flush behind). A lane's stream launches no kernel, so
+/// without a flush every upload of every step stays in host memory (the H200 call's +494 MiB
+/// per step: 6 bytes per parameter uploaded on the lanes). Flushing after each upload keeps at
+/// most the previous upload's copy alive. On wgpu the lanes queue on the model thread's stream
+/// ([`lane_client`]), whose kernels release them: no flush there.
+pub(crate) fn lane_upload<R: CubeRuntime>(
+    client: &cubecl::prelude::ComputeClient<R>,
+    bytes: &[u8],
+) -> cubecl::server::Handle {
+    let handle = client.create_from_slice(bytes);
+    if !is_wgpu::<R>() {
+        if let Err(e) = client.flush() {
+            log::warn!("flushing a lane's stream after an upload: {e:?}");
+        }
+    }
+    handle
+}
+
+/// Whether `R` is CubeCL's wgpu runtime.
+fn is_wgpu<R: CubeRuntime>() -> bool {
+    #[cfg(feature = "wgpu")]
+    if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::wgpu::WgpuRuntime>() {
+        return true;
+    }
+    false
 }
 
 /// A mark of "now" in the calling thread's CubeCL stream: a fresh 4-byte allocation.
@@ -101,9 +142,9 @@ pub(crate) fn stream_mark<R: CubeRuntime>(
     client.empty(4)
 }
 
-/// Whether `B`'s float tensors are `CubeTensor<R>`.
+/// Whether `B`'s float tensors hold `CubeTensor<R>`s, plain or through fusion ([`adapter`]).
 pub(crate) fn is_cube<B: Backend, R: CubeRuntime>() -> bool {
-    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<CubeTensor<R>>()
+    adapter::cube_kind::<B, R>().is_some()
 }
 
 /// The buffer-offset alignment of `device` in bytes, if `B` is a CubeCL backend this build
@@ -111,10 +152,7 @@ pub(crate) fn is_cube<B: Backend, R: CubeRuntime>() -> bool {
 pub(crate) fn alignment<B: Backend>(device: &B::Device) -> Option<u64> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            let probe = B::float_zeros([1].into(), device, burn_backend::FloatDType::F32);
-            let any: Box<dyn Any> = Box::new(probe);
-            let tensor = any.downcast::<CubeTensor<R>>().expect("the type was checked");
-            return Some(tensor.client.properties().memory.alignment);
+            return Some(client_of::<B, R>(device).properties().memory.alignment);
         }
     });
     None

@@ -13,8 +13,7 @@
 //!
 //! Either way the update gets the piece as a device tensor.
 
-use std::any::Any;
-
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, DType};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
@@ -24,8 +23,9 @@ use half::bf16;
 use sshsdp_comm::{CommError, CommResult, ElementKind};
 use sshsdp_plan::Sharding;
 
-use super::codec::{float_tensor, CubeUnits};
-use super::{for_each_runtime, is_cube, lane_client, stream_mark, word_buffer_len};
+use super::adapter::{from_cube, to_cube, Inner};
+use super::codec::{cube_tensor, CubeUnits};
+use super::{for_each_runtime, is_cube, lane_client, lane_upload, stream_mark, word_buffer_len};
 use crate::config::Precision;
 use crate::lanes::comm::MeshComm;
 use crate::lanes::DeviceReduceJob;
@@ -43,10 +43,11 @@ pub(crate) fn reduce_job_if_cube<B: Backend>(
     sharding: Sharding,
     (shards, piece_len): (usize, usize),
 ) -> Option<Box<dyn DeviceReduceJob>> {
-    let cube = |t: B::FloatTensorPrimitive| -> Box<dyn Any> { Box::new(t) };
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            let tensor = |t| *cube(t).downcast::<CubeTensor<R>>().expect("the type was checked");
+            // The bucket's gradient buffer as backward left it: on fusion, its queued work is
+            // drained here, once per completed bucket (never per gradient).
+            let tensor = to_cube::<B, R>;
             let source = match source {
                 GradSource::Full(full) => Source::Full(tensor(full)),
                 GradSource::Members { cat, runs, full_len } => Source::Members {
@@ -81,11 +82,12 @@ pub(crate) fn piece_tensor<B: Backend>(
 ) -> Result<B::FloatTensorPrimitive, HsdpError> {
     for_each_runtime!(R => {
         if let (true, Some(cube)) = (is_cube::<B, R>(), units.buffer.downcast_ref::<CubeUnits<R>>()) {
-            let tensor = |dtype| float_tensor::<B, R>(cube, cube.handle.clone(), units.len, dtype, device);
-            return Ok(match units.kind {
-                Elems::Bf16(_) => B::float_cast(tensor(DType::BF16), burn_backend::FloatDType::F32),
+            let tensor = |dtype| cube_tensor::<B, R>(cube, cube.handle.clone(), units.len, dtype, device);
+            let piece = match units.kind {
+                Elems::Bf16(_) => Inner::<R>::float_cast(tensor(DType::BF16), burn_backend::FloatDType::F32),
                 _ => tensor(DType::F32),
-            });
+            };
+            return Ok(from_cube::<B, R>(piece));
         }
     });
     Err(HsdpError::Failed(
@@ -101,7 +103,7 @@ type Addresses<R> =
 fn addresses_for<R: CubeRuntime>() -> Option<Addresses<R>> {
     #[cfg(feature = "cuda")]
     {
-        let cuda: Box<dyn Any> =
+        let cuda: Box<dyn std::any::Any> =
             Box::new(super::gather::ready_addresses as Addresses<cubecl::cuda::CudaRuntime>);
         if let Ok(f) = cuda.downcast::<Addresses<R>>() {
             return Some(*f);
@@ -285,9 +287,7 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
         self.piece_len = piece.len();
         self.kind = ElementKind::F32;
         self.uploaded += 4 * piece.len() as u64;
-        self.piece = self
-            .client
-            .create_from_slice(&Elems::F32(piece).word_bytes());
+        self.piece = lane_upload(&self.client, &Elems::F32(piece).word_bytes());
         Ok(())
     }
 

@@ -1,6 +1,7 @@
-//! Parameter views of a gathered bucket on CubeCL backends (`CubeBackend<R, …>` with the `wgpu`
-//! or `cuda` feature): each parameter is a `CubeTensor` over the bucket's memory handle at the
-//! parameter's byte offset — no kernel, no allocation.
+//! Parameter views of a gathered bucket on CubeCL backends (`CubeBackend<R, …>` and fusion over
+//! it, with the `wgpu` or `cuda` feature): each parameter is a `CubeTensor` over the bucket's
+//! memory handle at the parameter's byte offset — no kernel, no allocation — handed to `B` by
+//! the [`adapter`](super::adapter) (on fusion, registered as an `Init` of that handle).
 //!
 //! burn-cubecl's own `slice` keeps a view only when the bytes both before and after the slice
 //! are multiples of the device's buffer-offset alignment (`memory.alignment`: the uniform-offset
@@ -10,15 +11,15 @@
 //! `align_bytes` to it) and the views here are built from the handle directly. A member whose
 //! start is not aligned (a plan made for another device) falls back to the generic path.
 
-use std::any::Any;
-
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, Shape, Slice};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
+use super::adapter::{from_cube, Inner};
 #[cfg(test)]
 use super::alignment;
-use super::{for_each_runtime, is_cube};
+use super::{cube_device, for_each_runtime, is_cube};
 use crate::storage::compute::{ComputeBuf, Member};
 
 /// Views sharing one device buffer holding `full` (uploaded in its compute dtype) if `B` is a
@@ -41,20 +42,16 @@ fn views<B: Backend, R: CubeRuntime>(
     members: &[Member],
     device: &B::Device,
 ) -> Vec<B::FloatTensorPrimitive> {
-    let bucket = B::float_from_data(full.into_data(), device);
+    let bucket = Inner::<R>::float_from_data(full.into_data(), cube_device::<B, R>(device));
     member_views::<B, R>(bucket, members)
 }
 
-/// `bucket` (a contiguous 1-D float `CubeTensor<R>` as `B`'s primitive, f32 or bf16) as one view
-/// per member, in the bucket's dtype.
+/// `cube` (a contiguous 1-D float bucket, f32 or bf16) as one view of `B` per member, in the
+/// bucket's dtype.
 pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
-    bucket: B::FloatTensorPrimitive,
+    cube: CubeTensor<R>,
     members: &[Member],
 ) -> Vec<B::FloatTensorPrimitive> {
-    let any: Box<dyn Any> = Box::new(bucket.clone());
-    let cube = any
-        .downcast::<CubeTensor<R>>()
-        .expect("the type was checked");
     let align = cube.client.properties().memory.alignment;
     let total = cube.handle.size_in_used();
     let (dtype, elem) = (cube.dtype, cube.dtype.size() as u64);
@@ -65,8 +62,9 @@ pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
             if start % align != 0 {
                 // Not a view the device can bind: Burn's slice (a copy) and reshape.
                 let slice = Slice::new(m.start as isize, Some(m.end() as isize), 1);
-                let flat = B::float_slice(bucket.clone(), &[slice]);
-                return B::float_reshape(flat, Shape::from(m.shape.clone()));
+                let flat = Inner::<R>::float_slice(cube.clone(), &[slice]);
+                let view = Inner::<R>::float_reshape(flat, Shape::from(m.shape.clone()));
+                return from_cube::<B, R>(view);
             }
             let handle = cube
                 .handle
@@ -80,9 +78,7 @@ pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
                 handle,
                 dtype,
             );
-            let any: Box<dyn Any> = Box::new(view);
-            *any.downcast::<B::FloatTensorPrimitive>()
-                .expect("the type was checked")
+            from_cube::<B, R>(view)
         })
         .collect()
 }
@@ -90,17 +86,27 @@ pub(crate) fn member_views<B: Backend, R: CubeRuntime>(
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use super::*;
-    use burn_backend::ops::FloatTensorOps;
-    use burn_backend::{read_sync, FloatDType};
+    use burn_backend::read_sync;
     use burn_cubecl::CubeBackend;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
     use crate::config::Precision;
 
-    type B = CubeBackend<WgpuRuntime, f32, i32, u32>;
+    type Plain = CubeBackend<WgpuRuntime, f32, i32, u32>;
+    /// burn-wgpu's `Wgpu` with Burn's default features.
+    type Fused = burn_fusion::Fusion<Plain>;
 
     #[test]
     fn views_share_the_bucket_buffer_and_read_their_own_values() {
+        views_share_one_allocation::<Plain>();
+    }
+
+    #[test]
+    fn views_share_the_bucket_buffer_under_fusion() {
+        views_share_one_allocation::<Fused>();
+    }
+
+    fn views_share_one_allocation<B: Backend<Device = WgpuDevice>>() {
         let device = WgpuDevice::default();
         let align = alignment::<B>(&device).expect("a CubeCL backend") as usize / 4;
         // Three parameters at aligned starts, with lengths that leave unaligned gaps after.
@@ -119,10 +125,7 @@ mod tests {
             },
         ];
         let n = members[2].end() + 5;
-        let client = {
-            let probe = B::float_zeros([1].into(), &device, FloatDType::F32);
-            probe.client.clone()
-        };
+        let client = crate::storage::cube::client_of::<B, WgpuRuntime>(&device);
         // An f32 bucket and an f16 one (2-byte elements: the members' byte offsets halve, and
         // stay aligned since the plan doubles the alignment for 16-bit compute).
         for precision in [Precision::F32, Precision::F16] {
@@ -146,8 +149,12 @@ mod tests {
                 "{precision:?}: {before:?} → {after:?}"
             );
             for (m, view) in members.iter().zip(views) {
-                assert_eq!(view.meta.shape().to_vec(), m.shape);
-                assert_eq!(view.dtype, precision.dtype().into());
+                let meta = burn_backend::TensorMetadata::shape(&view);
+                assert_eq!(meta.to_vec(), m.shape);
+                assert_eq!(
+                    burn_backend::TensorMetadata::dtype(&view),
+                    precision.dtype().into()
+                );
                 let values = read_sync(B::float_into_data(view))
                     .unwrap()
                     .convert::<f32>()
