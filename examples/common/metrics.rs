@@ -32,6 +32,55 @@ pub fn human(x: f64) -> String {
     }
 }
 
+/// Throughput of a whole run without its warm-up: the first steps of a process tune (autotune
+/// benchmarks each kernel shape once) and compile kernels (NVRTC, SPIR-V), so they are left out
+/// of the rate a summary reports, and the summary says how many.
+pub(crate) struct WarmRate {
+    items_per_step: usize,
+    /// Steps left out at the start.
+    warmup: usize,
+    /// Steps seen, and the seconds of those after the warm-up.
+    seen: usize,
+    warm_s: f64,
+}
+
+impl WarmRate {
+    /// A rate over a run of `steps` steps of `items_per_step` items, leaving out the first fifth
+    /// (1 to 5 steps; none in a run of fewer than 4 steps, where every step counts).
+    pub(crate) fn new(items_per_step: usize, steps: usize) -> Self {
+        let warmup = if steps < 4 {
+            0
+        } else {
+            (steps / 5).clamp(1, 5)
+        };
+        Self {
+            items_per_step,
+            warmup,
+            seen: 0,
+            warm_s: 0.0,
+        }
+    }
+
+    /// Records the next step, of `seconds`.
+    pub(crate) fn push(&mut self, seconds: f64) {
+        if self.seen >= self.warmup {
+            self.warm_s += seconds;
+        }
+        self.seen += 1;
+    }
+
+    /// Steps left out at the start.
+    pub(crate) fn warmup(&self) -> usize {
+        self.warmup.min(self.seen)
+    }
+
+    /// Items per second over the steps after the warm-up.
+    pub(crate) fn items_per_s(&self) -> f64 {
+        let timed = self.seen.saturating_sub(self.warmup);
+        self.items_per_step as f64 * timed as f64 / self.warm_s
+    }
+}
+
 /// Throughput over the last (up to) 10 steps: what the progress line shows, free of the first
 /// steps' kernel compilation once the run is longer than 10 steps.
 pub(crate) struct RecentRate {

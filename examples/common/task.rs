@@ -97,8 +97,10 @@ pub struct Report {
     pub train_s: f64,
     /// Seconds of the whole run (including evaluation, checkpoint and `finish`).
     pub wall_s: f64,
-    /// Items per second over the training steps.
+    /// Items per second over the training steps after the warm-up.
     pub items_per_s: f64,
+    /// Steps at the start left out of `items_per_s` (autotune, kernel compilation).
+    pub warmup_steps: usize,
     /// Peak resident set of the process, bytes.
     pub peak_rss: u64,
     /// Parameters of the model.
@@ -226,7 +228,11 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
             gap.abs()
         );
     }
-    println!("throughput  {} tokens/s", human(report.items_per_s));
+    println!(
+        "throughput  {} tokens/s (the first {} steps left out: warm-up)",
+        human(report.items_per_s),
+        report.warmup_steps
+    );
     println!(
         "memory      peak RSS {:.0} MiB ({}); per rank: runtime shard {:.2} MiB, fp32 \
          master {:.2} MiB, gathered peak {:.2} MiB",

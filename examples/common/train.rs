@@ -128,6 +128,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     // host↔device bytes.
     let mut device = None;
     let mut rate = RecentRate::new(task.items_per_step());
+    let mut warm = WarmRate::new(task.items_per_step(), args.steps);
     // The last steps' (seconds, exposed and busy communication ns): the `comm` line.
     let mut comm = std::collections::VecDeque::new();
     for step in first..last {
@@ -142,6 +143,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         let local = value.into_scalar().elem::<f32>();
         let dt = t0.elapsed().as_secs_f64();
         train_s += dt;
+        warm.push(dt);
         let mut global = [local];
         all_reduce(&mut global)?;
         let global = global[0];
@@ -283,7 +285,8 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
         first_step: first,
         train_s,
         wall_s: start.elapsed().as_secs_f64(),
-        items_per_s: (task.items_per_step() * args.steps) as f64 / train_s,
+        items_per_s: warm.items_per_s(),
+        warmup_steps: warm.warmup(),
         peak_rss,
         parameters: parameter_count(init),
         world,

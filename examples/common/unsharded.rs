@@ -71,6 +71,7 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
     let mut optim = adamw_config().init();
     let log_every = (args.steps / 20).max(1);
     let mut rate = RecentRate::new(task.items_per_step());
+    let mut warm = WarmRate::new(task.items_per_step(), args.steps);
     let (mut losses, mut train_s) = (Vec::with_capacity(args.steps), 0.0);
     for step in 0..args.steps {
         let t0 = Instant::now();
@@ -83,6 +84,7 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
         let value = read.into_scalar().elem::<f32>();
         let dt = t0.elapsed().as_secs_f64();
         train_s += dt;
+        warm.push(dt);
         if !value.is_finite() {
             return Err(format!("the loss diverged at step {step} ({value})"));
         }
@@ -105,9 +107,10 @@ pub(crate) fn train_unsharded<I: Compute, T: Task<I>>(
         tail.iter().sum::<f32>() / tail.len() as f32
     );
     println!(
-        "throughput  {} tokens/s ({:.1} s in training steps)",
-        human((task.items_per_step() * args.steps) as f64 / train_s),
-        train_s
+        "throughput  {} tokens/s ({:.1} s in training steps; the first {} left out: warm-up)",
+        human(warm.items_per_s()),
+        train_s,
+        warm.warmup()
     );
     Ok(losses)
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The H200 check of the device issue, in one call of the device tool (no Rust toolchain there).
+# The GPU check (an H100 or an H200: the table names the device), in one call of the device tool
+# (no Rust toolchain there).
 # The call itself (command, carry list, timeout) is in docs/LAUNCH.md ("The H200 call").
 #
 # Stages, most important first (H200_STAGES selects some: names in brackets; default all); each
@@ -9,11 +10,17 @@
 # and the logs are re-packed into $OUT/logs.tgz after every stage: $OUT never holds more than
 # these two files (the tool returns at most 8). docs/H200.md has the first call's table.
 #
+#   0. [baseline] plain Burn as its users run it: the GPT unsharded on burn-cuda's default
+#      `Cuda` (fusion and autotune on) against `--no-fusion` (what every earlier GPU figure was
+#      measured against); the fused run is the baseline of every ratio below;
+#      [uploads] the upload-queue micro-check (`upload_queue`): host memory held by a thread's
+#      10 uploads of 256 MiB on cubecl-cuda, without and with the flush lanes now make;
 #   1. [kernels] every CubeCL kernel against its CPU reference on fresh data (the square-block
 #      MXFP8 codec the runtime uses included), their GB/s against a measured device copy, MX
 #      matmul against the f32 GEMM;
 #   2. [nccl] NCCL conformance at world 1, with the fault checks (results printed before them);
-#   3. [ncclgpt] the device path: GPT (12 × 768, seq 1024, batch 8) on Autodiff<Hsdp<Cuda>> with
+#   3. [ncclgpt] the device path: GPT (12 × 768, seq 1024, batch 8) on Autodiff<Hsdp<Cuda>> (Burn's
+#      default fused type) with
 #      the runtime's lanes on NCCL (gathers and reductions on CubeCL's buffers, runtime shards
 #      on the device): MXFP8 and bf16 runtime, bf16 compute; f32 runtime with --clip 0 against
 #      the same GPT unsharded on plain burn-cuda (f32, Burn's AdamW): equal losses, target ratio
@@ -28,13 +35,16 @@
 #      torch.compile), f32 with TF32 matmuls (what burn-cubecl's f32 matmul computes);
 #   7. [f32] if time is left, ours in f32 compute on the staged path.
 #
-# CubeCL's PTX cache is on (a cubecl.toml in the work folder, which is every binary's working
-# directory): after the first process, the others load their kernels instead of compiling them.
+# CubeCL's PTX cache and autotune cache are on (a cubecl.toml in the work folder, which is every
+# binary's working directory): after the first process, the others load their kernels and tuned
+# choices instead of compiling and tuning again. Rates are taken over the last 10 of 20 steps,
+# after autotune and compilation (the first process of a shape tunes in its first steps).
 #
 # Build on the x86-64 build machine (one cargo call: one feature set for every binary), stage:
 #   cargo build --release -p sshsdp -p sshsdp-kernels -p sshsdp-comm \
 #       --features sshsdp/cuda,sshsdp/nccl,sshsdp/wgpu,sshsdp-kernels/cuda \
-#       --example train_gpt --example nccl_conformance --bin gpu_check --bin gpu_check_wgpu
+#       --example train_gpt --example nccl_conformance --bin gpu_check --bin gpu_check_wgpu \
+#       --bin upload_queue
 #   scripts/device/h200.sh --stage device-bin   # the binaries, stripped and gzipped (< 64 MiB)
 # On the GPU machine:  scripts/device/h200.sh --bin device-bin
 # Rehearsal here, on wgpu over lavapipe with a tiny GPT and PyTorch on the CPU (no NCCL):
@@ -51,7 +61,7 @@ T0=$(date +%s)
 
 MODE=cuda
 BIN_DIR=""
-STAGED=(gpu_check gpu_check_wgpu nccl_conformance train_gpt)
+STAGED=(gpu_check gpu_check_wgpu nccl_conformance train_gpt upload_queue)
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) MODE=cpu ;;
@@ -126,7 +136,11 @@ declare -A RATE LOSS
 
 # --- the table, the logs, the clock --------------------------------------------------------------
 {
-    echo "## H200 check ($MODE) on $(hostname), $(date -u +%FT%TZ)"
+    gpu="lavapipe (rehearsal)"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
+    fi
+    echo "## GPU check ($MODE) on ${gpu:-an unnamed GPU}, $(hostname), $(date -u +%FT%TZ)"
     echo
     if command -v nvidia-smi >/dev/null 2>&1; then
         echo "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | head -n 1)"
@@ -138,8 +152,8 @@ declare -A RATE LOSS
     echo "|---|---|---|---|"
 } >"$TABLE"
 row() { echo "| $1 | $2 | $3 | $4 |" | tee -a "$TABLE"; }
-# Whether stage $1 is selected (H200_STAGES: space-separated names, default all: kernels nccl
-# ncclgpt gpt plain torch f32).
+# Whether stage $1 is selected (H200_STAGES: space-separated names, default all: baseline
+# uploads kernels nccl ncclgpt gpt plain torch f32).
 want() { case " ${H200_STAGES:-all} " in *" all "* | *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 pack() { tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" logs 2>/dev/null; }
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
@@ -167,6 +181,9 @@ trap pack EXIT
 cat >"$WORK/cubecl.toml" <<EOF
 [compilation]
 cache = { file = "$WORK/cubecl-cache" }
+
+[autotune]
+cache = { file = "$WORK/autotune-cache" }
 EOF
 NCCL_READY=0
 if [ "$MODE" = cuda ]; then
@@ -184,50 +201,6 @@ if [ "$MODE" = cuda ]; then
         row "CUDA environment" "FAIL" "$(took)" "env.log"
         STATUS=1
     fi
-fi
-
-# --- 1. kernels ----------------------------------------------------------------------------------
-if want kernels; then
-begin "kernels"
-limit=$(cap 100)
-if [ "$limit" = 0 ]; then
-    row "kernels against the CPU reference" "skipped (time)" 0 ""
-else
-    run_capped "$limit" kernels.log "${KERNELS[@]}"
-    rc=$?
-    tail -n 30 "$LOGS/kernels.log"
-    if [ "$rc" = 0 ]; then
-        row "kernels against the CPU reference" "pass" "$(took)" "$(kernel_summary "$LOGS/kernels.log"); kernels.log"
-    else
-        row "kernels against the CPU reference" "FAIL (exit $rc)" "$(took)" "kernels.log"
-        STATUS=1
-    fi
-fi
-pack
-fi
-
-# --- 2. NCCL conformance -------------------------------------------------------------------------
-if ! want nccl; then
-    :
-elif [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
-    begin "NCCL conformance"
-    limit=$(cap 60)
-    if [ "$limit" = 0 ]; then
-        row "NCCL conformance, world 1" "skipped (time)" 0 ""
-    else
-        run_capped "$limit" nccl.log "$(bin nccl_conformance)" 1
-        rc=$?
-        tail -n 40 "$LOGS/nccl.log"
-        if [ "$rc" = 0 ]; then
-            row "NCCL conformance, world 1 (fault checks included)" "pass" "$(took)" "$(grep -m1 '^NCCL ' "$LOGS/nccl.log"); nccl.log"
-        else
-            row "NCCL conformance, world 1 (fault checks included)" "FAIL (exit $rc)" "$(took)" "$(grep -c ' ok$' "$LOGS/nccl.log") checks ok before it stopped; nccl.log"
-            STATUS=1
-        fi
-    fi
-    pack
-else
-    row "NCCL conformance, world 1" "skipped" 0 "$([ "$MODE" = cpu ] && echo 'needs a GPU' || echo 'libnccl not found: env.log')"
 fi
 
 # --- GPT helpers ---------------------------------------------------------------------------------
@@ -273,7 +246,7 @@ plain_run() {
     PLAIN_RC=$?
     PLAIN_RATE="$(rate_of "$LOGS/train_unsharded.log")"
     PLAIN_LOSS="$(losses_of "$LOGS/train_unsharded.log")"
-    row "GPT unsharded on plain burn-$BACKEND (no fusion), f32 compute, Burn's AdamW, no clipping" \
+    row "GPT unsharded on plain burn-$BACKEND (Burn's default: fusion, autotune), f32 compute, Burn's AdamW, no clipping" \
         "${PLAIN_RATE:-FAIL (exit $PLAIN_RC)} tokens/s" "$(took)" "loss ${PLAIN_LOSS:-?}; train_unsharded.log"
 }
 # The decorator's price: sharded run KEY (f32 runtime, --clip 0: the same arithmetic) against
@@ -291,6 +264,92 @@ price_row() {
         STATUS=1
     fi
 }
+
+# --- 0. plain Burn as its users run it, and the upload queue -------------------------------------
+if want baseline; then
+    plain_run
+    begin "unsharded on plain Burn without fusion"
+    limit=$(cap 90)
+    if [ "$limit" = 0 ]; then
+        row "GPT unsharded on plain burn-$BACKEND --no-fusion" "skipped (time)" 0 ""
+    else
+        run_capped "$limit" train_unsharded_nofusion.log "$TRAIN" --unsharded --no-fusion \
+            --out "$WORK/run_unsharded_nofusion" "${COMMON[@]}"
+        rc=$?
+        nofusion="$(rate_of "$LOGS/train_unsharded_nofusion.log")"
+        row "GPT unsharded on plain burn-$BACKEND --no-fusion (CubeBackend, autotune on), f32" \
+            "${nofusion:-FAIL (exit $rc)} tokens/s" "$(took)" \
+            "loss $(losses_of "$LOGS/train_unsharded_nofusion.log"); train_unsharded_nofusion.log"
+        if [ -n "$nofusion" ] && [ -n "$PLAIN_RATE" ]; then
+            row "plain burn-$BACKEND: fused ÷ unfused (tokens/s)" \
+                "$(awk -v a="$PLAIN_RATE" -v b="$nofusion" 'BEGIN { printf "%.3f", a / b }')" 0 \
+                "what the old baseline (fusion and autotune off) left out"
+        else
+            STATUS=1
+        fi
+    fi
+    pack
+fi
+if ! want uploads; then
+    :
+elif [ "$MODE" = cuda ]; then
+    begin "upload queue"
+    limit=$(cap 60)
+    run_capped "$limit" uploads.log "$(bin upload_queue)" --count 10 --mib 256
+    rc=$?
+    cat "$LOGS/uploads.log"
+    row "upload queue: RSS held by 10 × 256 MiB uploads from a thread without kernels" \
+        "$([ "$rc" = 0 ] && echo bounded || echo "FAIL (exit $rc)")" "$(took)" \
+        "$(sed -n 's/^upload queue: //p' "$LOGS/uploads.log"); uploads.log"
+    [ "$rc" = 0 ] || STATUS=1
+    pack
+else
+    row "upload queue" "skipped" 0 "needs CUDA (wgpu lanes share the model's stream)"
+fi
+
+# --- 1. kernels ----------------------------------------------------------------------------------
+if want kernels; then
+begin "kernels"
+limit=$(cap 100)
+if [ "$limit" = 0 ]; then
+    row "kernels against the CPU reference" "skipped (time)" 0 ""
+else
+    run_capped "$limit" kernels.log "${KERNELS[@]}"
+    rc=$?
+    tail -n 30 "$LOGS/kernels.log"
+    if [ "$rc" = 0 ]; then
+        row "kernels against the CPU reference" "pass" "$(took)" "$(kernel_summary "$LOGS/kernels.log"); kernels.log"
+    else
+        row "kernels against the CPU reference" "FAIL (exit $rc)" "$(took)" "kernels.log"
+        STATUS=1
+    fi
+fi
+pack
+fi
+
+# --- 2. NCCL conformance -------------------------------------------------------------------------
+if ! want nccl; then
+    :
+elif [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
+    begin "NCCL conformance"
+    limit=$(cap 60)
+    if [ "$limit" = 0 ]; then
+        row "NCCL conformance, world 1" "skipped (time)" 0 ""
+    else
+        run_capped "$limit" nccl.log "$(bin nccl_conformance)" 1
+        rc=$?
+        tail -n 40 "$LOGS/nccl.log"
+        if [ "$rc" = 0 ]; then
+            row "NCCL conformance, world 1 (fault checks included)" "pass" "$(took)" "$(grep -m1 '^NCCL ' "$LOGS/nccl.log"); nccl.log"
+        else
+            row "NCCL conformance, world 1 (fault checks included)" "FAIL (exit $rc)" "$(took)" "$(grep -c ' ok$' "$LOGS/nccl.log") checks ok before it stopped; nccl.log"
+            STATUS=1
+        fi
+    fi
+    pack
+else
+    row "NCCL conformance, world 1" "skipped" 0 "$([ "$MODE" = cpu ] && echo 'needs a GPU' || echo 'libnccl not found: env.log')"
+fi
 
 # --- 3. the device path: NCCL carrying the step --------------------------------------------------
 # The runtime's lanes on NCCL communicators (world 1): bucket all-gathers write CubeCL's device
