@@ -106,6 +106,46 @@ fn trains_on_wgpu_and_resumes_on_flex() {
     );
 }
 
+/// `--backend wgpu` (Burn's default `Wgpu`: fusion and autotune) and `--backend wgpu
+/// --no-fusion` (`CubeBackend`) train alike: losses within 2e-3 relative (bf16 runtime; see
+/// `tests/wgpu_backend/fusion.rs` for the tolerances).
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_with_and_without_fusion_train_alike() {
+    let dir = std::env::temp_dir().join(format!("train_gpt_fusion_{}", std::process::id()));
+    let task = tiny_task();
+    let run = |extra: &[&str]| {
+        let out = dir.join("out").display().to_string();
+        let mut v = vec![
+            "--ranks",
+            "2",
+            "--backend",
+            "wgpu",
+            "--steps",
+            "3",
+            "--out",
+            &out,
+        ];
+        v.extend_from_slice(extra);
+        let args = parse_args(v.iter().map(|s| s.to_string()), &tiny_defaults(), |_, _| {
+            Ok(false)
+        });
+        let args = args.unwrap().unwrap();
+        assert_eq!(args.no_fusion, !extra.is_empty());
+        common::run(&task, &args).unwrap().unwrap()
+    };
+    let fused = run(&[]);
+    let unfused = run(&["--no-fusion"]);
+    for (a, b) in [
+        (fused.first_loss, unfused.first_loss),
+        (fused.last_loss, unfused.last_loss),
+    ] {
+        assert!((a - b).abs() <= 2e-3 * b.abs(), "fused {a} vs unfused {b}");
+    }
+    assert!(fused.last_loss < fused.first_loss);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `--nccl` where NCCL or a GPU is missing (CI, this machine): an error naming `--nccl`
 /// and the reason, on every rank, before any training — not a panic or a hang.
 #[cfg(feature = "nccl")]

@@ -21,7 +21,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::AdamWConfig;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp::backend::{shard, HsdpConfig, Placement};
+use sshsdp::backend::{init_seeded, shard, ConcurrentDrawer, HsdpConfig, Placement};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::models::Gpt;
 use sshsdp::optim::ShardedOptimizer;
@@ -178,8 +178,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Probe<B> {
 
 /// Every parameter's values through the model, by path.
 fn read(model: &Gpt<A>) -> BTreeMap<String, Vec<f32>> {
-    let named = sshsdp::backend::named_params(model).unwrap();
-    named.into_iter().map(|p| (p.path, p.values)).collect()
+    read_weights(model)
 }
 
 type A = Autodiff<sshsdp::backend::Hsdp<Wgpu>>;
@@ -233,4 +232,32 @@ fn parameter_views_queued_before_an_update_read_the_values_before_it() {
         .into_iter()
         .for_each(|r| r.expect("rank panicked"));
     }
+}
+
+/// burn-fusion queues draws and runs them when its stream runs, possibly after the RNG lock is
+/// released: `init_seeded` runs them under it, so a fused model's seeded initial weights do not
+/// move while another thread seeds and draws (two fused runs of one seed once started from
+/// different weights when the example's tests ran side by side).
+#[test]
+fn seeded_initial_weights_on_fused_wgpu_do_not_move_while_another_thread_draws() {
+    let weights = |seed| {
+        let device = Default::default();
+        let model: Gpt<Autodiff<Wgpu>> = init_seeded(&device, seed, |d| CONFIG.init(d));
+        read_weights(&model)
+    };
+    let expected = weights(5);
+    let drawer = ConcurrentDrawer::start::<Wgpu>();
+    let first = drawer.draws();
+    let mut checks = 0;
+    while checks < 10 || (drawer.draws() < first + 10 && checks < 1000) {
+        assert!(weights(5) == expected, "check {checks}: the weights moved");
+        checks += 1;
+    }
+    assert!(drawer.draws() >= first + 10, "the drawer ran alongside");
+}
+
+/// Every parameter's values by path.
+fn read_weights<B: burn::tensor::backend::Backend>(model: &Gpt<B>) -> BTreeMap<String, Vec<f32>> {
+    let named = sshsdp::backend::named_params(model).unwrap();
+    named.into_iter().map(|p| (p.path, p.values)).collect()
 }

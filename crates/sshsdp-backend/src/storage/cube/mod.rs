@@ -115,6 +115,7 @@ pub(crate) fn lane_upload<R: CubeRuntime>(
 }
 
 /// Whether `R` is CubeCL's wgpu runtime.
+#[cfg_attr(not(feature = "wgpu"), allow(clippy::extra_unused_type_parameters))]
 fn is_wgpu<R: CubeRuntime>() -> bool {
     #[cfg(feature = "wgpu")]
     if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::wgpu::WgpuRuntime>() {
