@@ -25,15 +25,19 @@
 //! # Invariants the runtime keeps (and why fusion needs them)
 //!
 //! * **Register and resolve on the model thread only.** Fusion executes a stream's operations on
-//!   the CubeCL stream of the thread that registered them; raw CubeCL work issued by the model
-//!   thread can reach its CubeCL stream *before* fused work registered earlier and not yet run.
+//!   the CubeCL stream of the thread that registered them (its server runs on a device thread,
+//!   each task under the submitting thread's `StreamId`: cubecl-common 0.10,
+//!   `device/handle/channel.rs`, `submit_inner`'s `current.executes`); raw CubeCL work issued by
+//!   the model thread can reach its CubeCL stream *before* fused work registered earlier and not
+//!   yet run.
 //!   So raw work may read a buffer fusion writes only after a [`to_cube`] of it (a drain), and the
 //!   lanes never touch fusion: they get `CubeTensor`s and handles.
 //! * **A wrapped buffer is never rewritten.** An `Init`ed view is read whenever the fused kernel
 //!   that reads it finally runs, possibly long after the runtime moved on. Every gather, decode
 //!   and encode writes a *fresh* buffer (`codec.rs`, `gather.rs`, `reduce.rs` allocate their
-//!   outputs), and an update replaces a shard rather than writing into it; `tests/wgpu_backend.rs`
-//!   checks that parameters read before a rebuild keep their values.
+//!   outputs), and an update replaces a shard rather than writing into it;
+//!   `tests/wgpu_backend/fusion.rs` checks that operations queued on parameter views before an
+//!   update read the values before it.
 //! * **Drops are lazy.** A released bucket's views drop as `Drop` operations in the stream: its
 //!   memory returns to CubeCL's pool when the stream executes past them, not at release. The
 //!   resident-bytes counters say what the runtime holds; the device's own figures
