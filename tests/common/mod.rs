@@ -1,4 +1,4 @@
-//! Helpers shared by the GPT training tests (`mixed_precision.rs`, `wgpu_backend.rs`):
+//! Helpers shared by the GPT training tests (`mixed_precision.rs`, `wgpu_backend/`):
 //! deterministic batches, a recorded initial model, and a mapper loading it into any backend.
 
 use burn::backend::NdArray;
