@@ -1,6 +1,6 @@
 //! `Hsdp` over burn-fusion: `Autodiff<Hsdp<Wgpu>>` with Burn's default `Wgpu` (fusion and
-//! autotune on) against the same jobs without fusion, against plain Burn on the same fused type,
-//! and through checkpoints to the unfused backend and NdArray.
+//! autotune on) against the same jobs without fusion and against plain Burn on the same fused
+//! type (a fused run's checkpoint resuming without fusion and on NdArray: `storage.rs`).
 //!
 //! Tolerances. Fusion changes which kernels run, not the arithmetic of each value: its
 //! element-wise kernels keep f32 intermediates in registers (the same roundings as f32 buffers),
@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use burn::backend::{Autodiff, NdArray};
+use burn::backend::Autodiff;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::AdamWConfig;
 use burn::tensor::backend::AutodiffBackend;
@@ -125,46 +125,6 @@ fn fused_wgpu_in_f32_trains_like_plain_burn_on_the_same_type() {
     }
 }
 
-#[test]
-fn a_checkpoint_of_a_fused_run_resumes_without_fusion_and_on_ndarray() {
-    let case = Case {
-        placement: (Placement::Device, Placement::Device),
-        ..Case::new(RuntimeFormat::Mxfp8)
-    };
-    let dir = std::env::temp_dir().join(format!("sshsdp-fused-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let (save, resume) = (3, 5);
-    let saving = Checkpoints {
-        save: Some(&dir),
-        ..Default::default()
-    };
-    let first = run::<Wgpu>(case, 0..save, saving, Default::default());
-    let straight = run::<Wgpu>(case, 0..resume, Checkpoints::default(), Default::default());
-    let resuming = Checkpoints {
-        resume: Some(&dir),
-        ..Default::default()
-    };
-    let alone = Case {
-        mesh: (1, 1),
-        ..case
-    };
-    let unfused = run::<WgpuUnfused>(alone, save..resume, resuming, Default::default());
-    let on_host = Case {
-        placement: (Placement::Host, Placement::Host),
-        ..alone
-    };
-    let ndarray = run::<NdArray<f32>>(on_host, save..resume, resuming, Default::default());
-    std::fs::remove_dir_all(&dir).unwrap();
-    // The masters go through the checkpoint bit for bit, whatever backend reads them.
-    assert_eq!(unfused.initial, first.weights);
-    assert_eq!(ndarray.initial, first.weights);
-    // And training goes on as the run that never stopped (MXFP8: see `tolerances`).
-    let (tolerance, _) = tolerances(case.format);
-    let rest = &straight.losses[save..];
-    assert_losses_close(&unfused.losses, rest, tolerance, "resumed without fusion");
-    assert_losses_close(&ndarray.losses, rest, tolerance, "resumed on NdArray");
-}
-
 /// Collects every float parameter's current value, times one: a fused operation queued on the
 /// parameter's view (without autodiff), not run until read.
 struct Probe<B: AutodiffBackend>(Vec<Tensor<B::InnerBackend, 1>>);
@@ -174,11 +134,6 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Probe<B> {
         self.0
             .push(param.val().inner().mul_scalar(1.0).reshape([-1]));
     }
-}
-
-/// Every parameter's values through the model, by path.
-fn read(model: &Gpt<A>) -> BTreeMap<String, Vec<f32>> {
-    read_weights(model)
 }
 
 type A = Autodiff<sshsdp::backend::Hsdp<Wgpu>>;
@@ -212,11 +167,11 @@ fn parameter_views_queued_before_an_update_read_the_values_before_it() {
             for step in 0..2 {
                 let tokens = crate::common::tokens::<A>(&CONFIG, step, 0, GLOBAL, &device);
                 let _ = model.loss(tokens).backward();
-                let before = read(&model);
+                let before = read_weights(&model);
                 let mut probe = Probe::<A>(Vec::new());
                 model.visit(&mut probe);
                 model = optim.step(1e-2, model, &runtime).unwrap();
-                let after = read(&model);
+                let after = read_weights(&model);
                 assert_ne!(before, after, "{format:?}: the update moved the weights");
                 // Module order, as `named_params` walks it.
                 assert_eq!(before.len(), probe.0.len());
