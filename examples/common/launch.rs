@@ -1,5 +1,5 @@
-//! The engine (in-process threads, or one process per rank under `mpirun`) and the examples'
-//! entry point.
+//! The engine (in-process threads; one process per rank under `mpirun`; or one process per
+//! rank under `torchrun`/`srun` without MPI, meeting over NCCL) and the examples' entry point.
 
 use std::process::ExitCode;
 
@@ -21,6 +21,17 @@ pub enum Engine {
     /// One process per rank, launched by `mpirun`.
     #[cfg(feature = "mpi")]
     Mpi,
+    /// One process per rank, launched by `torchrun` or `srun` (no MPI): NCCL over the launch's
+    /// TCP rendezvous.
+    Nccl(sshsdp::comm::launch::LaunchEnv),
+}
+
+/// A `torchrun`/`srun` launch (PyTorch's or Slurm's variables, no MPI), if this is one.
+fn nccl_launch() -> Result<Option<sshsdp::comm::launch::LaunchEnv>, String> {
+    use sshsdp::comm::launch::{LaunchEnv, Launcher};
+    Ok(LaunchEnv::from_env()
+        .map_err(|e| format!("reading the launcher's variables: {e}"))?
+        .filter(|env| matches!(env.launcher, Launcher::Torchrun | Launcher::Slurm)))
 }
 
 /// The world size `mpirun` (Open MPI) or a PMI launcher (MPICH, Slurm) gave this process.
@@ -60,7 +71,30 @@ pub fn engine_and_mesh(args: &Args, example: &str) -> Result<(Engine, Mesh), Str
             }
         }
         None => {
-            let _ = example;
+            if let Some(env) = nccl_launch()? {
+                let size = env.world_size;
+                let mesh = match args.mesh {
+                    Some(m) => m,
+                    None => flat(size)?,
+                };
+                if mesh.world_size() != size || args.ranks.is_some_and(|n| n != size) {
+                    return Err(format!(
+                        "launched by {} as {size} processes but asked for {} ranks; drop \
+                         --ranks/--mesh or match the launch",
+                        env.launcher,
+                        args.ranks.unwrap_or(mesh.world_size())
+                    ));
+                }
+                if !cfg!(feature = "nccl") || args.backend != BackendKind::Cuda {
+                    return Err(format!(
+                        "launched by {} ({size} processes, no MPI): the ranks meet over NCCL, \
+                         which needs --backend cuda and a build with `--features cuda,nccl \
+                         --example {example}`",
+                        env.launcher
+                    ));
+                }
+                return Ok((Engine::Nccl(env), mesh));
+            }
             let mesh = match (args.mesh, args.ranks) {
                 (Some(m), _) => m,
                 (None, n) => flat(n.unwrap_or(2))?,
@@ -161,7 +195,7 @@ pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Re
     // the process's RNG lock (`init_seeded`): the same weights whatever else draws meanwhile.
     match engine {
         Engine::Threads => {
-            let device = rank_device::<I>(args, 0);
+            let device = rank_device::<I>(args, 0)?;
             let init = init_seeded::<Train<I>, _>(&device, args.seed, |d| task.init(d));
             println!(
                 "{}: {:.2}M parameters, {world} in-process ranks (mesh {mesh}), {} runtime \
@@ -199,27 +233,68 @@ pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Re
         Engine::Mpi => {
             let mpi = sshsdp::comm::mpi::MpiSession::init().map_err(|e| e.to_string())?;
             let comm = mpi.world().map_err(|e| e.to_string())?;
-            let device = rank_device::<I>(args, comm.rank());
-            Train::<I>::seed(&device, args.seed);
-            let init = task.init(&device);
-            if comm.rank() == 0 {
-                println!(
-                    "{}: {:.2}M parameters, {world} MPI processes (mesh {mesh}), {} runtime \
-                     parameters, {} steps",
-                    task.name(),
-                    parameter_count(&init) as f64 / 1e6,
-                    format_name(args.format),
-                    args.steps
+            let what = format!("{world} MPI processes");
+            process_rank(task, args, mesh, comm, &what)
+        }
+        Engine::Nccl(env) => {
+            #[cfg(feature = "nccl")]
+            {
+                // The launch communicator is NCCL's: every rank's GPU is its local rank's.
+                let args = &Args {
+                    nccl: true,
+                    ..args.clone()
+                };
+                let comm = sshsdp::comm::nccl::NcclComm::from_launch(&env)
+                    .map_err(|e| format!("joining the {} launch: {e}", env.launcher))?;
+                let what = format!(
+                    "{world} processes launched by {} (NCCL, rendezvous at {})",
+                    env.launcher,
+                    env.master
+                        .as_ref()
+                        .map_or("none: one rank".to_string(), |m| format!(
+                            "{m}: {}",
+                            m.source
+                        ))
                 );
+                process_rank(task, args, mesh, comm, &what)
             }
-            let rank = comm.rank();
-            let report = train_rank(task, args, mesh, comm, &init)?;
-            if let Some(path) = &args.trace {
-                write_trace(path, Some(rank))?;
+            #[cfg(not(feature = "nccl"))]
+            {
+                let _ = env;
+                Err("an NCCL launch needs the `nccl` feature".into())
             }
-            Ok(report)
         }
     }
+}
+
+/// One process's rank of a multi-process launch (MPI, or NCCL under torchrun/srun): draws its
+/// own initial model on its device (its parameters stay lazy: rank 0 draws them bucket by
+/// bucket while `shard` streams them), trains, writes its trace.
+fn process_rank<I: Compute, T: Task<I>, C: LaunchComm>(
+    task: &T,
+    args: &Args,
+    mesh: Mesh,
+    comm: C,
+    what: &str,
+) -> Result<Option<Report>, String> {
+    let device = rank_device::<I>(args, comm.rank())?;
+    Train::<I>::seed(&device, args.seed);
+    let init = task.init(&device);
+    if comm.rank() == 0 {
+        println!(
+            "{}: {:.2}M parameters, {what} (mesh {mesh}), {} runtime parameters, {} steps",
+            task.name(),
+            parameter_count(&init) as f64 / 1e6,
+            format_name(args.format),
+            args.steps
+        );
+    }
+    let rank = comm.rank();
+    let report = train_rank(task, args, mesh, comm, &init)?;
+    if let Some(path) = &args.trace {
+        write_trace(path, Some(rank))?;
+    }
+    Ok(report)
 }
 
 /// An example's whole `main`: `setup` parses the command line (`Ok(None)` after `--help`,
@@ -231,6 +306,13 @@ pub fn main<T: Tasks>(
     banner: impl FnOnce(&T),
     finish: impl FnOnce(&T, &Report),
 ) -> ExitCode {
+    // The runtime's NCCL lanes need peers connected at init (sshsdp-comm `nccl/lanes.rs`).
+    // NCCL reads the variable from the environment once; set here, first thing in `main`,
+    // while this process has one thread (setting it later, from a library, would race other
+    // threads' reads: undefined behaviour with glibc). A value the user exported is kept.
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
+    }
     let (task, args) = match setup() {
         Ok(Some(x)) => x,
         Ok(None) => {

@@ -13,8 +13,79 @@ use sshsdp::plan::Mesh;
 
 use super::*;
 
+/// A launch engine's world communicator, and how the runtime's lanes come from it.
+pub(crate) trait LaunchComm: Collective + Sized {
+    /// Shards `init` over lanes made from `self`: split from it (host engines), or NCCL lanes
+    /// agreed over it under `--nccl` (and always for an NCCL launch communicator).
+    fn shard<I: Compute, T: Task<I>>(
+        self,
+        args: &Args,
+        init: T::Model,
+        config: HsdpConfig,
+        device: &I::Device,
+        source: Option<&dyn sshsdp::backend::ParamSource>,
+    ) -> Result<Sharded<T::Model, I>, String>;
+}
+
+/// [`LaunchComm::shard`] for a host engine's communicator (threads, MPI).
+fn shard_on_host_engine<I: Compute, T: Task<I>, C: Collective + Send + 'static>(
+    comm: C,
+    args: &Args,
+    init: T::Model,
+    config: HsdpConfig,
+    device: &I::Device,
+    source: Option<&dyn sshsdp::backend::ParamSource>,
+) -> Result<Sharded<T::Model, I>, String> {
+    if args.nccl {
+        shard_over_nccl::<I, T, C>(init, config, &comm, device, source)
+    } else {
+        let lanes = SplitLanes::new(comm, RUNTIME_LANES).map_err(|e| e.to_string())?;
+        Ok(shard_with_source::<Train<I>, _, _>(
+            init, config, lanes, device, source,
+        ))
+    }
+}
+
+macro_rules! host_launch_comm {
+    ($comm:ty) => {
+        impl LaunchComm for $comm {
+            fn shard<I: Compute, T: Task<I>>(
+                self,
+                args: &Args,
+                init: T::Model,
+                config: HsdpConfig,
+                device: &I::Device,
+                source: Option<&dyn sshsdp::backend::ParamSource>,
+            ) -> Result<Sharded<T::Model, I>, String> {
+                shard_on_host_engine::<I, T, $comm>(self, args, init, config, device, source)
+            }
+        }
+    };
+}
+
+host_launch_comm!(sshsdp::comm::threads::ThreadComm);
+#[cfg(feature = "mpi")]
+host_launch_comm!(sshsdp::comm::mpi::MpiComm);
+
+/// A process started by `torchrun`/`srun` without MPI: its world communicator is NCCL's
+/// (`NcclComm::from_launch`), the lanes' ids go over it, and the lanes share its liveness (one
+/// abort fails all, and the runtime's first step ends the start-up bound for all).
+#[cfg(feature = "nccl")]
+impl LaunchComm for sshsdp::comm::nccl::NcclComm {
+    fn shard<I: Compute, T: Task<I>>(
+        self,
+        _args: &Args,
+        init: T::Model,
+        config: HsdpConfig,
+        device: &I::Device,
+        source: Option<&dyn sshsdp::backend::ParamSource>,
+    ) -> Result<Sharded<T::Model, I>, String> {
+        shard_over_nccl::<I, T, Self>(init, config, &self, device, source)
+    }
+}
+
 /// Per-rank training: shard, (resume,) train, (save,) finish.
-pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>(
+pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
     task: &T,
     args: &Args,
     mesh: Mesh,
@@ -24,9 +95,10 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     let start = Instant::now();
     let (rank, world) = (comm.rank(), comm.size());
     let lead = rank == 0;
-    // A second communicator for the metrics (the first moves into the runtime).
+    // A second communicator for the metrics (the first goes to the runtime's lanes; on NCCL the
+    // split shares its parent's resources).
     let stats = comm.split(0, rank).map_err(|e| e.to_string())?;
-    let device = rank_device::<I>(args, rank);
+    let device = rank_device::<I>(args, rank)?;
     let config = HsdpConfig::new(mesh)
         .with_format(args.format)
         .with_master_placement(args.storage)
@@ -40,12 +112,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     let source = source
         .as_ref()
         .map(|s| s as &dyn sshsdp::backend::ParamSource);
-    let sharded = if args.nccl {
-        shard_over_nccl::<I, T>(init.clone(), config, &comm, &device, source)?
-    } else {
-        let lanes = SplitLanes::new(comm, RUNTIME_LANES).map_err(|e| e.to_string())?;
-        shard_with_source::<Train<I>, _, _>(init.clone(), config, lanes, &device, source)
-    };
+    let sharded = comm.shard::<I, T>(args, init.clone(), config, &device, source)?;
     let (mut model, runtime) =
         sharded.map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;
     let mut optim = Optim::<I>::new(args.optim, args.clip, &device);
@@ -310,43 +377,47 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: Collective + Send + 'static>
     }))
 }
 
-/// This rank's index on its node: the launcher's local rank under MPI or Slurm, the rank itself
-/// for in-process ranks.
-fn node_local_rank(rank: usize) -> usize {
-    [
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "MPI_LOCALRANKID",
-        "SLURM_LOCALID",
-    ]
-    .iter()
-    .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-    .unwrap_or(rank)
-}
-
-/// The device rank `rank` computes on: with `--nccl` on `--backend cuda`, the GPU of its
-/// node-local index, the one its NCCL communicators use (so gathers land in that GPU's memory
-/// directly); otherwise the backend's default device.
-pub(crate) fn rank_device<I: Compute>(args: &Args, rank: usize) -> I::Device {
-    use burn::tensor::backend::{Device as _, DeviceId};
+/// The device rank `rank` computes on: with `--nccl` (or an NCCL launch) on `--backend cuda`,
+/// the GPU its launcher's local rank picks (`sshsdp::comm::launch::local_device`: the local
+/// rank modulo the visible GPUs; in-process ranks use their rank), the one its NCCL
+/// communicators use, so gathers land in that GPU's memory directly; otherwise the backend's
+/// default device.
+pub(crate) fn rank_device<I: Compute>(args: &Args, rank: usize) -> Result<I::Device, String> {
     let default = I::Device::default();
     if !args.nccl || args.backend != BackendKind::Cuda {
-        return default;
+        return Ok(default);
     }
-    let id = default.to_id();
-    let index = u16::try_from(node_local_rank(rank)).unwrap_or(u16::MAX);
-    I::Device::from_id(DeviceId::new(id.type_id, index))
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = rank;
+        Ok(default)
+    }
+    #[cfg(feature = "nccl")]
+    {
+        use burn::tensor::backend::{Device as _, DeviceId};
+        use sshsdp::comm::launch::{local_device, node_local_rank};
+        let visible = sshsdp::comm::nccl::device_count().map_err(|e| format!("--nccl: {e}"))?;
+        let local = node_local_rank().unwrap_or(rank);
+        let index = local_device(local, visible).map_err(|e| format!("--nccl: {e}"))?;
+        let id = default.to_id();
+        Ok(I::Device::from_id(DeviceId::new(
+            id.type_id,
+            u16::try_from(index).unwrap_or(u16::MAX),
+        )))
+    }
 }
 
 /// What `shard` returns: the sharded model and its runtime, or why not.
-type Sharded<M, I> = Result<(M, HsdpRuntime<I>), sshsdp::backend::HsdpError>;
+pub(crate) type Sharded<M, I> = Result<(M, HsdpRuntime<I>), sshsdp::backend::HsdpError>;
 
-/// The runtime over NCCL lanes agreed over `boot` (the launch engine: threads or MPI), rank r on
-/// its node-local GPU (one GPU per rank). `boot` stays the examples' metrics communicator.
-/// Without the `nccl` feature the parser refuses `--nccl` before this is reached.
-fn shard_over_nccl<I: Compute, T: Task<I>>(
+/// The runtime over NCCL lanes agreed over `boot` (the launch engine: threads, MPI, or NCCL
+/// itself), each rank on the GPU [`rank_device`] picked. In one process (threads) every rank
+/// needs a GPU of its own: NCCL refuses two ranks of one communicator on one GPU. Without the
+/// `nccl` feature the parser refuses `--nccl` before this is reached.
+fn shard_over_nccl<I: Compute, T: Task<I>, C: Collective>(
     init: T::Model,
     config: HsdpConfig,
-    boot: &impl Collective,
+    boot: &C,
     device: &I::Device,
     source: Option<&dyn sshsdp::backend::ParamSource>,
 ) -> Result<Sharded<T::Model, I>, String> {
@@ -357,21 +428,32 @@ fn shard_over_nccl<I: Compute, T: Task<I>>(
     }
     #[cfg(feature = "nccl")]
     {
+        use burn::tensor::backend::Device as _;
         use sshsdp::comm::nccl::{device_count, NcclLanes};
-        let gpus = device_count().map_err(|e| format!("--nccl: {e}"))?.max(1);
-        // NCCL refuses two ranks of one communicator on one GPU.
-        let local = node_local_rank(boot.rank());
-        if local >= gpus {
+        let gpus = device_count().map_err(|e| format!("--nccl: {e}"))?;
+        let launched = sshsdp::comm::launch::node_local_rank().is_some();
+        if !launched && boot.size() > gpus {
             return Err(format!(
-                "--nccl needs one GPU per rank: rank {} is number {local} on its node, which \
-                 has {gpus} GPU(s)",
-                boot.rank()
+                "--nccl needs one GPU per rank: {} in-process ranks, {gpus} GPU(s) visible",
+                boot.size()
             ));
         }
-        let lanes = NcclLanes::from_collective(boot, local, RUNTIME_LANES)
+        let gpu = usize::from(device.to_id().index_id);
+        let mut lanes = NcclLanes::from_collective(boot, gpu, RUNTIME_LANES)
             .map_err(|e| format!("--nccl: {e}"))?;
+        if let Some(live) = nccl_liveness(boot) {
+            lanes = lanes.with_liveness(live);
+        }
         Ok(shard_with_source::<Train<I>, _, _>(
             init, config, lanes, device, source,
         ))
     }
+}
+
+/// The liveness of `boot` when it is an NCCL communicator (an NCCL launch), for its lanes.
+#[cfg(feature = "nccl")]
+fn nccl_liveness<C: Collective>(boot: &C) -> Option<std::sync::Arc<sshsdp::comm::nccl::Liveness>> {
+    (boot as &dyn std::any::Any)
+        .downcast_ref::<sshsdp::comm::nccl::NcclComm>()
+        .map(|c| c.liveness())
 }

@@ -18,7 +18,13 @@
 #   1. [kernels] every CubeCL kernel against its CPU reference on fresh data (the square-block
 #      MXFP8 codec the runtime uses included), their GB/s against a measured device copy, MX
 #      matmul against the f32 GEMM;
-#   2. [nccl] NCCL conformance at world 1, with the fault checks (results printed before them);
+#   2. [nccl] NCCL conformance at world 1, with the fault checks (results printed before them;
+#      the device path's reductions are Sum-only, Avg must be refused);
+#      [ncclmem] NCCL's GPU memory for the runtime's communicators at world 1 (`nccl_memory`:
+#      one world communicator, a split sharing its parent's resources, one with its own, the
+#      lanes' whole set; per-peer buffers do not exist at one rank, so this row cannot show the
+#      world-8 total) and the device a process picks from its launcher
+#      (`CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=3` must use GPU 0);
 #   3. [ncclgpt] the device path: GPT (12 × 768, seq 1024, batch 8) on Autodiff<Hsdp<Cuda>> (Burn's
 #      default fused type) with
 #      the runtime's lanes on NCCL (gathers and reductions on CubeCL's buffers, runtime shards
@@ -43,8 +49,8 @@
 # Build on the x86-64 build machine (one cargo call: one feature set for every binary), stage:
 #   cargo build --release -p sshsdp -p sshsdp-kernels -p sshsdp-comm \
 #       --features sshsdp/cuda,sshsdp/nccl,sshsdp/wgpu,sshsdp-kernels/cuda \
-#       --example train_gpt --example nccl_conformance --bin gpu_check --bin gpu_check_wgpu \
-#       --bin upload_queue
+#       --example train_gpt --example nccl_conformance --example nccl_memory \
+#       --bin gpu_check --bin gpu_check_wgpu --bin upload_queue
 #   scripts/device/h200.sh --stage device-bin   # the binaries, stripped and gzipped (< 64 MiB)
 # On the GPU machine:  scripts/device/h200.sh --bin device-bin
 # Rehearsal here, on wgpu over lavapipe with a tiny GPT and PyTorch on the CPU (no NCCL):
@@ -61,7 +67,7 @@ T0=$(date +%s)
 
 MODE=cuda
 BIN_DIR=""
-STAGED=(gpu_check gpu_check_wgpu nccl_conformance train_gpt upload_queue)
+STAGED=(gpu_check gpu_check_wgpu nccl_conformance nccl_memory train_gpt upload_queue)
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) MODE=cpu ;;
@@ -153,7 +159,7 @@ declare -A RATE LOSS
 } >"$TABLE"
 row() { echo "| $1 | $2 | $3 | $4 |" | tee -a "$TABLE"; }
 # Whether stage $1 is selected (H200_STAGES: space-separated names, default all: baseline
-# uploads kernels nccl ncclgpt gpt plain torch f32).
+# uploads kernels nccl ncclmem ncclgpt gpt plain torch f32).
 want() { case " ${H200_STAGES:-all} " in *" all "* | *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 pack() { tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" logs 2>/dev/null; }
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
@@ -349,6 +355,37 @@ elif [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
     pack
 else
     row "NCCL conformance, world 1" "skipped" 0 "$([ "$MODE" = cpu ] && echo 'needs a GPU' || echo 'libnccl not found: env.log')"
+fi
+
+# --- 2b. NCCL's memory for the runtime's communicators, and the device a launcher's rank picks -----
+if ! want ncclmem; then
+    :
+elif [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
+    begin "NCCL memory"
+    limit=$(cap 60)
+    if [ "$limit" = 0 ]; then
+        row "NCCL memory, world 1" "skipped (time)" 0 ""
+    else
+        NCCL_RUNTIME_CONNECT=0 run_capped "$limit" nccl_memory.log "$(bin nccl_memory)"
+        rc=$?
+        cat "$LOGS/nccl_memory.log"
+        row "NCCL memory at world 1 (no peers: per-peer buffers absent)" "$([ "$rc" = 0 ] && echo ok || echo "FAIL (exit $rc)")" "$(took)" \
+            "$(grep '^|' "$LOGS/nccl_memory.log" | sed 's/^| //; s/ |$//; s/ | /: /' | paste -sd ';' -); nccl_memory.log"
+        [ "$rc" = 0 ] || STATUS=1
+        begin "device choice"
+        CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=3 run_capped 30 device_choice.log "$(bin nccl_memory)" --device-check
+        rc=$?
+        cat "$LOGS/device_choice.log"
+        if [ "$rc" = 0 ] && grep -q "on GPU 0$" "$LOGS/device_choice.log"; then
+            row "CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=3 picks GPU 0" "pass" "$(took)" "device_choice.log"
+        else
+            row "CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=3 picks GPU 0" "FAIL (exit $rc)" "$(took)" "device_choice.log"
+            STATUS=1
+        fi
+    fi
+    pack
+else
+    row "NCCL memory, device choice" "skipped" 0 "$([ "$MODE" = cpu ] && echo 'needs a GPU' || echo 'libnccl not found: env.log')"
 fi
 
 # --- 3. the device path: NCCL carrying the step --------------------------------------------------

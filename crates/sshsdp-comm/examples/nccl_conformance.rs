@@ -31,8 +31,6 @@ fn value(rank: usize, i: usize) -> f32 {
 /// Conversions between test values and device elements.
 trait TestElem: DeviceElement + std::fmt::Debug + PartialEq {
     const NAME: &'static str;
-    /// Whether `Avg` applies (floats only).
-    const FLOAT: bool;
     fn from_f32(x: f32) -> Self;
     fn to_f64(self) -> f64;
     /// Sum of ranks' values as the device computes it (`u8` wraps modulo 256).
@@ -43,7 +41,6 @@ trait TestElem: DeviceElement + std::fmt::Debug + PartialEq {
 
 impl TestElem for f32 {
     const NAME: &'static str = "f32";
-    const FLOAT: bool = true;
     fn from_f32(x: f32) -> Self {
         x
     }
@@ -60,7 +57,6 @@ impl TestElem for f32 {
 
 impl TestElem for Bf16Bits {
     const NAME: &'static str = "bf16";
-    const FLOAT: bool = true;
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x).into()
     }
@@ -77,7 +73,6 @@ impl TestElem for Bf16Bits {
 
 impl TestElem for u8 {
     const NAME: &'static str = "u8";
-    const FLOAT: bool = false;
     fn from_f32(x: f32) -> Self {
         x as u8
     }
@@ -175,11 +170,28 @@ fn dev_all_gather<T: TestElem>(c: &NcclComm) -> Outcome {
     Ok(())
 }
 
+/// The device path sums only (the runtime divides once afterwards; `ncclAvg` is not used:
+/// docs/H200.md): `Sum` is checked, and `Avg` must be an argument error, never a launch.
 fn ops<T: TestElem>() -> Vec<ReduceOp> {
-    if T::FLOAT {
-        vec![ReduceOp::Sum, ReduceOp::Avg]
-    } else {
-        vec![ReduceOp::Sum]
+    vec![ReduceOp::Sum]
+}
+
+fn dev_avg_is_refused<T: TestElem>(c: &NcclComm) -> Outcome {
+    let e = |e: sshsdp_comm::CommError| e.to_string();
+    let send = upload(c, &host::<T>(c.rank(), 0, N * c.size())).map_err(e)?;
+    let mut recv = zeros::<T>(c, N).map_err(e)?;
+    match c.reduce_scatter_dev(&send, &mut recv, ReduceOp::Avg) {
+        Err(sshsdp_comm::CommError::InvalidArgument(_)) => {}
+        other => {
+            return Err(format!(
+                "reduce_scatter_dev with Avg: {other:?}, not refused"
+            ))
+        }
+    }
+    let mut buf = upload(c, &host::<T>(c.rank(), 0, N)).map_err(e)?;
+    match c.all_reduce_dev(&mut buf, ReduceOp::Avg) {
+        Err(sshsdp_comm::CommError::InvalidArgument(_)) => Ok(()),
+        other => Err(format!("all_reduce_dev with Avg: {other:?}, not refused")),
     }
 }
 
@@ -302,6 +314,10 @@ fn device_checks_typed<T: TestElem>(c: &NcclComm, out: &mut Vec<(String, Outcome
         dev_all_reduce::<T>(c),
     ));
     out.push((format!("dev broadcast {}", T::NAME), dev_broadcast::<T>(c)));
+    out.push((
+        format!("dev Avg refused {}", T::NAME),
+        dev_avg_is_refused::<T>(c),
+    ));
 }
 
 /// One row of the timing table: operation, bytes, seconds per call.

@@ -6,6 +6,10 @@
 //! directly (NCCL) offers this through [`Collective::device`](crate::Collective::device); the
 //! host engines (threads, MPI) do not, and a runtime then stages through host memory.
 //!
+//! Reductions sum: [`ReduceOp::Sum`] only ([`ReduceOp::Avg`] is an argument error), and a
+//! caller that wants the average divides once afterwards, as the host engines define it (sum,
+//! then one multiplication). NCCL's own `ncclAvg` is not used (`docs/H200.md`).
+//!
 //! Every call is synchronous: it returns once the device work is complete (with the engine's
 //! bounded wait: NCCL's polls its asynchronous error, the rank's liveness and a watchdog), so
 //! the caller may reuse or read the buffers as soon as it returns.

@@ -42,6 +42,11 @@ pub trait CommFactory: Send + Sync + 'static {
     fn abort(&self, reason: &str) {
         let _ = reason;
     }
+
+    /// Called once the runtime's first optimizer step is done (every rank has compiled its
+    /// kernels): engines that bound waits more loosely while a run starts (NCCL's start-up
+    /// bound) tighten them to their steady timeout. Nothing by default.
+    fn end_startup(&self) {}
 }
 
 /// The lanes of a communicator that can cross threads: lane 0 is the communicator itself, the
@@ -143,6 +148,50 @@ mod tests {
         for r in sums {
             let (_, lane0, lane1) = r.unwrap();
             assert_eq!((lane0, lane1), (6.0, 60.0));
+        }
+    }
+
+    #[test]
+    fn lanes_need_not_issue_in_the_same_order_on_every_rank() {
+        // The runtime's two lanes issue their collectives in each lane's program order, but how
+        // the lanes interleave differs between ranks (`sshsdp-backend/src/lanes/mod.rs`,
+        // "Two lanes on one GPU"). Here rank 1 delays its lane 0, so its lane 1 issues first
+        // while rank 0 issues lane 0 first: both lanes must still complete, with each lane's
+        // own values, several times over.
+        let out = ThreadsWorld::run(2, ThreadsConfig::default(), |comm| {
+            let lanes = SplitLanes::new(comm, 2).unwrap();
+            let rank = lanes.rank();
+            std::thread::scope(|s| {
+                let lane = |id: usize| {
+                    let lanes = &lanes;
+                    move || {
+                        let c = lanes.connect(id).unwrap();
+                        let mut sums = Vec::new();
+                        for round in 0..5 {
+                            if rank == 1 && id == 0 {
+                                std::thread::sleep(std::time::Duration::from_millis(20));
+                            }
+                            let mut v = [(100 * id + 10 * round + rank) as f32];
+                            c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                            sums.push(v[0]);
+                        }
+                        sums
+                    }
+                };
+                let second = s.spawn(lane(1));
+                let first = lane(0)();
+                (first, second.join().unwrap())
+            })
+        })
+        .unwrap();
+        for r in out {
+            let (lane0, lane1) = r.unwrap();
+            let want = |id: usize| -> Vec<f32> {
+                (0..5)
+                    .map(|round| (2 * (100 * id + 10 * round) + 1) as f32)
+                    .collect()
+            };
+            assert_eq!((lane0, lane1), (want(0), want(1)));
         }
     }
 }

@@ -16,19 +16,27 @@
 use crate::{CallTag, Collective, CommError, CommResult, Element, ReduceOp, Reducible};
 
 /// A rank's three communicators over a `replicas × shards` mesh.
+///
+/// A group with the same ranks in the same order as the world *is* the world: on a flat mesh
+/// (one replica) the shard group, under DDP (one shard) the replica group. No communicator is
+/// split for it, so a flat mesh holds two communicators, not three: engines whose communicators
+/// hold large buffers (NCCL: per-peer buffers for every algorithm) do not pay for a duplicate of
+/// the world.
 pub struct MeshComms<C> {
-    /// All ranks.
-    pub world: C,
-    /// Ranks of this rank's replica, ordered by shard index.
-    pub shard_group: C,
-    /// Ranks with this rank's shard index, ordered by replica index.
-    pub replica_group: C,
+    // Declared (so dropped) before the world they are split from: engines whose children share
+    // their parent's resources (NCCL's `splitShare`) free the children first.
+    /// `None`: the shard group is the world (one replica).
+    shard_group: Option<C>,
+    /// `None`: the replica group is the world (one shard).
+    replica_group: Option<C>,
+    world: C,
     replicas: usize,
     shards: usize,
 }
 
 impl<C: Collective> MeshComms<C> {
-    /// Splits `world` into shard and replica groups; collective over `world`.
+    /// Splits `world` into shard and replica groups (only those that are not the world itself);
+    /// collective over `world`, and every rank splits the same groups since the mesh is the same.
     pub fn new(world: C, replicas: usize, shards: usize) -> CommResult<Self> {
         if replicas == 0 || shards == 0 || replicas * shards != world.size() {
             return Err(CommError::InvalidArgument(format!(
@@ -37,8 +45,14 @@ impl<C: Collective> MeshComms<C> {
             )));
         }
         let (replica, shard) = (world.rank() / shards, world.rank() % shards);
-        let shard_group = world.split(replica, shard)?;
-        let replica_group = world.split(shard, replica)?;
+        let shard_group = match replicas {
+            1 => None,
+            _ => Some(world.split(replica, shard)?),
+        };
+        let replica_group = match shards {
+            1 => None,
+            _ => Some(world.split(shard, replica)?),
+        };
         Ok(Self {
             world,
             shard_group,
@@ -48,11 +62,38 @@ impl<C: Collective> MeshComms<C> {
         })
     }
 
-    /// Labels the calls that follow on all three communicators (see [`Collective::set_tag`]).
+    /// Labels the calls that follow on every communicator (see [`Collective::set_tag`]).
     pub fn set_tag(&self, tag: CallTag) {
         self.world.set_tag(tag);
-        self.shard_group.set_tag(tag);
-        self.replica_group.set_tag(tag);
+        for group in [&self.shard_group, &self.replica_group]
+            .into_iter()
+            .flatten()
+        {
+            group.set_tag(tag);
+        }
+    }
+
+    /// All ranks.
+    pub fn world(&self) -> &C {
+        &self.world
+    }
+
+    /// Ranks of this rank's replica, ordered by shard index (the world when there is one
+    /// replica).
+    pub fn shard_group(&self) -> &C {
+        self.shard_group.as_ref().unwrap_or(&self.world)
+    }
+
+    /// Ranks with this rank's shard index, ordered by replica index (the world when there is
+    /// one shard).
+    pub fn replica_group(&self) -> &C {
+        self.replica_group.as_ref().unwrap_or(&self.world)
+    }
+
+    /// How many communicators this rank holds for the mesh (1 to 3): the world, and the groups
+    /// that are not the world.
+    pub fn communicators(&self) -> usize {
+        1 + usize::from(self.shard_group.is_some()) + usize::from(self.replica_group.is_some())
     }
 
     /// Number of replicas.
@@ -67,7 +108,7 @@ impl<C: Collective> MeshComms<C> {
 
     /// This rank's `(replica, shard)`.
     pub fn coords(&self) -> (usize, usize) {
-        (self.replica_group.rank(), self.shard_group.rank())
+        (self.replica_group().rank(), self.shard_group().rank())
     }
 }
 
@@ -115,7 +156,7 @@ pub fn reduce_within_shard_group<C: Collective, T: Reducible>(
     shard_out: &mut [T],
 ) -> CommResult<()> {
     check_len("gradient", grad.len(), shard_out.len() * mesh.shards)?;
-    mesh.shard_group
+    mesh.shard_group()
         .reduce_scatter(grad, shard_out, ReduceOp::Avg)
 }
 
@@ -125,7 +166,7 @@ pub fn reduce_across_replicas_hsdp<C: Collective, T: Reducible>(
     mesh: &MeshComms<C>,
     shard: &mut [T],
 ) -> CommResult<()> {
-    mesh.replica_group.all_reduce(shard, ReduceOp::Avg)
+    mesh.replica_group().all_reduce(shard, ReduceOp::Avg)
 }
 
 /// Second stage when hierarchical: the shard-group average `shard` (`R · piece` elements)
@@ -141,7 +182,7 @@ pub fn reduce_across_replicas_hierarchical<C: Collective, T: Reducible>(
         shard.len(),
         piece_out.len() * mesh.replicas,
     )?;
-    mesh.replica_group
+    mesh.replica_group()
         .reduce_scatter(shard, piece_out, ReduceOp::Avg)
 }
 
@@ -151,5 +192,5 @@ pub fn gather_runtime_shard<C: Collective, T: Element>(
     mesh: &MeshComms<C>,
     shard_buf: &mut [T],
 ) -> CommResult<()> {
-    mesh.replica_group.all_gather_in_place(shard_buf)
+    mesh.replica_group().all_gather_in_place(shard_buf)
 }

@@ -11,6 +11,8 @@
 //! * [`hierarchy`]: the mesh's shard and replica groups and the two hierarchical gradient paths
 //!   (HSDP and the project's default), plus the post-update replica all-gather.
 //! * [`conformance`]: the test suite every engine must pass, as plain functions.
+//! * [`launch`]: rank, world size, local GPU and rendezvous address from the launcher's
+//!   variables (torchrun, Slurm, Open MPI, MPICH), and a TCP rendezvous for rank 0's bytes.
 
 #![deny(missing_docs)]
 
@@ -23,6 +25,7 @@ mod error;
 mod factory;
 pub mod faults;
 pub mod hierarchy;
+pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

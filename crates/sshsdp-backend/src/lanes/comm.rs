@@ -51,6 +51,8 @@ pub(crate) trait LaneFactory: Send + Sync {
     ) -> CommResult<Box<dyn MeshComm>>;
     /// Fails every lane's communicators on every rank, where the engine can.
     fn abort_all(&self, reason: &str);
+    /// The first optimizer step is done ([`CommFactory::end_startup`]).
+    fn startup_done(&self);
 }
 
 impl<F: CommFactory> LaneFactory for F {
@@ -78,6 +80,10 @@ impl<F: CommFactory> LaneFactory for F {
 
     fn abort_all(&self, reason: &str) {
         self.abort(reason);
+    }
+
+    fn startup_done(&self) {
+        CommFactory::end_startup(self);
     }
 }
 
@@ -120,7 +126,8 @@ pub(crate) trait MeshComm {
     ) -> CommResult<()>;
     /// Shard lane. The first stage of a gradient reduction ([`MeshComm::reduce_within_shard_group`])
     /// on device memory: the full-bucket gradient at `full` (`S · shard_len` units of `kind`)
-    /// becomes the shard group's average of this rank's shard at `shard` (`shard_len`). Under
+    /// becomes the shard group's *sum* of this rank's shard at `shard` (`shard_len`; the device
+    /// path only sums, and the caller divides once by the world size after both stages). Under
     /// DDP nothing moves (the caller passes the full gradient on as the shard).
     ///
     /// # Safety
@@ -135,7 +142,7 @@ pub(crate) trait MeshComm {
         shard_len: usize,
     ) -> CommResult<()>;
     /// Replica lane. The second stage ([`MeshComm::reduce_across_replicas`]) on device
-    /// memory: the shard at `shard` becomes the world-averaged piece at `piece` (`piece_len`
+    /// memory: the shard at `shard` becomes the world-summed piece at `piece` (`piece_len`
     /// units): a reduce-scatter across replicas when hierarchical; in place (`piece == shard`)
     /// across replicas under HSDP and over the world under DDP.
     ///
@@ -203,11 +210,11 @@ pub(crate) trait MeshComm {
 
 impl<C: Collective> MeshComm for MeshComms<C> {
     fn world_rank(&self) -> usize {
-        self.world.rank()
+        self.world().rank()
     }
 
     fn world_size(&self) -> usize {
-        self.world.size()
+        self.world().size()
     }
 
     fn set_tag(&self, tag: CallTag) {
@@ -230,7 +237,7 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     }
 
     fn device_ordinal(&self) -> Option<usize> {
-        self.shard_group.device().map(|d| d.device_ordinal())
+        self.shard_group().device().map(|d| d.device_ordinal())
     }
 
     unsafe fn gather_bucket_device(
@@ -241,7 +248,7 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         count: usize,
     ) -> CommResult<()> {
         // SAFETY: the caller's guarantee, passed on.
-        unsafe { device_of(&self.shard_group)?.all_gather_raw(kind, send, recv, count) }
+        unsafe { device_of(self.shard_group())?.all_gather_raw(kind, send, recv, count) }
     }
 
     unsafe fn reduce_within_shard_group_device(
@@ -255,9 +262,9 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         match sharding {
             Sharding::Ddp => Ok(()),
             Sharding::Hierarchical | Sharding::Hsdp => {
-                let device = device_of(&self.shard_group)?;
+                let device = device_of(self.shard_group())?;
                 // SAFETY: the caller's guarantee, passed on.
-                unsafe { device.reduce_scatter_raw(kind, full, shard, shard_len, ReduceOp::Avg) }
+                unsafe { device.reduce_scatter_raw(kind, full, shard, shard_len, ReduceOp::Sum) }
             }
         }
     }
@@ -273,24 +280,24 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         // SAFETY (each arm): the caller's guarantee, passed on.
         match sharding {
             Sharding::Hierarchical => unsafe {
-                device_of(&self.replica_group)?.reduce_scatter_raw(
+                device_of(self.replica_group())?.reduce_scatter_raw(
                     kind,
                     shard,
                     piece,
                     piece_len,
-                    ReduceOp::Avg,
+                    ReduceOp::Sum,
                 )
             },
             Sharding::Hsdp => unsafe {
-                device_of(&self.replica_group)?.all_reduce_raw(
+                device_of(self.replica_group())?.all_reduce_raw(
                     kind,
                     piece,
                     piece_len,
-                    ReduceOp::Avg,
+                    ReduceOp::Sum,
                 )
             },
             Sharding::Ddp => unsafe {
-                device_of(&self.world)?.all_reduce_raw(kind, piece, piece_len, ReduceOp::Avg)
+                device_of(self.world())?.all_reduce_raw(kind, piece, piece_len, ReduceOp::Sum)
             },
         }
     }
@@ -339,7 +346,7 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         match sharding {
             // SAFETY: the caller's guarantee, passed on.
             Sharding::Hierarchical => unsafe {
-                device_of(&self.replica_group)?.all_gather_raw(kind, piece, shard, piece_len)
+                device_of(self.replica_group())?.all_gather_raw(kind, piece, shard, piece_len)
             },
             Sharding::Hsdp | Sharding::Ddp => Err(CommError::InvalidArgument(
                 "a shard rebuild under HSDP or DDP, whose shards are one piece".into(),
@@ -349,8 +356,8 @@ impl<C: Collective> MeshComm for MeshComms<C> {
 
     fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()> {
         match sharding {
-            Sharding::Hierarchical => self.world.all_reduce(buf, ReduceOp::Sum),
-            Sharding::Hsdp => self.shard_group.all_reduce(buf, ReduceOp::Sum),
+            Sharding::Hierarchical => self.world().all_reduce(buf, ReduceOp::Sum),
+            Sharding::Hsdp => self.shard_group().all_reduce(buf, ReduceOp::Sum),
             Sharding::Ddp => Ok(()),
         }
     }
@@ -364,11 +371,12 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         recv_counts: &[usize],
     ) -> CommResult<()> {
         match sharding {
-            Sharding::Hierarchical => self
-                .world
-                .all_to_all_v(send, send_counts, recv, recv_counts),
+            Sharding::Hierarchical => {
+                self.world()
+                    .all_to_all_v(send, send_counts, recv, recv_counts)
+            }
             Sharding::Hsdp => self
-                .shard_group
+                .shard_group()
                 .all_to_all_v(send, send_counts, recv, recv_counts),
             Sharding::Ddp => {
                 if send.len() != recv.len() {
@@ -385,11 +393,11 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     }
 
     fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()> {
-        self.world.broadcast(buf, 0)
+        self.world().broadcast(buf, 0)
     }
 
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()> {
-        self.world.all_gather(send, recv)
+        self.world().all_gather(send, recv)
     }
 }
 
@@ -412,7 +420,7 @@ fn gather_typed<C: Collective, T: Element>(
             full.copy_from_slice(shard);
             Ok(())
         }
-        Sharding::Hierarchical | Sharding::Hsdp => comms.shard_group.all_gather(shard, full),
+        Sharding::Hierarchical | Sharding::Hsdp => comms.shard_group().all_gather(shard, full),
     }
 }
 
@@ -450,7 +458,7 @@ fn reduce_across_typed<C: Collective, T: Reducible>(
             Ok(shard)
         }
         Sharding::Ddp => {
-            comms.world.all_reduce(&mut shard, ReduceOp::Avg)?;
+            comms.world().all_reduce(&mut shard, ReduceOp::Avg)?;
             Ok(shard)
         }
     }

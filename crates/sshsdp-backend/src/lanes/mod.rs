@@ -43,6 +43,37 @@
 //! (threads; MPI initialised with `MPI_THREAD_MULTIPLE`; NCCL with a stream per
 //! communicator); under MPI each rank is a process of its own, whose graph locks no peer shares.
 //!
+//! # Two lanes on one GPU (NCCL)
+//! NCCL asks that communicators used at the same time on one device see their operations in
+//! the same order on every rank (its "Using multiple NCCL communicators concurrently"; NVIDIA/nccl
+//! #195), because a kernel blocked on a peer can keep another communicator's kernel from
+//! running. Each lane's own order is the same on every rank (above), but how the two lanes
+//! interleave is not: it depends on timing. The order need not be the same, because nothing
+//! here lets one lane's blocked collective stop the other's:
+//!
+//! 1. **Issuing never waits for a peer.** Every enqueue holds its GPU's enqueue lock only while
+//!    it enqueues (`sshsdp-comm/src/nccl/enqueue.rs`), and peers are connected in
+//!    `ncclCommInitRank`, not in a first collective under that lock: `NcclLanes` requires
+//!    `NCCL_RUNTIME_CONNECT=0` on every rank (`sshsdp-comm/src/nccl/lanes.rs`).
+//! 2. **At most one NCCL kernel per lane is in flight on a GPU**: a lane waits for each
+//!    collective to finish before it issues the next (`DeviceCollective` is synchronous), so a
+//!    GPU holds at most two kernels that wait for peers, one per lane, on two streams (each
+//!    lane's communicators come from their own unique id with their own stream; the groups split
+//!    within a lane share its stream).
+//! 3. **The GPU runs both at once.** Each NCCL kernel uses at most `NCCL_MAX_CTAS` blocks (32 by
+//!    default, 64 at most), so two fit on any GPU with 128 SMs or more (an H100 SXM has 132;
+//!    blocks of both can also share SMs); compute kernels never wait for anything, so the SMs
+//!    they hold come free; and streams map to several hardware queues
+//!    (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default: `NcclLanes` refuses `1`, under which one
+//!    lane's kernel would queue behind the other's).
+//!
+//! So each lane's k-th collective, once issued by every rank of its group (which it is: 1 and
+//! the lane's order), runs to completion whatever the other lane does. A device-wide
+//! synchronisation on the model thread (an allocation may imply one) only waits for kernels
+//! that complete by the same argument. What is not proven here: GPUs with fewer than 128 SMs
+//! with both lanes' kernels at full width and a resident compute kernel that fills the rest;
+//! NCCL has never run above world 1 in this project (`docs/LAUNCH.md`).
+//!
 //! After a failure the lanes still run every queued collective, which the engine fails at once
 //! (see `serve.rs`): every rank meets the failure in the same call, and no peer waits for a call
 //! this rank skipped.

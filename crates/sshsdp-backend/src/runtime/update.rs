@@ -246,7 +246,13 @@ pub(super) fn run<B: Backend>(
             }
         }
     }
-    rt.end_step(st)
+    rt.end_step(st)?;
+    if !all_buckets {
+        // A whole step (forward, backward, update, rebuild) ran on every rank: each compiled
+        // its kernels, so engines with a start-up bound tighten their waits now.
+        rt.lanes.startup_done();
+    }
+    Ok(())
 }
 
 /// The update-group rank holding each piece of `plan`: the world rank when hierarchical, the

@@ -13,7 +13,7 @@ use cudarc::nccl::{result, sys};
 
 use super::enqueue::enqueue_lock;
 use super::id::{agree_ids, NcclUniqueId};
-use super::watch::{timeout_from_env, Liveness};
+use super::watch::{startup_timeout_from_env, timeout_from_env, Liveness};
 use super::{cuda_error, nccl_error, probe};
 use crate::{Collective, CommError, CommResult};
 
@@ -31,6 +31,8 @@ pub struct NcclComm {
     pub(super) live: Arc<Liveness>,
     /// The watchdog timeout of every wait.
     pub(super) timeout: Duration,
+    /// The bound of a wait while the liveness says the run is starting.
+    pub(super) startup_timeout: Duration,
     /// Set once `ncclCommAbort` has freed the communicator.
     pub(super) aborted: Cell<bool>,
     /// An NCCL communicator is driven from one thread; keeps the type `!Send` and `!Sync`.
@@ -105,6 +107,7 @@ impl NcclComm {
         let (nranks, r) = (to_i32("world size", size)?, to_i32("rank", rank)?);
         // Before joining: a malformed setting fails every rank alike, with nothing to free.
         let timeout = timeout_from_env()?;
+        let startup_timeout = startup_timeout_from_env()?;
         bind(&stream)?;
         let mut raw = MaybeUninit::uninit();
         // SAFETY: `raw` is written by NCCL on success and read only then; the id is a valid
@@ -121,6 +124,7 @@ impl NcclComm {
             size,
             live: Arc::default(),
             timeout,
+            startup_timeout,
             aborted: Cell::new(false),
             _not_send: PhantomData,
         })
@@ -189,19 +193,33 @@ impl NcclComm {
 
     /// Splits into sub-communicators with `ncclCommSplit` (collective over this communicator):
     /// ranks with the same `color` form one, ordered by `key`, then by rank. The child uses
-    /// this communicator's GPU and stream.
+    /// this communicator's GPU and stream, and shares its resources (`splitShare`: no buffers
+    /// or proxy of its own, a fraction of a new communicator's memory). Sharing serialises the
+    /// two, which costs nothing here: the child runs on the parent's stream, and both are
+    /// driven from the one thread that owns them (`NcclComm` is `!Send`), so they never run at
+    /// the same time anyway. Communicators that do run at the same time (a runtime's two
+    /// lanes) are never split from one another: each lane's comes from its own unique id.
     pub fn split_comm(&self, color: usize, key: usize) -> CommResult<Self> {
         const OP: &str = "ncclCommSplit";
         let (c, k) = (to_i32("split color", color)?, to_i32("split key", key)?);
         self.enter(OP)?;
         let mut child = MaybeUninit::<sys::ncclComm_t>::uninit();
+        let mut config = SplitConfig::sharing();
         // SAFETY: `self.raw` is live; `child` is written by NCCL on success and read only then;
-        // a null config makes the child inherit the parent's configuration. The symbol was
-        // checked present by the probe that ran when `self` was created.
+        // `config` is a valid NCCL 2.17 `ncclConfig_t` (size, magic and version set, the rest
+        // NCCL's "undefined" values: NCCL copies `size` bytes into a defaulted config, so newer
+        // libraries read it too) that outlives the call. The symbol was checked present by the
+        // probe that ran when `self` was created.
         let child = unsafe {
-            sys::ncclCommSplit(self.raw, c, k, child.as_mut_ptr(), std::ptr::null_mut())
-                .result()
-                .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
+            sys::ncclCommSplit(
+                self.raw,
+                c,
+                k,
+                child.as_mut_ptr(),
+                (&mut config as *mut SplitConfig).cast(),
+            )
+            .result()
+            .map_err(|e| nccl_error(OP, e, Some(self.raw)))?;
             child.assume_init()
         };
         if child.is_null() {
@@ -226,6 +244,7 @@ impl NcclComm {
             size,
             live: self.live.clone(),
             timeout: self.timeout,
+            startup_timeout: self.startup_timeout,
             aborted: Cell::new(false),
             _not_send: PhantomData,
         })
@@ -274,6 +293,41 @@ impl NcclComm {
     pub(super) fn enter_enqueue(&self, op: &str) -> CommResult<std::sync::MutexGuard<'static, ()>> {
         self.enter(op)?;
         Ok(enqueue_lock(self.device()))
+    }
+}
+
+/// `ncclConfig_t` as NCCL 2.17 defined it (the first version with `splitShare`): NCCL reads a
+/// config of any earlier layout by its `size` and `version`, so this works with every library
+/// the engine accepts, whatever layout cudarc's bindings were generated from.
+#[repr(C)]
+struct SplitConfig {
+    size: usize,
+    magic: std::ffi::c_uint,
+    version: std::ffi::c_uint,
+    blocking: std::ffi::c_int,
+    cga_cluster_size: std::ffi::c_int,
+    min_ctas: std::ffi::c_int,
+    max_ctas: std::ffi::c_int,
+    net_name: *const std::ffi::c_char,
+    split_share: std::ffi::c_int,
+}
+
+impl SplitConfig {
+    /// `NCCL_CONFIG_INITIALIZER` with `splitShare = 1`.
+    fn sharing() -> Self {
+        /// NCCL's `NCCL_CONFIG_UNDEF_INT`: "use the default (or the parent's)".
+        const UNDEF: std::ffi::c_int = std::ffi::c_int::MIN;
+        Self {
+            size: std::mem::size_of::<Self>(),
+            magic: 0xcafe_beef,
+            version: 2 * 10_000 + 17 * 100,
+            blocking: UNDEF,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: 1,
+        }
     }
 }
 

@@ -29,19 +29,16 @@ impl NcclComm {
         kind: ElementKind,
         reduce: ReduceOp,
     ) -> CommResult<sys::ncclRedOp_t> {
-        match (reduce, kind) {
-            (ReduceOp::Sum, _) => Ok(sys::ncclRedOp_t::ncclSum),
-            // The average over one rank is the value itself, exactly what `ncclSum` returns.
-            // And `ncclAvg` is wrong there: NCCL 2.28.9 on an H200 (world 1) left the last 3 of
-            // 2^20 + 3 elements of an out-of-place reduce-scatter unwritten (2^20 right), in
-            // f32 and bf16, while `ncclSum` and an `ncclAvg` all-reduce were right.
-            (ReduceOp::Avg, ElementKind::F32 | ElementKind::Bf16) if self.size == 1 => {
-                Ok(sys::ncclRedOp_t::ncclSum)
-            }
-            (ReduceOp::Avg, ElementKind::U8) => Err(CommError::InvalidArgument(format!(
-                "{op}: averaging u8 is not supported"
+        match reduce {
+            ReduceOp::Sum => Ok(sys::ncclRedOp_t::ncclSum),
+            // The device path sums only, and callers divide once (the host engines' average:
+            // sum, then one multiplication). `ncclAvg` is not trusted: NCCL 2.28.9 on an H200
+            // (world 1) left the last 3 of 2^20 + 3 elements of an out-of-place reduce-scatter
+            // unwritten (2^20 right), in f32 and bf16, while `ncclSum` was right.
+            ReduceOp::Avg => Err(CommError::InvalidArgument(format!(
+                "{op}: the NCCL device path reduces with Sum only ({kind:?}); divide by the \
+                 world size once afterwards (ncclAvg is not used: docs/H200.md)"
             ))),
-            (ReduceOp::Avg, _) => Ok(sys::ncclRedOp_t::ncclAvg),
         }
     }
 
@@ -117,7 +114,7 @@ impl NcclComm {
     }
 
     /// Reduce-scatter on the device: `send` holds `size` chunks of `recv.len()`; `recv` gets
-    /// the reduction of chunk `rank` over all ranks. [`ReduceOp::Avg`] is `ncclAvg`.
+    /// the reduction of chunk `rank` over all ranks. Sum only: [`ReduceOp::Avg`] is an argument error.
     pub fn reduce_scatter_dev<D: DeviceElement, S: DevicePtr<D>, R: DevicePtrMut<D>>(
         &self,
         send: &S,
@@ -275,7 +272,7 @@ impl NcclComm {
         Ok(())
     }
 
-    /// All-reduce in place on the device. [`ReduceOp::Avg`] is `ncclAvg`.
+    /// All-reduce in place on the device. Sum only: [`ReduceOp::Avg`] is an argument error.
     pub fn all_reduce_dev<D: DeviceElement, B: DevicePtrMut<D>>(
         &self,
         buf: &mut B,

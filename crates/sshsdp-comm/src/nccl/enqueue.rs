@@ -9,8 +9,8 @@
 //! (`NcclComm::run_threads`) never wait for each other here. An enqueue that connects peers
 //! (NCCL's run-time connection, the first collective of a communicator) would wait for them
 //! under the lock, while a peer's lane may wait for this process's other lane, itself waiting
-//! for the lock: the probe therefore has NCCL connect in `ncclCommInitRank`
-//! (`NCCL_RUNTIME_CONNECT=0`, unless the user set it), outside any lock.
+//! for the lock: `NcclLanes` therefore requires NCCL to connect in `ncclCommInitRank`
+//! (`NCCL_RUNTIME_CONNECT=0` in the caller's environment), outside any lock.
 
 use std::sync::{Mutex, MutexGuard};
 

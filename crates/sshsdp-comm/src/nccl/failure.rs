@@ -21,9 +21,21 @@ impl NcclComm {
     /// other lanes fail their next call, and this call returns the error.
     pub fn synchronize(&self) -> CommResult<()> {
         const OP: &str = "synchronize";
+        /// What a timeout names while the run starts (the bound that expired, and why it is
+        /// long).
+        const STARTING: &str = "synchronize (within the start-up bound \
+            SSHSDP_NCCL_STARTUP_TIMEOUT_S, default 1800 s, which covers every rank compiling \
+            its kernels in the first step)";
+        const STEADY: &str = "synchronize (within the watchdog bound SSHSDP_NCCL_TIMEOUT_S, \
+            default 600 s)";
         self.enter(OP)?;
-        if let Err(failure) = wait_until(|| self.progress(), &self.live, self.timeout) {
-            let e = failure.into_error(OP);
+        let (limit, named) = if self.live.is_starting() {
+            (self.timeout.max(self.startup_timeout), STARTING)
+        } else {
+            (self.timeout, STEADY)
+        };
+        if let Err(failure) = wait_until(|| self.progress(), &self.live, limit) {
+            let e = failure.into_error(named);
             self.abort_comm(&e.to_string());
             return Err(e);
         }

@@ -34,12 +34,14 @@
 //!
 //! # Reductions
 //!
-//! [`ReduceOp::Sum`](crate::ReduceOp::Sum) is `ncclSum`. On the device path
-//! [`ReduceOp::Avg`](crate::ReduceOp::Avg) is `ncclAvg` (NCCL's native average, no extra
-//! kernel; its rounding is NCCL's). The host path runs `ncclSum` and multiplies by `1 / size`
-//! once on the host after the copy back, which is exactly the crate's definition of the
-//! average (sum, then one multiplication), so it matches the other engines.
-//! `u8` may be summed on the device (NCCL wraps modulo 256); averaging `u8` is an argument error.
+//! [`ReduceOp::Sum`](crate::ReduceOp::Sum) is `ncclSum`. The device path sums only:
+//! [`ReduceOp::Avg`](crate::ReduceOp::Avg) there is an argument error, and callers divide once
+//! afterwards (the SS-HSDP runtime multiplies a reduced gradient piece by `1 / world` on its
+//! lane). `ncclAvg` is not used at all: NCCL 2.28.9's `ncclAvg` reduce-scatter left the tail of
+//! its output unwritten at one rank on an H200 (`docs/H200.md`). The host path runs `ncclSum`
+//! and multiplies by `1 / size` once on the host after the copy back, which is exactly the
+//! crate's definition of the average (sum, then one multiplication), so it matches the other
+//! engines. `u8` may be summed on the device (NCCL wraps modulo 256).
 //!
 //! # Sub-communicators
 //!
@@ -54,9 +56,13 @@
 //!
 //! * one process, one thread per GPU: [`NcclComm::run_threads`] (or make the id with
 //!   [`NcclUniqueId::new`] and call [`NcclComm::from_id`] on every thread);
-//! * several processes: [`NcclComm::from_collective`] broadcasts the id over any other
-//!   engine (MPI: `broadcast::<u8>`), or move [`NcclUniqueId::as_bytes`] yourself and rebuild it
-//!   with [`NcclUniqueId::from_bytes`].
+//! * several processes under MPI: [`NcclComm::from_collective`] broadcasts the id over any
+//!   other engine (MPI: `broadcast::<u8>`);
+//! * several processes without MPI (`torchrun`, `srun`, Kubernetes): [`NcclComm::from_launch`]
+//!   reads the launcher's variables ([`crate::launch::LaunchEnv`]) and gets the id from rank
+//!   0's TCP rendezvous; later ids (the runtime's lanes) go over that communicator itself;
+//! * or move [`NcclUniqueId::as_bytes`] yourself and rebuild it with
+//!   [`NcclUniqueId::from_bytes`].
 //!
 //! [`NcclComm`] is neither `Send` nor `Sync` (it owns a raw `ncclComm_t`): create it on the thread
 //! that uses it. `ncclCommInitRank` blocks until every rank has joined.
@@ -65,15 +71,10 @@
 //!
 //! A rank's lanes are threads, each with its own communicator on the rank's GPU. NCCL allows one
 //! thread at a time to issue operations to the communicators of a device, so every enqueue
-//! (collective, or group) holds that GPU's enqueue lock; waits do not (`enqueue.rs`). Peers are
-//! connected in `ncclCommInitRank` (`NCCL_RUNTIME_CONNECT=0` unless set), so no enqueue waits
-//! for a peer under the lock.
-//!
-//! # One rank
-//!
-//! At world 1, [`ReduceOp::Avg`](crate::ReduceOp::Avg) runs as `ncclSum` (the same values
-//! exactly): NCCL 2.28.9's `ncclAvg` reduce-scatter left the tail of its output unwritten at one
-//! rank on an H200 (`docs/H200.md`).
+//! (collective, or group) holds that GPU's enqueue lock; waits do not (`enqueue.rs`). Peers
+//! must be connected in `ncclCommInitRank`: [`NcclLanes`] requires `NCCL_RUNTIME_CONNECT=0` in
+//! every rank's environment (the caller's; this crate never sets variables), so no enqueue
+//! waits for a peer under the lock (`lanes.rs` has the argument and the memory it costs).
 //!
 //! # Failures
 //!
@@ -112,6 +113,7 @@ mod failure;
 mod host;
 mod id;
 mod lanes;
+mod launch;
 mod probe;
 mod raw;
 mod watch;
@@ -127,9 +129,13 @@ use half::bf16;
 pub use comm::NcclComm;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView};
 pub use id::{NcclUniqueId, NCCL_UNIQUE_ID_BYTES};
-pub use lanes::NcclLanes;
-pub use probe::{device_count, is_available, nccl_version, probe};
-pub use watch::{timeout_from_env, Liveness, DEFAULT_NCCL_TIMEOUT, NCCL_TIMEOUT_ENV};
+pub use lanes::{connects_at_init, NcclLanes, RUNTIME_CONNECT_ENV};
+pub use launch::{DEFAULT_RENDEZVOUS_TIMEOUT, RENDEZVOUS_TIMEOUT_ENV};
+pub use probe::{device_count, gpu_memory, is_available, nccl_version, probe};
+pub use watch::{
+    startup_timeout_from_env, timeout_from_env, Liveness, DEFAULT_NCCL_STARTUP_TIMEOUT,
+    DEFAULT_NCCL_TIMEOUT, NCCL_STARTUP_TIMEOUT_ENV, NCCL_TIMEOUT_ENV,
+};
 
 use crate::{CommError, Element, ElementKind};
 

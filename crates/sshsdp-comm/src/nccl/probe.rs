@@ -68,18 +68,8 @@ fn quietly<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     })
 }
 
-/// NCCL's variable for connecting peers at the first collective (`1`, NCCL's default since
-/// 2.22) or in `ncclCommInitRank` (`0`).
-const RUNTIME_CONNECT_ENV: &str = "NCCL_RUNTIME_CONNECT";
-
 fn run_probe() -> Result<Found, String> {
-    // 0. Connections at init, unless the user chose: a lane enqueues under its GPU's enqueue
-    //    lock (`comm.rs`), and a first collective that connected peers at run time would wait
-    //    for them under that lock, while a peer's lane may wait for this process's other lane,
-    //    which waits for the lock. Set before NCCL is loaded (NCCL reads it once).
-    if std::env::var_os(RUNTIME_CONNECT_ENV).is_none() {
-        std::env::set_var(RUNTIME_CONNECT_ENV, "0");
-    }
+    // (NCCL_RUNTIME_CONNECT is the caller's to set, never set here: `lanes.rs`.)
     // 1. libcuda: load it (cudarc panics if it cannot), then initialise and count devices.
     let devices = quietly(|| {
         // SAFETY: `culib` only loads the library (dlopen) into a process-wide OnceLock.
@@ -158,4 +148,15 @@ pub fn nccl_version() -> CommResult<i32> {
 /// Number of visible GPUs.
 pub fn device_count() -> CommResult<usize> {
     found().map(|f| f.devices)
+}
+
+/// Free and total bytes of GPU `device`'s memory (`cuMemGetInfo` in its primary context): what
+/// NCCL's communicators cost shows as the drop in `free` across their creation (nothing else may
+/// allocate meanwhile).
+pub fn gpu_memory(device: usize) -> CommResult<(usize, usize)> {
+    probe()?;
+    let ctx = CudaContext::new(device)
+        .map_err(|e| CommError::Engine(format!("CudaContext::new({device}): {e}")))?;
+    ctx.mem_get_info()
+        .map_err(|e| CommError::Engine(format!("cuMemGetInfo on GPU {device}: {e}")))
 }

@@ -24,15 +24,33 @@ pub const DEFAULT_NCCL_TIMEOUT: Duration = Duration::from_secs(600);
 /// The environment variable that overrides [`DEFAULT_NCCL_TIMEOUT`], in seconds (e.g. `30`).
 pub const NCCL_TIMEOUT_ENV: &str = "SSHSDP_NCCL_TIMEOUT_S";
 
+/// Default bound of a wait while a run is starting ([`Liveness::starting`]): the first
+/// optimizer step, in which every rank compiles every kernel it will use (eight processes
+/// compiling at once on one node can take many minutes).
+pub const DEFAULT_NCCL_STARTUP_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// The environment variable that overrides [`DEFAULT_NCCL_STARTUP_TIMEOUT`], in seconds.
+pub const NCCL_STARTUP_TIMEOUT_ENV: &str = "SSHSDP_NCCL_STARTUP_TIMEOUT_S";
+
 /// The watchdog timeout: [`NCCL_TIMEOUT_ENV`] if set to a positive number of seconds, else
 /// [`DEFAULT_NCCL_TIMEOUT`]. A malformed value is an error, not silently the default.
 pub fn timeout_from_env() -> Result<Duration, CommError> {
-    match std::env::var(NCCL_TIMEOUT_ENV) {
-        Err(_) => Ok(DEFAULT_NCCL_TIMEOUT),
+    seconds_from_env(NCCL_TIMEOUT_ENV, DEFAULT_NCCL_TIMEOUT)
+}
+
+/// The start-up bound: [`NCCL_STARTUP_TIMEOUT_ENV`] if set to a positive number of seconds,
+/// else [`DEFAULT_NCCL_STARTUP_TIMEOUT`]; a malformed value is an error.
+pub fn startup_timeout_from_env() -> Result<Duration, CommError> {
+    seconds_from_env(NCCL_STARTUP_TIMEOUT_ENV, DEFAULT_NCCL_STARTUP_TIMEOUT)
+}
+
+pub(crate) fn seconds_from_env(var: &str, default: Duration) -> Result<Duration, CommError> {
+    match std::env::var(var) {
+        Err(_) => Ok(default),
         Ok(s) => match s.trim().parse::<f64>() {
             Ok(secs) if secs > 0.0 && secs.is_finite() => Ok(Duration::from_secs_f64(secs)),
             _ => Err(CommError::InvalidArgument(format!(
-                "{NCCL_TIMEOUT_ENV}={s:?}: expected a positive number of seconds"
+                "{var}={s:?}: expected a positive number of seconds"
             ))),
         },
     }
@@ -40,12 +58,38 @@ pub fn timeout_from_env() -> Result<Duration, CommError> {
 
 /// Whether a rank's NCCL communicators may still be used: shared by every lane of a rank
 /// (and the communicators split from them). The first failure's reason is kept.
+///
+/// It also says whether the run is still *starting*: then a wait is bounded by the larger of
+/// the watchdog timeout and the start-up bound ([`NCCL_STARTUP_TIMEOUT_ENV`]), because peers
+/// may be compiling kernels between collectives. [`Liveness::default`] is steady (a plain
+/// communicator); [`Liveness::starting`] is what a runtime's lanes share until the runtime
+/// calls [`Liveness::end_startup`] after its first optimizer step.
 #[derive(Debug, Default)]
 pub struct Liveness {
     failed: Mutex<Option<String>>,
+    starting: std::sync::atomic::AtomicBool,
 }
 
 impl Liveness {
+    /// A liveness in the start-up phase (see the type).
+    pub fn starting() -> Self {
+        Self {
+            failed: Mutex::new(None),
+            starting: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    /// Ends the start-up phase: later waits are bounded by the watchdog timeout alone.
+    pub fn end_startup(&self) {
+        self.starting
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether the start-up phase is still on.
+    pub fn is_starting(&self) -> bool {
+        self.starting.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Marks the rank failed (the first reason wins).
     pub fn fail(&self, reason: &str) {
         let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
@@ -223,9 +267,26 @@ mod tests {
     }
 
     #[test]
+    fn start_up_ends_once_and_is_shared() {
+        let live = Arc::new(Liveness::starting());
+        let lane = live.clone();
+        assert!(lane.is_starting());
+        live.end_startup();
+        assert!(!lane.is_starting());
+        assert!(!Liveness::default().is_starting());
+    }
+
+    #[test]
     fn the_timeout_comes_from_the_environment_or_the_default() {
-        // One test touches the variable, so no other test races it.
+        // One test touches the variables, so no other test races it.
         std::env::remove_var(NCCL_TIMEOUT_ENV);
+        std::env::remove_var(NCCL_STARTUP_TIMEOUT_ENV);
+        assert_eq!(startup_timeout_from_env(), Ok(DEFAULT_NCCL_STARTUP_TIMEOUT));
+        std::env::set_var(NCCL_STARTUP_TIMEOUT_ENV, "60");
+        assert_eq!(startup_timeout_from_env(), Ok(Duration::from_secs(60)));
+        std::env::set_var(NCCL_STARTUP_TIMEOUT_ENV, "later");
+        assert!(startup_timeout_from_env().is_err());
+        std::env::remove_var(NCCL_STARTUP_TIMEOUT_ENV);
         assert_eq!(timeout_from_env(), Ok(DEFAULT_NCCL_TIMEOUT));
         std::env::set_var(NCCL_TIMEOUT_ENV, "2.5");
         assert_eq!(timeout_from_env(), Ok(Duration::from_millis(2500)));

@@ -115,6 +115,8 @@ fn addresses_for<R: CubeRuntime>() -> Option<Addresses<R>> {
 /// One bucket's reduction on its way through the lanes.
 struct CubeReduceJob<R: CubeRuntime> {
     client: ComputeClient<R>,
+    /// The device of the gradient (for the engine path's final scaling).
+    device: R::Device,
     /// The full-bucket gradient (engine path) or the members' concatenated gradients (staged).
     full: Handle,
     /// Elements of the bucket.
@@ -188,6 +190,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
         };
         let written = addresses.map(|_| stream_mark(&client));
         Self {
+            device: full.device.clone(),
             full: full.handle,
             client,
             full_len,
@@ -211,6 +214,35 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
         match self.addresses {
             Some(ready) => ready(&self.client, handles, &mut self.resources).map(Some),
             None => Ok(None),
+        }
+    }
+}
+
+impl<R: CubeRuntime> CubeReduceJob<R> {
+    /// Engine path, after both stages: the piece holds the world's *sum* (the device
+    /// collectives only sum: NCCL 2.28.9's `ncclAvg` reduce-scatter left an output's tail
+    /// unwritten, `docs/H200.md`); one multiplication by `1 / world` makes it the average, as
+    /// the host engines define it (sum, then one multiplication). Queued on this lane's stream
+    /// and flushed, as a lane upload is, so the model thread's reads are ordered after it.
+    fn average(&mut self, world: usize) {
+        if world <= 1 {
+            return;
+        }
+        let dtype = match self.kind {
+            ElementKind::Bf16 => DType::BF16,
+            _ => DType::F32,
+        };
+        let piece = CubeTensor::<R>::new_contiguous(
+            self.client.clone(),
+            self.device.clone(),
+            burn_backend::Shape::from([self.piece_len]),
+            self.piece.clone(),
+            dtype,
+        );
+        let scaled = Inner::<R>::float_mul_scalar(piece, (1.0 / world as f64).into());
+        self.piece = scaled.handle;
+        if let Err(e) = self.client.flush() {
+            log::warn!("flushing a lane's stream after averaging a gradient piece: {e:?}");
         }
     }
 }
@@ -261,7 +293,7 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
         if let Some(at) = self.ready(&handles)? {
             // SAFETY: as in `within_shard_group`, for the shard and piece buffers (the same
             // buffer where the stage is in place).
-            return unsafe {
+            unsafe {
                 comm.reduce_across_replicas_device(
                     sharding,
                     self.kind,
@@ -269,7 +301,9 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
                     at[1],
                     self.piece_len,
                 )
-            };
+            }?;
+            self.average(comm.world_size());
+            return Ok(());
         }
         let shard = self
             .host_shard
