@@ -7,14 +7,12 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use sshsdp::backend::{init_seeded, param_shapes};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
-#[cfg(feature = "mpi")]
-use sshsdp::comm::Collective;
 use sshsdp::plan::Mesh;
 
 use super::*;
 
 /// How the ranks run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Engine {
     /// One thread per rank in this process.
     Threads,
@@ -270,6 +268,7 @@ pub fn run_on<I: Compute, T: Task<I>>(task: &T, args: &Args) -> Result<Option<Re
 /// One process's rank of a multi-process launch (MPI, or NCCL under torchrun/srun): draws its
 /// own initial model on its device (its parameters stay lazy: rank 0 draws them bucket by
 /// bucket while `shard` streams them), trains, writes its trace.
+#[cfg(any(feature = "mpi", feature = "nccl"))]
 fn process_rank<I: Compute, T: Task<I>, C: LaunchComm>(
     task: &T,
     args: &Args,

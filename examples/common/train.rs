@@ -14,7 +14,7 @@ use sshsdp::plan::Mesh;
 use super::*;
 
 /// A launch engine's world communicator, and how the runtime's lanes come from it.
-pub(crate) trait LaunchComm: Collective + Sized {
+pub(crate) trait LaunchComm: Collective + Sized + 'static {
     /// Shards `init` over lanes made from `self`: split from it (host engines), or NCCL lanes
     /// agreed over it under `--nccl` (and always for an NCCL launch communicator).
     fn shard<I: Compute, T: Task<I>>(
@@ -414,7 +414,7 @@ pub(crate) type Sharded<M, I> = Result<(M, HsdpRuntime<I>), sshsdp::backend::Hsd
 /// itself), each rank on the GPU [`rank_device`] picked. In one process (threads) every rank
 /// needs a GPU of its own: NCCL refuses two ranks of one communicator on one GPU. Without the
 /// `nccl` feature the parser refuses `--nccl` before this is reached.
-fn shard_over_nccl<I: Compute, T: Task<I>, C: Collective>(
+fn shard_over_nccl<I: Compute, T: Task<I>, C: Collective + 'static>(
     init: T::Model,
     config: HsdpConfig,
     boot: &C,
@@ -452,7 +452,7 @@ fn shard_over_nccl<I: Compute, T: Task<I>, C: Collective>(
 
 /// The liveness of `boot` when it is an NCCL communicator (an NCCL launch), for its lanes.
 #[cfg(feature = "nccl")]
-fn nccl_liveness<C: Collective>(boot: &C) -> Option<std::sync::Arc<sshsdp::comm::nccl::Liveness>> {
+fn nccl_liveness<C: Collective + 'static>(boot: &C) -> Option<std::sync::Arc<sshsdp::comm::nccl::Liveness>> {
     (boot as &dyn std::any::Any)
         .downcast_ref::<sshsdp::comm::nccl::NcclComm>()
         .map(|c| c.liveness())
