@@ -452,7 +452,9 @@ fn shard_over_nccl<I: Compute, T: Task<I>, C: Collective + 'static>(
 
 /// The liveness of `boot` when it is an NCCL communicator (an NCCL launch), for its lanes.
 #[cfg(feature = "nccl")]
-fn nccl_liveness<C: Collective + 'static>(boot: &C) -> Option<std::sync::Arc<sshsdp::comm::nccl::Liveness>> {
+fn nccl_liveness<C: Collective + 'static>(
+    boot: &C,
+) -> Option<std::sync::Arc<sshsdp::comm::nccl::Liveness>> {
     (boot as &dyn std::any::Any)
         .downcast_ref::<sshsdp::comm::nccl::NcclComm>()
         .map(|c| c.liveness())
