@@ -276,7 +276,7 @@ fn process_rank<I: Compute, T: Task<I>, C: LaunchComm>(
     comm: C,
     what: &str,
 ) -> Result<Option<Report>, String> {
-    let device = rank_device::<I>(args, comm.rank())?;
+    let device = launch_device::<I, C>(args, &comm)?;
     Train::<I>::seed(&device, args.seed);
     let init = task.init(&device);
     if comm.rank() == 0 {

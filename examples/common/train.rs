@@ -25,6 +25,12 @@ pub(crate) trait LaunchComm: Collective + Sized + 'static {
         device: &I::Device,
         source: Option<&dyn sshsdp::backend::ParamSource>,
     ) -> Result<Sharded<T::Model, I>, String>;
+
+    /// The GPU this communicator is bound to, where it is (an NCCL launch communicator): the
+    /// rank computes there.
+    fn gpu(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// [`LaunchComm::shard`] for a host engine's communicator (threads, MPI).
@@ -82,6 +88,10 @@ impl LaunchComm for sshsdp::comm::nccl::NcclComm {
     ) -> Result<Sharded<T::Model, I>, String> {
         shard_over_nccl::<I, T, Self>(init, config, &self, device, source)
     }
+
+    fn gpu(&self) -> Option<usize> {
+        Some(self.device())
+    }
 }
 
 /// Per-rank training: shard, (resume,) train, (save,) finish.
@@ -98,7 +108,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
     // A second communicator for the metrics (the first goes to the runtime's lanes; on NCCL the
     // split shares its parent's resources).
     let stats = comm.split(0, rank).map_err(|e| e.to_string())?;
-    let device = rank_device::<I>(args, rank)?;
+    let device = launch_device::<I, C>(args, &comm)?;
     let config = HsdpConfig::new(mesh)
         .with_format(args.format)
         .with_master_placement(args.storage)
@@ -394,17 +404,34 @@ pub(crate) fn rank_device<I: Compute>(args: &Args, rank: usize) -> Result<I::Dev
     }
     #[cfg(feature = "nccl")]
     {
-        use burn::tensor::backend::{Device as _, DeviceId};
         use sshsdp::comm::launch::{local_device, node_local_rank};
         let visible = sshsdp::comm::nccl::device_count().map_err(|e| format!("--nccl: {e}"))?;
         let local = node_local_rank().unwrap_or(rank);
         let index = local_device(local, visible).map_err(|e| format!("--nccl: {e}"))?;
-        let id = default.to_id();
-        Ok(I::Device::from_id(DeviceId::new(
-            id.type_id,
-            u16::try_from(index).unwrap_or(u16::MAX),
-        )))
+        Ok(device_of_index::<I>(index))
     }
+}
+
+/// The device a rank with launch communicator `comm` computes on: the GPU an NCCL launch
+/// communicator is bound to (its local rank's pick), else [`rank_device`].
+pub(crate) fn launch_device<I: Compute, C: LaunchComm>(
+    args: &Args,
+    comm: &C,
+) -> Result<I::Device, String> {
+    match comm.gpu() {
+        Some(gpu) if args.backend == BackendKind::Cuda => Ok(device_of_index::<I>(gpu)),
+        _ => rank_device::<I>(args, comm.rank()),
+    }
+}
+
+/// The device of `I` with ordinal `index` (a CUDA GPU).
+pub(crate) fn device_of_index<I: Compute>(index: usize) -> I::Device {
+    use burn::tensor::backend::{Device as _, DeviceId};
+    let id = I::Device::default().to_id();
+    I::Device::from_id(DeviceId::new(
+        id.type_id,
+        u16::try_from(index).unwrap_or(u16::MAX),
+    ))
 }
 
 /// What `shard` returns: the sharded model and its runtime, or why not.
