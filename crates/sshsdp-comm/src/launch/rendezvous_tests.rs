@@ -11,12 +11,20 @@ use super::wire::*;
 use super::MasterAddr;
 use crate::CommError;
 
+/// A port free when picked, below Linux's ephemeral range (from 32768), so that no client
+/// connection of a parallel test can take it as its source port before rank 0 binds it; tests
+/// of this process get different ports (a counter).
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let base = (std::process::id() % 600) * 20;
+    for _ in 0..1000 {
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let port = u16::try_from(20_000 + (base + k * 7) % 12_000).expect("below 32768");
+        if TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between 20000 and 32000");
 }
 
 fn local(port: u16) -> MasterAddr {
