@@ -42,28 +42,52 @@ pub fn connects_at_init() -> bool {
 /// both lanes' kernels at once (`sshsdp-backend/src/lanes/mod.rs`, "Two lanes on one GPU"),
 /// and one hardware queue would put one lane's kernel behind the other's, waiting for a peer
 /// that issued them the other way round.
+///
+/// A rank without NCCL is reported first (every rank gets that error, as from [`agree_ids`]):
+/// the variables do not matter there.
 fn check_connect_at_init<C: Collective>(boot: &C) -> CommResult<()> {
     let one_queue = std::env::var(ONE_QUEUE_ENV).is_ok_and(|v| v.trim() == "1");
-    let mut flags = [f32::from(!connects_at_init()), f32::from(one_queue)];
-    boot.all_reduce(&mut flags, ReduceOp::Sum)?;
-    if flags[1] > 0.0 {
+    let local = super::probe();
+    let mut counts = [
+        f32::from(local.is_err()),
+        f32::from(!connects_at_init()),
+        f32::from(one_queue),
+    ];
+    boot.all_reduce(&mut counts, ReduceOp::Sum)?;
+    launch_verdict(counts, local, std::env::var(RUNTIME_CONNECT_ENV).ok())
+}
+
+/// The outcome of [`check_connect_at_init`] from the world's counts of ranks `[without NCCL,
+/// without connect-at-init, with one hardware queue]`, this rank's probe and its
+/// [`RUNTIME_CONNECT_ENV`] (for the message): the same error kind on every rank.
+fn launch_verdict(
+    counts: [f32; 3],
+    local: CommResult<()>,
+    connect: Option<String>,
+) -> CommResult<()> {
+    let [missing, lazy, one_queue] = counts;
+    if missing > 0.0 {
+        return Err(match local {
+            Err(e) => e,
+            Ok(()) => CommError::Unavailable(format!(
+                "NCCL engine: unavailable on {missing} rank(s) of the bootstrap world"
+            )),
+        });
+    }
+    if one_queue > 0.0 {
         return Err(CommError::InvalidArgument(format!(
-            "{} rank(s) run with {ONE_QUEUE_ENV}=1: the runtime's two NCCL lanes need the GPU \
-             to run their kernels at once (one hardware queue can deadlock them); unset it \
-             (docs/LAUNCH.md, \"Two lanes on one GPU\")",
-            flags[1]
+            "{one_queue} rank(s) run with {ONE_QUEUE_ENV}=1: the runtime's two NCCL lanes need \
+             the GPU to run their kernels at once (one hardware queue can deadlock them); \
+             unset it (docs/LAUNCH.md, \"Two lanes on one GPU\")"
         )));
     }
-    let lazy = [flags[0]];
-    if lazy[0] > 0.0 {
+    if lazy > 0.0 {
         return Err(CommError::InvalidArgument(format!(
-            "the runtime's NCCL lanes need peers connected at init: {} rank(s) lack \
-             {RUNTIME_CONNECT_ENV}=0 in their environment (it is {:?} here). Export it in the \
-             launch command, e.g. `{RUNTIME_CONNECT_ENV}=0 torchrun ...`: with NCCL's default \
-             lazy connect two lanes on one GPU can deadlock (docs/LAUNCH.md, \
-             \"NCCL's memory\")",
-            lazy[0],
-            std::env::var(RUNTIME_CONNECT_ENV).ok()
+            "the runtime's NCCL lanes need peers connected at init: {lazy} rank(s) lack \
+             {RUNTIME_CONNECT_ENV}=0 in their environment (it is {connect:?} here). Export it \
+             in the launch command, e.g. `{RUNTIME_CONNECT_ENV}=0 torchrun ...`: with NCCL's \
+             default lazy connect two lanes on one GPU can deadlock (docs/LAUNCH.md, \"NCCL's \
+             memory and connections\")"
         )));
     }
     Ok(())
@@ -164,5 +188,56 @@ impl CommFactory for NcclLanes {
     /// in other processes meet it as NCCL's asynchronous error or their own watchdog timeout.
     fn abort(&self, reason: &str) {
         self.live.fail(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_launch_verdict_names_what_to_change_and_reports_a_missing_nccl_first() {
+        assert_eq!(launch_verdict([0.0; 3], Ok(()), Some("0".into())), Ok(()));
+        // No NCCL on some rank: that, whatever the variables say.
+        let gone = CommError::Unavailable("nccl: no GPU".into());
+        assert_eq!(
+            launch_verdict([1.0, 2.0, 1.0], Err(gone.clone()), None),
+            Err(gone)
+        );
+        assert!(matches!(
+            launch_verdict([1.0, 0.0, 0.0], Ok(()), None),
+            Err(CommError::Unavailable(m)) if m.contains("1 rank(s)")
+        ));
+        // One hardware queue: refused, naming the variable.
+        assert!(matches!(
+            launch_verdict([0.0, 0.0, 2.0], Ok(()), Some("0".into())),
+            Err(CommError::InvalidArgument(m)) if m.contains("CUDA_DEVICE_MAX_CONNECTIONS=1")
+        ));
+        // Lazy connect anywhere: refused on every rank, with what to export.
+        for here in [None, Some("1".to_string())] {
+            match launch_verdict([0.0, 1.0, 0.0], Ok(()), here) {
+                Err(CommError::InvalidArgument(m)) => {
+                    assert!(m.contains("NCCL_RUNTIME_CONNECT=0 torchrun"), "{m}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[cfg(feature = "threads")]
+    #[test]
+    fn lanes_over_threads_report_a_missing_nccl_on_every_rank() {
+        if super::super::is_available() {
+            return;
+        }
+        let out = crate::threads::ThreadsWorld::run(
+            3,
+            crate::threads::ThreadsConfig::default(),
+            |boot| NcclLanes::from_collective(&boot, boot.rank(), 3).map(|_| ()),
+        )
+        .unwrap();
+        for r in out {
+            assert!(matches!(r.unwrap(), Err(CommError::Unavailable(_))));
+        }
     }
 }
