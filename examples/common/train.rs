@@ -14,7 +14,7 @@ use sshsdp::plan::Mesh;
 use super::*;
 
 /// A launch engine's world communicator, and how the runtime's lanes come from it.
-pub(crate) trait LaunchComm: Collective + Sized + 'static {
+pub(crate) trait LaunchComm: Collective + Sized {
     /// Shards `init` over lanes made from `self`: split from it (host engines), or NCCL lanes
     /// agreed over it under `--nccl` (and always for an NCCL launch communicator).
     fn shard<I: Compute, T: Task<I>>(
@@ -43,7 +43,17 @@ fn shard_on_host_engine<I: Compute, T: Task<I>, C: Collective + Send + 'static>(
     source: Option<&dyn sshsdp::backend::ParamSource>,
 ) -> Result<Sharded<T::Model, I>, String> {
     if args.nccl {
-        shard_over_nccl::<I, T, C>(init, config, &comm, device, source)
+        // Without the `nccl` feature the parser refuses `--nccl` before this is reached.
+        #[cfg(not(feature = "nccl"))]
+        return Err("--nccl needs the `nccl` feature".into());
+        #[cfg(feature = "nccl")]
+        Ok(shard_with_source::<Train<I>, _, _>(
+            init,
+            config,
+            nccl_lanes(&comm, device)?,
+            device,
+            source,
+        ))
     } else {
         let lanes = SplitLanes::new(comm, RUNTIME_LANES).map_err(|e| e.to_string())?;
         Ok(shard_with_source::<Train<I>, _, _>(
@@ -86,7 +96,10 @@ impl LaunchComm for sshsdp::comm::nccl::NcclComm {
         device: &I::Device,
         source: Option<&dyn sshsdp::backend::ParamSource>,
     ) -> Result<Sharded<T::Model, I>, String> {
-        shard_over_nccl::<I, T, Self>(init, config, &self, device, source)
+        let lanes = nccl_lanes(&self, device)?.with_liveness(self.liveness());
+        Ok(shard_with_source::<Train<I>, _, _>(
+            init, config, lanes, device, source,
+        ))
     }
 
     fn gpu(&self) -> Option<usize> {
@@ -437,52 +450,23 @@ pub(crate) fn device_of_index<I: Compute>(index: usize) -> I::Device {
 /// What `shard` returns: the sharded model and its runtime, or why not.
 pub(crate) type Sharded<M, I> = Result<(M, HsdpRuntime<I>), sshsdp::backend::HsdpError>;
 
-/// The runtime over NCCL lanes agreed over `boot` (the launch engine: threads, MPI, or NCCL
-/// itself), each rank on the GPU [`rank_device`] picked. In one process (threads) every rank
-/// needs a GPU of its own: NCCL refuses two ranks of one communicator on one GPU. Without the
-/// `nccl` feature the parser refuses `--nccl` before this is reached.
-fn shard_over_nccl<I: Compute, T: Task<I>, C: Collective + 'static>(
-    init: T::Model,
-    config: HsdpConfig,
-    boot: &C,
-    device: &I::Device,
-    source: Option<&dyn sshsdp::backend::ParamSource>,
-) -> Result<Sharded<T::Model, I>, String> {
-    #[cfg(not(feature = "nccl"))]
-    {
-        let _ = (init, config, boot, device, source);
-        Err("--nccl needs the `nccl` feature".into())
-    }
-    #[cfg(feature = "nccl")]
-    {
-        use burn::tensor::backend::Device as _;
-        use sshsdp::comm::nccl::{device_count, NcclLanes};
-        let gpus = device_count().map_err(|e| format!("--nccl: {e}"))?;
-        let launched = sshsdp::comm::launch::node_local_rank().is_some();
-        if !launched && boot.size() > gpus {
-            return Err(format!(
-                "--nccl needs one GPU per rank: {} in-process ranks, {gpus} GPU(s) visible",
-                boot.size()
-            ));
-        }
-        let gpu = usize::from(device.to_id().index_id);
-        let mut lanes = NcclLanes::from_collective(boot, gpu, RUNTIME_LANES)
-            .map_err(|e| format!("--nccl: {e}"))?;
-        if let Some(live) = nccl_liveness(boot) {
-            lanes = lanes.with_liveness(live);
-        }
-        Ok(shard_with_source::<Train<I>, _, _>(
-            init, config, lanes, device, source,
-        ))
-    }
-}
-
-/// The liveness of `boot` when it is an NCCL communicator (an NCCL launch), for its lanes.
+/// NCCL lanes agreed over `boot` (the launch engine: threads, MPI, or NCCL itself) on the GPU
+/// of `device` ([`launch_device`]'s pick). In one process (threads) every rank needs a GPU of its
+/// own: NCCL refuses two ranks of one communicator on one GPU.
 #[cfg(feature = "nccl")]
-fn nccl_liveness<C: Collective + 'static>(
+fn nccl_lanes<C: Collective, D: burn::tensor::backend::Device>(
     boot: &C,
-) -> Option<std::sync::Arc<sshsdp::comm::nccl::Liveness>> {
-    (boot as &dyn std::any::Any)
-        .downcast_ref::<sshsdp::comm::nccl::NcclComm>()
-        .map(|c| c.liveness())
+    device: &D,
+) -> Result<sshsdp::comm::nccl::NcclLanes, String> {
+    use sshsdp::comm::nccl::{device_count, NcclLanes};
+    let gpus = device_count().map_err(|e| format!("--nccl: {e}"))?;
+    let launched = sshsdp::comm::launch::node_local_rank().is_some();
+    if !launched && boot.size() > gpus {
+        return Err(format!(
+            "--nccl needs one GPU per rank: {} in-process ranks, {gpus} GPU(s) visible",
+            boot.size()
+        ));
+    }
+    let gpu = usize::from(device.to_id().index_id);
+    NcclLanes::from_collective(boot, gpu, RUNTIME_LANES).map_err(|e| format!("--nccl: {e}"))
 }
