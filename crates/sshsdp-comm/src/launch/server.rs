@@ -93,7 +93,7 @@ fn bind(rdzv: &TcpRendezvous) -> CommResult<TcpListener> {
         CommError::Unavailable(format!(
             "rank 0 could not listen for the rendezvous at {} (port {} on all interfaces; address \
              from {}): {e}; if the port is in use (another job, or torchrun's own store on \
-             MASTER_PORT), choose a free MASTER_PORT",
+             MASTER_PORT), choose a free port with SSHSDP_RENDEZVOUS_PORT",
             rdzv.master, rdzv.master.port, rdzv.master.source
         ))
     };
