@@ -86,6 +86,14 @@ pub trait Collective: Sized {
         None
     }
 
+    /// The same communicator's collectives between ranks of this process that move each
+    /// other's buffers themselves ([`PeerExchange`](crate::peers::PeerExchange): device buffers
+    /// of ranks sharing one device), where the engine's ranks share an address space (threads);
+    /// `None` elsewhere.
+    fn peers(&self) -> Option<&dyn crate::peers::PeerExchange> {
+        None
+    }
+
     /// Splits into sub-communicators: ranks with the same `color` form one, ordered by `key`
     /// then by rank. Every rank gets the communicator of its own color.
     fn split(&self, color: usize, key: usize) -> CommResult<Self>;

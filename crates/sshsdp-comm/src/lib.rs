@@ -30,6 +30,7 @@ pub mod launch;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod peers;
 mod tag;
 #[cfg(feature = "threads")]
 pub mod threads;

@@ -12,6 +12,7 @@
 //! run on a helper thread while the caller goes on.
 
 mod outcomes;
+mod peers;
 mod rendezvous;
 mod traffic;
 
@@ -458,6 +459,10 @@ impl Collective for ThreadComm {
             .arrive(seq, self.rank, d, RawBufs::default(), None)?;
         drop(CallGuard::new(&self.group, seq, false));
         Ok(())
+    }
+
+    fn peers(&self) -> Option<&dyn crate::peers::PeerExchange> {
+        Some(self)
     }
 
     fn abort_handle(&self) -> Option<AbortHandle> {

@@ -40,12 +40,17 @@ struct Slot {
     departed: usize,
     colors: Vec<(usize, usize)>,
     payload: Option<Payload>,
+    /// What each rank published besides its raw buffers (device buffer descriptions).
+    posts: Vec<Option<Payload>>,
 }
 
 #[derive(Default)]
 struct State {
     slots: HashMap<u64, Slot>,
     failure: Option<String>,
+    /// Per finished call: the group's failure when its last rank departed, and how many ranks
+    /// have yet to read it ([`Group::depart_checked`]).
+    finished: HashMap<u64, (Option<String>, usize)>,
 }
 
 /// Every group of one world — the world's and all split from it, directly or not. Failing the
@@ -89,6 +94,8 @@ pub(crate) struct Group {
 pub(crate) struct Arrival {
     pub bufs: Vec<RawBufs>,
     pub payload: Option<Payload>,
+    /// Every rank's post ([`Group::arrive_posting`]), in rank order.
+    pub posts: Vec<Option<Payload>>,
 }
 
 /// Builds the payload of a split from every rank's `(color, key)` (new groups join `family`);
@@ -155,6 +162,35 @@ impl Group {
         bufs: RawBufs,
         color: Option<(usize, usize, SplitBuilder)>,
     ) -> CommResult<Arrival> {
+        self.arrive_inner(seq, rank, desc, bufs, color, None)
+    }
+
+    /// Phase 1 of a call whose data the caller moves itself: publish `post` (a description of
+    /// this rank's buffers) and wait (up to the timeout) for every rank's.
+    pub fn arrive_posting(
+        &self,
+        seq: u64,
+        rank: usize,
+        desc: OpDesc,
+        traffic: usize,
+        post: Payload,
+    ) -> CommResult<Arrival> {
+        let bufs = RawBufs {
+            traffic,
+            ..RawBufs::default()
+        };
+        self.arrive_inner(seq, rank, desc, bufs, None, Some(post))
+    }
+
+    fn arrive_inner(
+        &self,
+        seq: u64,
+        rank: usize,
+        desc: OpDesc,
+        bufs: RawBufs,
+        color: Option<(usize, usize, SplitBuilder)>,
+        post: Option<Payload>,
+    ) -> CommResult<Arrival> {
         let mut st = self.lock();
         if let Some(f) = &st.failure {
             return Err(CommError::PeerFailed(f.clone()));
@@ -169,6 +205,7 @@ impl Group {
             departed: 0,
             colors: vec![(0, 0); size],
             payload: None,
+            posts: vec![None; size],
         });
         if slot.desc != desc {
             let msg = format!(
@@ -180,6 +217,7 @@ impl Group {
             return Err(CommError::Mismatch(msg));
         }
         slot.bufs[rank] = bufs;
+        slot.posts[rank] = post;
         slot.present[rank] = true;
         slot.arrived += 1;
         if let Some((c, k, _)) = color {
@@ -198,6 +236,7 @@ impl Group {
                 return Ok(Arrival {
                     bufs: slot.bufs.clone(),
                     payload: slot.payload.clone(),
+                    posts: slot.posts.clone(),
                 });
             }
             if let Some(f) = &st.failure {
@@ -239,20 +278,36 @@ impl Group {
         }
     }
 
-    /// Phase 3: leave, and wait until every rank has stopped touching this rank's buffers.
-    pub fn depart(&self, seq: u64) {
+    /// Phase 3: leave, and wait until every rank has stopped touching this rank's buffers;
+    /// returns the group's failure as it was when the last rank departed (a failure after the
+    /// call is not its own).
+    pub fn depart(&self, seq: u64) -> Option<String> {
         let mut st = self.lock();
         let slot = st.slots.get_mut(&seq).expect("slot lives until all depart");
         slot.departed += 1;
         if slot.departed == self.size {
             st.slots.remove(&seq);
+            let failure = st.failure.clone();
+            if self.size > 1 {
+                st.finished.insert(seq, (failure.clone(), self.size - 1));
+            }
             self.cv.notify_all();
-            return;
+            return failure;
         }
         self.cv.notify_all();
         while st.slots.contains_key(&seq) {
             st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
         }
+        let (failure, left) = st
+            .finished
+            .get_mut(&seq)
+            .expect("recorded by the last rank");
+        let failure = failure.clone();
+        *left -= 1;
+        if *left == 0 {
+            st.finished.remove(&seq);
+        }
+        failure
     }
 }
 
@@ -262,6 +317,7 @@ pub(crate) struct CallGuard<'a> {
     group: &'a Group,
     seq: u64,
     pending_middle: bool,
+    departed: bool,
 }
 
 impl<'a> CallGuard<'a> {
@@ -271,7 +327,13 @@ impl<'a> CallGuard<'a> {
             group,
             seq,
             pending_middle: has_middle,
+            departed: false,
         }
+    }
+
+    /// The group of the call.
+    pub fn group(&self) -> &'a Group {
+        self.group
     }
 
     /// Waits at the middle barrier.
@@ -281,11 +343,23 @@ impl<'a> CallGuard<'a> {
     }
 }
 
-impl Drop for CallGuard<'_> {
-    fn drop(&mut self) {
+impl CallGuard<'_> {
+    /// Departs now (once); the group's failure when the last rank departed, if any.
+    pub fn depart(&mut self) -> Option<String> {
         if self.pending_middle {
+            self.pending_middle = false;
             self.group.middle(self.seq, false);
         }
-        self.group.depart(self.seq);
+        if self.departed {
+            return None;
+        }
+        self.departed = true;
+        self.group.depart(self.seq)
+    }
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.depart();
     }
 }
