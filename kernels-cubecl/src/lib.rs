@@ -54,6 +54,7 @@ pub mod check;
 mod dequantize;
 pub mod e4m3;
 mod error;
+mod exchange;
 mod gemm;
 pub mod layout;
 mod matmul;
@@ -67,6 +68,7 @@ pub use bf16::{narrow_bf16, widen_bf16};
 pub use dequantize::dequantize_tiled;
 pub use e4m3::round_bf16;
 pub use error::KernelError;
+pub use exchange::{accumulate_units, copy_units, store_units, SumDType};
 pub use gemm::{gemm, MatRef};
 pub use matmul::mx_matmul;
 pub use newton_schulz::{

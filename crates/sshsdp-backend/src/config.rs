@@ -141,12 +141,18 @@ pub struct HsdpConfig {
     pub grads: Placement,
     /// Where this rank's runtime shards live; `None` (default): on the device exactly where
     /// that saves transfers — the engine moves device memory itself (NCCL on the GPU of a
-    /// CubeCL CUDA backend) and the masters are on the device — on the host otherwise.
+    /// CubeCL CUDA backend, or in-process ranks sharing a CubeCL device) and the masters are on
+    /// the device — on the host otherwise.
     pub shards: Option<Placement>,
     /// The dtypes parameters compute in and gradients are reduced in (default f32 for both).
     pub precision: MixedPrecision,
     /// Record every collective's span for a Chrome trace (`HsdpRuntime::take_trace`).
     pub trace: bool,
+    /// Run collectives on device buffers where the engine can move the decorated backend's
+    /// device memory (default `true`): NCCL on the backend's GPU, or ranks of one process that
+    /// share one CubeCL device (the threads engine's peers collectives). `false` stages them
+    /// through host memory (the comparison baseline).
+    pub device_collectives: bool,
 }
 
 impl HsdpConfig {
@@ -164,7 +170,17 @@ impl HsdpConfig {
             shards: None,
             precision: MixedPrecision::default(),
             trace: false,
+            device_collectives: true,
         }
+    }
+
+    /// The same config with collectives on device buffers where the engine can move the
+    /// backend's device memory (`true`, the default) or staged through host memory (`false`:
+    /// the path of engines that move host memory only, kept for comparison). See
+    /// [`HsdpConfig::device_collectives`].
+    pub fn with_device_collectives(mut self, on_device: bool) -> Self {
+        self.device_collectives = on_device;
+        self
     }
 
     /// The same config recording a step timeline: every collective the lanes run and every wait

@@ -9,9 +9,9 @@
 //! (NCCL's) work as well as those that can.
 
 use sshsdp_comm::hierarchy::{self, MeshComms};
+use sshsdp_comm::peers::PeerOp;
 use sshsdp_comm::{
-    CallTag, Collective, CommError, CommFactory, CommResult, Element, ElementKind, ReduceOp,
-    Reducible,
+    CallTag, Collective, CommError, CommFactory, CommResult, Element, ReduceOp, Reducible,
 };
 use sshsdp_plan::Sharding;
 use std::ops::Range;
@@ -106,55 +106,36 @@ pub(crate) trait MeshComm {
         part: Range<usize>,
         full: &mut Elems,
     ) -> CommResult<()>;
-    /// The GPU the shard group's communicator moves device memory on, where the engine moves
-    /// device memory itself (NCCL); `None` for host engines, whose gathers stage through the
-    /// host.
-    fn device_ordinal(&self) -> Option<usize>;
+    /// How the shard group's engine moves device memory, where it can: NCCL on its GPU, or
+    /// ranks of this process exchanging device buffers (the threads engine); `None` for engines
+    /// that move host memory only (MPI), whose gathers stage through the host.
+    fn device_engine(&self) -> Option<DeviceEngine>;
     /// Shard lane. The bucket all-gather of [`MeshComm::gather_bucket`] on device memory:
-    /// `count` units of `kind` at `send` from every rank of the shard group into `recv`, in
-    /// rank order (under DDP the group is this rank alone: a copy). Returns once done.
-    ///
-    /// # Safety
-    /// As [`sshsdp_comm::DeviceCollective`]: live, ready, non-overlapping buffers on
-    /// [`MeshComm::device_ordinal`]'s GPU.
-    unsafe fn gather_bucket_device(
-        &self,
-        kind: ElementKind,
-        send: u64,
-        recv: u64,
-        count: usize,
-    ) -> CommResult<()>;
+    /// `count` units of every rank of the shard group from `bufs`' send buffer into its
+    /// receive buffer, in rank order (under DDP the group is this rank alone: a copy). Returns
+    /// once done.
+    fn gather_bucket_device(&self, bufs: &mut dyn DeviceBuffers, count: usize) -> CommResult<()>;
     /// Shard lane. The first stage of a gradient reduction ([`MeshComm::reduce_within_shard_group`])
-    /// on device memory: the full-bucket gradient at `full` (`S · shard_len` units of `kind`)
-    /// becomes the shard group's *sum* of this rank's shard at `shard` (`shard_len`; the device
-    /// path only sums, and the caller divides once by the world size after both stages). Under
-    /// DDP nothing moves (the caller passes the full gradient on as the shard).
-    ///
-    /// # Safety
-    /// As [`MeshComm::gather_bucket_device`].
+    /// on device memory: the full-bucket gradient (`bufs`' send, `S · shard_len` units) becomes
+    /// the shard group's *sum* of this rank's shard (its receive, `shard_len`; the device path
+    /// only sums, and the caller divides once by the world size after both stages). Under DDP
+    /// nothing moves (the caller passes the full gradient on as the shard).
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
-    unsafe fn reduce_within_shard_group_device(
+    fn reduce_within_shard_group_device(
         &self,
         sharding: Sharding,
-        kind: ElementKind,
-        full: u64,
-        shard: u64,
+        bufs: &mut dyn DeviceBuffers,
         shard_len: usize,
     ) -> CommResult<()>;
     /// Replica lane. The second stage ([`MeshComm::reduce_across_replicas`]) on device
-    /// memory: the shard at `shard` becomes the world-summed piece at `piece` (`piece_len`
-    /// units): a reduce-scatter across replicas when hierarchical; in place (`piece == shard`)
-    /// across replicas under HSDP and over the world under DDP.
-    ///
-    /// # Safety
-    /// As [`MeshComm::gather_bucket_device`].
+    /// memory: the shard (`bufs`' send) becomes the world-summed piece (its receive,
+    /// `piece_len` units): a reduce-scatter across replicas when hierarchical; in place across
+    /// replicas under HSDP and over the world under DDP.
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
-    unsafe fn reduce_across_replicas_device(
+    fn reduce_across_replicas_device(
         &self,
         sharding: Sharding,
-        kind: ElementKind,
-        shard: u64,
-        piece: u64,
+        bufs: &mut dyn DeviceBuffers,
         piece_len: usize,
     ) -> CommResult<()>;
     /// Shard lane. First stage of a gradient reduction: a full-bucket gradient (f32 or bf16,
@@ -173,19 +154,14 @@ pub(crate) trait MeshComm {
     /// Replica lane. After the update: rebuild the runtime shard from the replica group's
     /// pieces.
     fn rebuild_shard(&self, sharding: Sharding, shard: &mut Elems) -> CommResult<()>;
-    /// Replica lane. [`MeshComm::rebuild_shard`] on device memory: `piece_len` units of kind
-    /// `kind` at `piece` from every rank of the replica group, into the shard at `shard`
-    /// (hierarchical sharding only: elsewhere a shard is one piece, with nothing to rebuild).
-    ///
-    /// # Safety
-    /// As [`MeshComm::gather_bucket_device`].
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    unsafe fn rebuild_shard_device(
+    /// Replica lane. [`MeshComm::rebuild_shard`] on device memory: `piece_len` units (`bufs`'
+    /// send) from every rank of the replica group into the shard (its receive; hierarchical
+    /// sharding only: elsewhere a shard is one piece, with nothing to rebuild).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    fn rebuild_shard_device(
         &self,
         sharding: Sharding,
-        kind: ElementKind,
-        piece: u64,
-        shard: u64,
+        bufs: &mut dyn DeviceBuffers,
         piece_len: usize,
     ) -> CommResult<()>;
     /// Replica lane. Sum over the update group (the ranks whose pieces make up a bucket: the
@@ -236,70 +212,47 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         }
     }
 
-    fn device_ordinal(&self) -> Option<usize> {
-        self.shard_group().device().map(|d| d.device_ordinal())
+    fn device_engine(&self) -> Option<DeviceEngine> {
+        let group = self.shard_group();
+        match (group.device(), group.peers()) {
+            (Some(gpu), _) => Some(DeviceEngine::Gpu(gpu.device_ordinal())),
+            (None, Some(_)) => Some(DeviceEngine::Peers),
+            (None, None) => None,
+        }
     }
 
-    unsafe fn gather_bucket_device(
-        &self,
-        kind: ElementKind,
-        send: u64,
-        recv: u64,
-        count: usize,
-    ) -> CommResult<()> {
-        // SAFETY: the caller's guarantee, passed on.
-        unsafe { device_of(self.shard_group())?.all_gather_raw(kind, send, recv, count) }
+    fn gather_bucket_device(&self, bufs: &mut dyn DeviceBuffers, count: usize) -> CommResult<()> {
+        bufs.run(device_group(self.shard_group())?, PeerOp::AllGather, count)
     }
 
-    unsafe fn reduce_within_shard_group_device(
+    fn reduce_within_shard_group_device(
         &self,
         sharding: Sharding,
-        kind: ElementKind,
-        full: u64,
-        shard: u64,
+        bufs: &mut dyn DeviceBuffers,
         shard_len: usize,
     ) -> CommResult<()> {
         match sharding {
             Sharding::Ddp => Ok(()),
-            Sharding::Hierarchical | Sharding::Hsdp => {
-                let device = device_of(self.shard_group())?;
-                // SAFETY: the caller's guarantee, passed on.
-                unsafe { device.reduce_scatter_raw(kind, full, shard, shard_len, ReduceOp::Sum) }
-            }
+            Sharding::Hierarchical | Sharding::Hsdp => bufs.run(
+                device_group(self.shard_group())?,
+                PeerOp::ReduceScatter,
+                shard_len,
+            ),
         }
     }
 
-    unsafe fn reduce_across_replicas_device(
+    fn reduce_across_replicas_device(
         &self,
         sharding: Sharding,
-        kind: ElementKind,
-        shard: u64,
-        piece: u64,
+        bufs: &mut dyn DeviceBuffers,
         piece_len: usize,
     ) -> CommResult<()> {
-        // SAFETY (each arm): the caller's guarantee, passed on.
-        match sharding {
-            Sharding::Hierarchical => unsafe {
-                device_of(self.replica_group())?.reduce_scatter_raw(
-                    kind,
-                    shard,
-                    piece,
-                    piece_len,
-                    ReduceOp::Sum,
-                )
-            },
-            Sharding::Hsdp => unsafe {
-                device_of(self.replica_group())?.all_reduce_raw(
-                    kind,
-                    piece,
-                    piece_len,
-                    ReduceOp::Sum,
-                )
-            },
-            Sharding::Ddp => unsafe {
-                device_of(self.world())?.all_reduce_raw(kind, piece, piece_len, ReduceOp::Sum)
-            },
-        }
+        let (group, op) = match sharding {
+            Sharding::Hierarchical => (self.replica_group(), PeerOp::ReduceScatter),
+            Sharding::Hsdp => (self.replica_group(), PeerOp::AllReduce),
+            Sharding::Ddp => (self.world(), PeerOp::AllReduce),
+        };
+        bufs.run(device_group(group)?, op, piece_len)
     }
 
     fn reduce_within_shard_group(&self, sharding: Sharding, full: Elems) -> CommResult<Elems> {
@@ -335,19 +288,18 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         }
     }
 
-    unsafe fn rebuild_shard_device(
+    fn rebuild_shard_device(
         &self,
         sharding: Sharding,
-        kind: ElementKind,
-        piece: u64,
-        shard: u64,
+        bufs: &mut dyn DeviceBuffers,
         piece_len: usize,
     ) -> CommResult<()> {
         match sharding {
-            // SAFETY: the caller's guarantee, passed on.
-            Sharding::Hierarchical => unsafe {
-                device_of(self.replica_group())?.all_gather_raw(kind, piece, shard, piece_len)
-            },
+            Sharding::Hierarchical => bufs.run(
+                device_group(self.replica_group())?,
+                PeerOp::AllGather,
+                piece_len,
+            ),
             Sharding::Hsdp | Sharding::Ddp => Err(CommError::InvalidArgument(
                 "a shard rebuild under HSDP or DDP, whose shards are one piece".into(),
             )),
@@ -402,10 +354,43 @@ impl<C: Collective> MeshComm for MeshComms<C> {
 }
 
 /// `comm`'s collectives on device memory, or why there are none.
-fn device_of<C: Collective>(comm: &C) -> CommResult<&dyn sshsdp_comm::DeviceCollective> {
-    comm.device().ok_or_else(|| {
-        CommError::Unavailable("this engine has no collectives on device memory".into())
-    })
+fn device_group<C: Collective>(comm: &C) -> CommResult<DeviceGroup<'_>> {
+    match (comm.device(), comm.peers()) {
+        (Some(gpu), _) => Ok(DeviceGroup::Addresses(gpu)),
+        (None, Some(peers)) => Ok(DeviceGroup::Peers(peers)),
+        (None, None) => Err(CommError::Unavailable(
+            "this engine has no collectives on device memory".into(),
+        )),
+    }
+}
+
+/// How a lane's engine moves device memory ([`MeshComm::device_engine`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DeviceEngine {
+    /// NCCL, on the GPU of this CUDA ordinal.
+    Gpu(usize),
+    /// Ranks of this process exchanging buffers of the one device they share
+    /// ([`sshsdp_comm::peers`]): the threads engine.
+    Peers,
+}
+
+/// One communicator's collectives on device memory, as a collective's buffers meet them.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) enum DeviceGroup<'a> {
+    /// An engine that moves device memory named by raw addresses (NCCL).
+    Addresses(&'a dyn sshsdp_comm::DeviceCollective),
+    /// Ranks of this process that exchange descriptions of their buffers; the buffers' own
+    /// kernels move the data (`storage/cube/exchange.rs`).
+    Peers(&'a dyn sshsdp_comm::peers::PeerExchange),
+}
+
+/// One rank's buffers of one collective on device memory (a send and a receive buffer, or one
+/// in place), held by the storage of a CubeCL runtime (`storage/cube/exchange.rs`): the seam
+/// both device engines meet.
+pub(crate) trait DeviceBuffers {
+    /// Runs `op` on `count` units (as [`PeerOp`] defines its buffers) over `group`; returns once
+    /// the device work is complete (the buffers may be read, reused or freed).
+    fn run(&mut self, group: DeviceGroup<'_>, op: PeerOp, count: usize) -> CommResult<()>;
 }
 
 /// The bucket all-gather for one element type.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use sshsdp_comm::{CommError, CommResult};
 use sshsdp_plan::Sharding;
 
-use super::comm::MeshComm;
+use super::comm::{DeviceBuffers, MeshComm};
 use crate::units::{DeviceUnits, Elems};
 
 /// What a rank sends in a bucket all-gather on host memory.
@@ -29,19 +29,15 @@ pub(crate) trait ReadUnits: Send {
     fn read(self: Box<Self>) -> CommResult<Elems>;
 }
 
-/// The buffers of an all-gather on device memory (`storage/cube/gather.rs`), made by the model thread
-/// and handed to the shard lane, which keeps them alive until the engine is done.
+/// The buffers of an all-gather on device memory (`storage/cube/gather.rs`), made by the model
+/// thread and handed to a lane, which keeps them alive until the engine is done.
 pub(crate) trait DeviceGatherJob: Send {
-    /// The element type moved.
-    fn kind(&self) -> sshsdp_comm::ElementKind;
     /// Units each rank sends.
     fn count(&self) -> usize;
-    /// Called on the lane's thread: waits until the device work queued before the buffers
-    /// (their writes, earlier reads of recycled memory) is done, then returns the send and
-    /// receive addresses, valid while `self` lives.
-    fn ready(&mut self) -> CommResult<(u64, u64)>;
-    /// The receive buffer, once the engine is done with it (the resources pinned for the
-    /// engine are let go).
+    /// Called on the lane's thread: the collective's buffers (the receive buffer allocated and
+    /// a host part uploaded now, on the lane's stream).
+    fn buffers(&mut self) -> CommResult<&mut dyn DeviceBuffers>;
+    /// The receive buffer, once the engine is done with it.
     fn into_units(self: Box<Self>) -> DeviceUnits;
 }
 

@@ -89,6 +89,7 @@ use sshsdp_plan::Sharding;
 use crate::config::Precision;
 use crate::timeline::{Timeline, Track};
 use crate::units::{DeviceUnits, Elems, Gathered};
+pub(crate) use comm::DeviceEngine;
 use comm::{LaneFactory, LaneId};
 use serve::{serve_replica_lane, serve_shard_lane, Failure, Lane, ReplicaRequest, Request};
 
@@ -104,8 +105,8 @@ pub(crate) use jobs::{DeviceGatherJob, DeviceReduceJob, Reply, ShardPart, StageU
 /// Handle to the two communication lanes.
 pub(crate) struct Worker {
     tx: Option<Sender<Request>>,
-    /// The GPU the shard lane's engine moves device memory on (NCCL), if it can.
-    device_ordinal: Option<usize>,
+    /// How the shard lane's engine moves device memory, if it can.
+    device_engine: Option<DeviceEngine>,
     threads: Vec<JoinHandle<()>>,
     /// The optimizer step the requests belong to, for their [`CallTag`]s.
     step: AtomicU64,
@@ -126,14 +127,14 @@ impl Worker {
         let (tx, rx) = channel::<Request>();
         let (replica_tx, replica_rx) = channel::<ReplicaRequest>();
         // Each lane reports its connection and the GPU its engine moves device memory on.
-        let (ready_tx, ready_rx) = channel::<CommResult<(LaneId, Option<usize>)>>();
+        let (ready_tx, ready_rx) = channel::<CommResult<(LaneId, Option<DeviceEngine>)>>();
         // What a lane thread runs first: connect, report, and hand back the lane to serve.
         let connect = |id: LaneId, track: Track| {
             let (factory, failure, timeline) = (factory.clone(), failure.clone(), timeline.clone());
             let ready = ready_tx.clone();
             move || match factory.connect_mesh(id, replicas, shards) {
                 Ok(comm) => {
-                    let _ = ready.send(Ok((id, comm.device_ordinal())));
+                    let _ = ready.send(Ok((id, comm.device_engine())));
                     Some(Lane {
                         comm,
                         sharding,
@@ -167,7 +168,7 @@ impl Worker {
         )?;
         let mut worker = Self {
             tx: Some(tx),
-            device_ordinal: None,
+            device_engine: None,
             threads: vec![shard_lane],
             step: AtomicU64::new(0),
         };
@@ -181,7 +182,7 @@ impl Worker {
         )?);
         for _ in 0..2 {
             match ready_rx.recv() {
-                Ok(Ok((LaneId::Shard, ordinal))) => worker.device_ordinal = ordinal,
+                Ok(Ok((LaneId::Shard, engine))) => worker.device_engine = engine,
                 Ok(Ok(_)) => {}
                 // Dropping the worker stops the lanes that did connect.
                 Ok(Err(e)) => return Err(e),
@@ -234,15 +235,15 @@ impl Worker {
         })
     }
 
-    /// The GPU the shard lane's engine moves device memory on, where it can (NCCL).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub fn device_ordinal(&self) -> Option<usize> {
-        self.device_ordinal
+    /// How the shard lane's engine moves device memory, where it can (NCCL on a GPU, or ranks
+    /// of this process sharing a device).
+    pub fn device_engine(&self) -> Option<DeviceEngine> {
+        self.device_engine
     }
 
     /// The all-gather of [`Worker::gather`] on device memory: `job`'s buffers, filled by the
-    /// engine itself (only where [`Worker::device_ordinal`] is `Some`).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// engine itself (only where [`Worker::device_engine`] is `Some`).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     pub fn gather_on_device(
         &self,
         bucket: usize,
@@ -332,8 +333,8 @@ impl Worker {
 
     /// The rebuild of [`Worker::rebuild`] on device memory: `job` sends this rank's updated
     /// piece and receives the shard, filled by the engine itself (only where
-    /// [`Worker::device_ordinal`] is `Some`).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// [`Worker::device_engine`] is `Some`).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     pub fn rebuild_on_device(
         &self,
         bucket: usize,

@@ -25,8 +25,8 @@ pub(super) enum Request {
         stage: Option<Box<dyn StageUnits>>,
         reply: Sender<CommResult<Gathered>>,
     },
-    // Made only on `CubeBackend<CudaRuntime>` (`storage/cube/gather.rs`).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    // Made only on CubeCL backends (`storage/cube/gather.rs`).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     GatherOnDevice {
         tag: CallTag,
         job: Box<dyn DeviceGatherJob>,
@@ -176,11 +176,8 @@ pub(super) fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sende
                 reply,
             } => {
                 let r = lane.run("all-gather (device)", tag, || {
-                    let (send, recv) = job.ready()?;
-                    // SAFETY: `job` holds both buffers (live, on the engine's GPU: checked when
-                    // the runtime chose this path) until after the call; `ready` waited for the
-                    // device work before them; the receive buffer is a fresh allocation.
-                    unsafe { comm.gather_bucket_device(job.kind(), send, recv, job.count()) }
+                    let count = job.count();
+                    comm.gather_bucket_device(job.buffers()?, count)
                 });
                 let _ = reply.send(r.map(|()| Gathered::Device(job.into_units())));
             }
@@ -339,13 +336,8 @@ pub(super) fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                 reply,
             } => {
                 let r = lane.run("rebuild (device)", tag, || {
-                    let (piece, shard) = job.ready()?;
-                    // SAFETY: as for `Request::GatherOnDevice`: `job` holds both buffers until
-                    // after the call, `ready` waited for the device work before them, and the
-                    // shard buffer is a fresh allocation.
-                    unsafe {
-                        comm.rebuild_shard_device(sharding, job.kind(), piece, shard, job.count())
-                    }
+                    let count = job.count();
+                    comm.rebuild_shard_device(sharding, job.buffers()?, count)
                 });
                 let _ = reply.send(r.map(|()| job.into_units()));
             }

@@ -53,7 +53,7 @@ pub use pieces::{Piece, PieceValues, UpdateGroup, Views};
 use crate::config::{HsdpConfig, NonFinitePolicy, Placement};
 use crate::error::HsdpError;
 use crate::lanes::comm::LaneFactory;
-use crate::lanes::Worker;
+use crate::lanes::{DeviceEngine, Worker};
 use crate::storage::{BucketCodec, MasterBuf};
 use crate::tensor::LeafRearm;
 use crate::timeline::{Span, Timeline};
@@ -157,7 +157,8 @@ impl<B: Backend> Runtime<B> {
         )?;
         // The FSDP2-style baseline copies parameters out of the bucket: it gathers on the host.
         let engine_on_device = config.copy_mode == crate::config::CopyMode::ZeroCopy
-            && engine_on_device::<B>(&worker, &device);
+            && config.device_collectives
+            && engine_on_device::<B>(&worker, &device)?;
         // Runtime shards on the device: where asked, or by default where the engine gathers
         // device memory and the masters (which each update encodes from) are there.
         let shards_on_device =
@@ -365,11 +366,35 @@ impl<B: Backend> Runtime<B> {
     }
 }
 
-/// Whether `worker`'s engine can gather and reduce `B`'s device memory itself: it moves device
-/// memory (NCCL), `B` is `CubeBackend<CudaRuntime, …>` and both are on the same GPU (elsewhere
-/// device buffers are staged through the host; an engine on another GPU than `B`'s is staged
-/// too, correct but slower).
-fn engine_on_device<B: Backend>(worker: &Worker, device: &B::Device) -> bool {
-    let ordinal = crate::storage::cuda_ordinal::<B>(device);
-    ordinal.is_some() && ordinal == worker.device_ordinal()
+/// Whether `worker`'s engine can gather and reduce `B`'s device memory itself: NCCL on the GPU
+/// of `B`'s device (`B` is `CubeBackend<CudaRuntime, …>` or fusion over it), or ranks of this
+/// process that all hold `device` of the same CubeCL backend (the threads engine's peers
+/// collectives; agreed by a world all-gather, so every rank decides alike). Elsewhere device
+/// buffers are staged through the host (an engine on another GPU than `B`'s is staged too,
+/// correct but slower).
+fn engine_on_device<B: Backend>(worker: &Worker, device: &B::Device) -> Result<bool, HsdpError> {
+    match worker.device_engine() {
+        None => Ok(false),
+        Some(DeviceEngine::Gpu(ordinal)) => {
+            Ok(crate::storage::cuda_ordinal::<B>(device) == Some(ordinal))
+        }
+        Some(DeviceEngine::Peers) => {
+            // Same backend type and device: the same CubeCL server, whose buffers every rank's
+            // kernels may bind.
+            let cube = crate::storage::is_cube_backend::<B>();
+            let identity = format!("{}|{device:?}|{cube}", std::any::type_name::<B>());
+            // FNV-1a: equal lengths for the all-gather, equal on every rank for equal inputs.
+            let digest = identity.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            let mine = digest.to_le_bytes().to_vec();
+            let all = worker
+                .gather_world_bytes("device identity", mine.clone())
+                .wait()?;
+            Ok(cube
+                && all
+                    .chunks(mine.len())
+                    .all(|theirs| theirs == mine.as_slice()))
+        }
+    }
 }

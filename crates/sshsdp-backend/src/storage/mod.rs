@@ -293,23 +293,21 @@ pub(crate) fn device_reduce_job<B: Backend>(
 }
 
 /// The buffers of an all-gather of `send` into `full_len` units on `device`, moved by the engine
-/// in device memory (NCCL on `CubeBackend<CudaRuntime>`, where [`cuda_ordinal`] matches the
-/// engine's GPU): the job for the shard lane and the bytes it will upload.
+/// in device memory (NCCL on `CubeBackend<CudaRuntime>` where [`cuda_ordinal`] matches the
+/// engine's GPU, or ranks of this process sharing `device`): the job for a lane and the bytes
+/// it will upload.
 pub(crate) fn device_gather<B: Backend>(
     device: &B::Device,
     send: SendUnits<'_>,
     full_len: usize,
 ) -> Result<(Box<dyn DeviceGatherJob>, u64), HsdpError> {
-    #[cfg(feature = "cuda")]
-    if cuda_ordinal::<B>(device).is_some() {
-        return cube::gather::gather_buffers::<B>(device, send, full_len);
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::gather::gather_buffers::<B>(device, send, full_len);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (device, send, full_len);
+        Err(no_cube())
     }
-    let _ = (device, send, full_len);
-    Err(HsdpError::Unsupported(
-        "all-gathers on device memory need `CubeBackend<CudaRuntime>` (this crate's `cuda` \
-         feature) and an engine that moves device memory (NCCL)"
-            .into(),
-    ))
 }
 
 /// Why device runtime units cannot exist on this backend.

@@ -1,10 +1,11 @@
-//! Bucket all-gathers straight into device memory on `CubeBackend<CudaRuntime, …>` over an
-//! engine that moves device memory itself (NCCL): the engine writes the gathered runtime units
-//! into a CubeCL buffer, which the device codec then decodes in place (`codec.rs`) — no
-//! host copy of the bucket, where the host path (gather on the host, upload) moves it once per
-//! gather and NCCL's own host path three times.
+//! Bucket all-gathers straight into device memory on CubeCL backends, over an engine that moves
+//! device memory (NCCL, or ranks of this process sharing the device: `exchange.rs`): the engine
+//! writes the gathered runtime units into a CubeCL buffer, which the device codec then decodes
+//! in place (`codec.rs`) — no host copy of the bucket, where the host path (gather on the host,
+//! upload) moves it once per gather and NCCL's own host path three times. The same job serves
+//! the rebuild of a runtime shard from the replica group's pieces (hierarchical sharding).
 //!
-//! # Ordering against CubeCL's streams
+//! # Ordering against CubeCL's streams (NCCL; the peers engine's is in `exchange.rs`)
 //! cubecl-cuda gives each host thread its own stream and stamps every allocation with its
 //! stream's position; a thread touching another stream's buffer waits for that stream only if
 //! it has not synchronised with it past the buffer's stamp (see
@@ -31,17 +32,19 @@
 //! allocation is recycled under NCCL. cubecl-cuda and cudarc both use the device's primary
 //! context, so CubeCL's addresses are valid for NCCL.
 
-use std::any::Any;
-
 use burn_backend::Backend;
+use burn_cubecl::CubeRuntime;
 use cubecl::client::ComputeClient;
-use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::Handle;
-use cubecl::Runtime;
-use sshsdp_comm::{CommError, CommResult, ElementKind};
+use sshsdp_comm::{CommResult, ElementKind};
 
 use super::codec::CubeUnits;
-use super::{is_cube, lane_upload, padded_to_words, word_buffer_len};
+use super::exchange::{CubeBuffers, Span};
+use super::{
+    client_of, for_each_runtime, is_cube, lane_client, lane_upload, padded_to_words,
+    word_buffer_len,
+};
+use crate::lanes::comm::DeviceBuffers;
 use crate::lanes::DeviceGatherJob;
 use crate::storage::buffers::SendUnits;
 use crate::units::{DeviceUnits, Elems};
@@ -49,26 +52,45 @@ use crate::HsdpError;
 
 /// The CUDA ordinal of `device` if `B` is `CubeBackend<CudaRuntime, …>` or fusion over it (`None`
 /// otherwise).
+#[cfg(feature = "cuda")]
 pub(crate) fn cuda_ordinal<B: Backend>(device: &B::Device) -> Option<usize> {
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
     if !is_cube::<B, CudaRuntime>() {
         return None;
     }
-    let any: &dyn Any = device;
+    let any: &dyn std::any::Any = device;
     any.downcast_ref::<CudaDevice>().map(|d| d.index)
 }
 
-/// The buffers of an all-gather of `send` into `full_len` units on `device` (a CUDA device of
-/// a `CubeBackend`): the job for a lane (which allocates the receive buffer, uploads a host
-/// part, and hands back the receive buffer) and the bytes it will upload (this rank's part of
-/// a host shard, or none).
+/// The buffers of an all-gather of `send` into `full_len` units on `device` (a device of a
+/// CubeCL backend this build supports): the job for a lane (which allocates the receive buffer,
+/// uploads a host part, and hands back the receive buffer) and the bytes it will upload (this
+/// rank's part of a host shard, or none).
 pub(crate) fn gather_buffers<B: Backend>(
     device: &B::Device,
     send: SendUnits<'_>,
     full_len: usize,
 ) -> Result<(Box<dyn DeviceGatherJob>, u64), HsdpError> {
-    let any: &dyn Any = device;
-    let device: &CudaDevice = any.downcast_ref().expect("checked by cuda_ordinal");
-    let client = CudaRuntime::client(device);
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            return gather_job::<B, R>(device, send, full_len);
+        }
+    });
+    let _ = (device, send, full_len);
+    Err(HsdpError::Unsupported(
+        "all-gathers on device memory need a CubeCL backend (this crate's `wgpu` or `cuda` \
+         feature)"
+            .into(),
+    ))
+}
+
+fn gather_job<B: Backend, R: CubeRuntime>(
+    device: &B::Device,
+    send: SendUnits<'_>,
+    full_len: usize,
+) -> Result<(Box<dyn DeviceGatherJob>, u64), HsdpError> {
+    // The lane queues through it (on wgpu, on the model thread's stream: `lane_client`).
+    let client = lane_client(client_of::<B, R>(device));
     let (send, count, kind, uploaded) = match send {
         SendUnits::Host(shard, part) => {
             let bytes = padded_to_words(shard.le_bytes(part.clone()));
@@ -81,18 +103,14 @@ pub(crate) fn gather_buffers<B: Backend>(
             )
         }
         SendUnits::Device(units, part) => {
-            let cube: &CubeUnits<CudaRuntime> = units.buffer.downcast_ref().ok_or_else(|| {
-                HsdpError::Failed("a device buffer of another runtime than CUDA".into())
+            let cube: &CubeUnits<R> = units.buffer.downcast_ref().ok_or_else(|| {
+                HsdpError::Failed("a device buffer of another runtime than the backend's".into())
             })?;
             let unit = units.kind.unit_bytes();
-            let (start, end) = (unit * part.start as u64, unit * part.end as u64);
-            // Relative to the handle's own offsets, if any.
-            let size = cube.handle.size_in_used();
-            let send = cube
-                .handle
-                .clone()
-                .offset_start(start)
-                .offset_end(size - end);
+            let send = Span {
+                handle: cube.handle.clone(),
+                byte: unit * part.start as u64,
+            };
             let written = cube.written.clone();
             (
                 Outgoing::Device { send, written },
@@ -102,15 +120,15 @@ pub(crate) fn gather_buffers<B: Backend>(
             )
         }
     };
-    let job = CudaGatherJob {
+    let job = CubeGatherJob {
         client,
         send,
+        buffers: None,
         recv: None,
         kind: kind.kind(),
         count,
         full_len,
         empty: kind,
-        resources: Vec::new(),
     };
     Ok((Box::new(job), uploaded))
 }
@@ -118,12 +136,14 @@ pub(crate) fn gather_buffers<B: Backend>(
 /// Called on a lane's thread: the device addresses of `handles`, once the device work queued
 /// before them on any CubeCL stream is done (see the module docs); their resources go into
 /// `keep`, which pins the allocations until it is dropped.
+#[cfg(feature = "cuda")]
 pub(crate) fn ready_addresses(
-    client: &ComputeClient<CudaRuntime>,
+    client: &ComputeClient<cubecl::cuda::CudaRuntime>,
     handles: &[Handle],
     keep: &mut Vec<Box<dyn Send>>,
 ) -> CommResult<Vec<u64>> {
-    let err = |e| CommError::Engine(format!("readying a CubeCL buffer for NCCL: {e:?}"));
+    let err =
+        |e| sshsdp_comm::CommError::Engine(format!("readying a CubeCL buffer for NCCL: {e:?}"));
     let mut addresses = Vec::with_capacity(handles.len());
     for handle in handles {
         // This thread's stream now waits for the streams that used the buffer last.
@@ -141,17 +161,16 @@ enum Outgoing {
     /// This rank's part of a host shard (whole words), uploaded by the lane.
     Upload(Vec<u8>),
     /// A range of a device buffer, and the mark of its last write (see the module docs).
-    Device {
-        send: Handle,
-        written: Option<Handle>,
-    },
+    Device { send: Span, written: Option<Handle> },
 }
 
-/// A gather's CubeCL buffers on the way to the shard lane.
-struct CudaGatherJob {
-    client: ComputeClient<CudaRuntime>,
+/// A gather's CubeCL buffers on the way to a lane.
+struct CubeGatherJob<R: CubeRuntime> {
+    client: ComputeClient<R>,
     send: Outgoing,
-    /// The receive buffer, allocated by the lane in `ready`.
+    /// The collective's buffers, made by the lane in `buffers`.
+    buffers: Option<CubeBuffers<R>>,
+    /// The receive buffer.
     recv: Option<Handle>,
     kind: ElementKind,
     count: usize,
@@ -159,46 +178,36 @@ struct CudaGatherJob {
     full_len: usize,
     /// An empty run of the units' type.
     empty: Elems,
-    /// The device resources of both buffers once readied: they pin the allocations.
-    resources: Vec<Box<dyn Send>>,
 }
 
-impl DeviceGatherJob for CudaGatherJob {
-    fn kind(&self) -> ElementKind {
-        self.kind
-    }
-
+impl<R: CubeRuntime> DeviceGatherJob for CubeGatherJob<R> {
     fn count(&self) -> usize {
         self.count
     }
 
-    fn ready(&mut self) -> CommResult<(u64, u64)> {
+    fn buffers(&mut self) -> CommResult<&mut dyn DeviceBuffers> {
         // On the lane's thread: both new buffers are the lane stream's own.
         let recv = self.client.empty(word_buffer_len(
             self.empty.unit_bytes() as usize * self.full_len,
         ));
-        let mut handles = match &self.send {
-            Outgoing::Upload(bytes) => vec![lane_upload(&self.client, bytes)],
-            Outgoing::Device { send, written } => {
-                let mut handles = vec![send.clone()];
-                handles.extend(written.iter().cloned());
-                handles
-            }
+        let (send, written) = match &self.send {
+            Outgoing::Upload(bytes) => (Span::of(lane_upload(&self.client, bytes)), None),
+            Outgoing::Device { send, written } => (send.clone(), written.clone()),
         };
-        handles.insert(1, recv.clone());
-        self.recv = Some(recv);
-        let addresses = ready_addresses(&self.client, &handles, &mut self.resources)?;
-        Ok((addresses[0], addresses[1]))
+        self.recv = Some(recv.clone());
+        let buffers =
+            CubeBuffers::apart(self.client.clone(), self.kind, send, Span::of(recv)).after(written);
+        Ok(self.buffers.insert(buffers))
     }
 
     fn into_units(self: Box<Self>) -> DeviceUnits {
         let job = *self;
-        drop(job.resources);
+        drop(job.buffers);
         let recv = job
             .recv
-            .expect("the lane readied the job before the engine wrote into it");
+            .expect("the lane made the buffers before the engine wrote into them");
         DeviceUnits {
-            buffer: Box::new(CubeUnits::<CudaRuntime>::new(job.client, recv)),
+            buffer: Box::new(CubeUnits::<R>::new(job.client, recv)),
             len: job.full_len,
             kind: job.empty,
             narrowed: None,

@@ -7,7 +7,9 @@
 //! * `views.rs`: parameter views over a gathered bucket's device buffer (no kernel, no copy);
 //! * `codec.rs`: the square-block MXFP8 and bf16 kernels of `sshsdp-kernels` run on a bucket's
 //!   units (decode after a gather, encode of a piece after its update), and the lane's upload;
-//! * `gather.rs`: all-gathers whose engine (NCCL) moves device memory itself;
+//! * `exchange.rs`: one rank's buffers of a device collective, run by NCCL (raw addresses) or
+//!   by ranks of this process that share the device (CubeCL kernels): the device seam;
+//! * `gather.rs`: all-gathers (and shard rebuilds) into device memory;
 //! * `reduce.rs`: gradient reductions from device memory, by the engine or staged via the host;
 //! * `shard.rs`: runtime shards held in device memory (read back, uploaded).
 //!
@@ -25,7 +27,9 @@ pub(crate) use crate::units::{padded_to_words, word_buffer_len};
 
 pub(crate) mod adapter;
 pub(crate) mod codec;
-#[cfg(feature = "cuda")]
+pub(crate) mod exchange;
+#[cfg(all(test, feature = "wgpu"))]
+mod exchange_tests;
 pub(crate) mod gather;
 pub(crate) mod reduce;
 pub(crate) mod shard;

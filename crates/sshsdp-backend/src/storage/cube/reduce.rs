@@ -25,6 +25,7 @@ use sshsdp_plan::Sharding;
 
 use super::adapter::{from_cube, to_cube, Inner};
 use super::codec::{cube_tensor, CubeUnits};
+use super::exchange::{CubeBuffers, Span};
 use super::{for_each_runtime, is_cube, lane_client, lane_upload, stream_mark, word_buffer_len};
 use crate::config::Precision;
 use crate::lanes::comm::MeshComm;
@@ -95,23 +96,6 @@ pub(crate) fn piece_tensor<B: Backend>(
     ))
 }
 
-/// The addresses of CubeCL buffers, readied for the engine (CUDA's, `gather.rs`).
-type Addresses<R> =
-    fn(&ComputeClient<R>, &[Handle], &mut Vec<Box<dyn Send>>) -> CommResult<Vec<u64>>;
-
-/// The readying of raw addresses for runtime `R`, where the engine can use them (CUDA).
-fn addresses_for<R: CubeRuntime>() -> Option<Addresses<R>> {
-    #[cfg(feature = "cuda")]
-    {
-        let cuda: Box<dyn std::any::Any> =
-            Box::new(super::gather::ready_addresses as Addresses<cubecl::cuda::CudaRuntime>);
-        if let Ok(f) = cuda.downcast::<Addresses<R>>() {
-            return Some(*f);
-        }
-    }
-    None
-}
-
 /// One bucket's reduction on its way through the lanes.
 struct CubeReduceJob<R: CubeRuntime> {
     client: ComputeClient<R>,
@@ -128,8 +112,8 @@ struct CubeReduceJob<R: CubeRuntime> {
     kind: ElementKind,
     /// The reduction dtype.
     reduce: Precision,
-    /// How the engine gets at device memory, on its path.
-    addresses: Option<Addresses<R>>,
+    /// Whether the engine reduces the device buffers itself (else: staged through the host).
+    on_device: bool,
     /// Engine path: this rank's shard after the first stage (the full buffer itself under DDP).
     shard: Handle,
     shard_len: usize,
@@ -144,8 +128,6 @@ struct CubeReduceJob<R: CubeRuntime> {
     /// accumulated in place; under DDP no fresh buffer is in the first stage's ready call)
     /// would otherwise hand NCCL a buffer still being written.
     written: Option<Handle>,
-    /// Resources pinned while the engine works.
-    resources: Vec<Box<dyn Send>>,
     uploaded: u64,
     downloaded: u64,
 }
@@ -158,18 +140,17 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
         shards: usize,
         piece_len: usize,
     ) -> Self {
-        let (full, full_len, runs, addresses) = match source {
+        let (full, full_len, runs, on_device) = match source {
+            // The runtime passes a full gradient only where the engine reduces device memory.
             Source::Full(full) => {
                 let len = full.meta.shape().num_elements();
-                // (Without raw addresses, staged as one run: the runtime passes a full
-                // gradient only where the engine reduces device memory, in f32 or bf16.)
-                (full, len, vec![(0, 0, len)], addresses_for::<R>())
+                (full, len, vec![(0, 0, len)], true)
             }
             Source::Members {
                 cat,
                 runs,
                 full_len,
-            } => (cat, full_len, runs, None),
+            } => (cat, full_len, runs, false),
         };
         let kind = match full.dtype {
             DType::BF16 => ElementKind::Bf16,
@@ -180,7 +161,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
         let unit = if kind == ElementKind::Bf16 { 2 } else { 4 };
         let buffer = |len: usize| client.empty(word_buffer_len(unit * len));
         let shard_len = full_len / shards.max(1);
-        let (shard, piece) = match (addresses.is_some(), sharding) {
+        let (shard, piece) = match (on_device, sharding) {
             (false, _) | (true, Sharding::Ddp) => (full.handle.clone(), full.handle.clone()),
             (true, Sharding::Hsdp) => {
                 let shard = buffer(shard_len);
@@ -188,7 +169,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
             }
             (true, Sharding::Hierarchical) => (buffer(shard_len), buffer(piece_len)),
         };
-        let written = addresses.map(|_| stream_mark(&client));
+        let written = on_device.then(|| stream_mark(&client));
         Self {
             device: full.device.clone(),
             full: full.handle,
@@ -197,28 +178,33 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
             runs,
             kind,
             reduce,
-            addresses,
+            on_device,
             shard,
             shard_len,
             piece,
             piece_len,
             host_shard: None,
             written,
-            resources: Vec::new(),
             uploaded: 0,
             downloaded: 0,
         }
     }
 
-    fn ready(&mut self, handles: &[Handle]) -> CommResult<Option<Vec<u64>>> {
-        match self.addresses {
-            Some(ready) => ready(&self.client, handles, &mut self.resources).map(Some),
-            None => Ok(None),
+    /// The buffers of a stage from `send` into `recv` (in place where they are one buffer).
+    fn stage(&self, send: &Handle, recv: &Handle, in_place: bool) -> CubeBuffers<R> {
+        let client = self.client.clone();
+        if in_place {
+            CubeBuffers::in_place(client, self.kind, Span::of(recv.clone()))
+        } else {
+            CubeBuffers::apart(
+                client,
+                self.kind,
+                Span::of(send.clone()),
+                Span::of(recv.clone()),
+            )
         }
     }
-}
 
-impl<R: CubeRuntime> CubeReduceJob<R> {
     /// Engine path, after both stages: the piece holds the world's *sum* (the device
     /// collectives only sum: NCCL 2.28.9's `ncclAvg` reduce-scatter left an output's tail
     /// unwritten, `docs/H200.md`); one multiplication by `1 / world` makes it the average, as
@@ -249,21 +235,13 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
 
 impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
     fn within_shard_group(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()> {
-        let mut handles = vec![self.full.clone(), self.shard.clone()];
-        handles.extend(self.written.iter().cloned());
-        if let Some(at) = self.ready(&handles)? {
-            // SAFETY: both buffers are live CubeCL allocations of `full_len` and `shard_len`
-            // units on the engine's GPU (the runtime takes this path only there), pinned in
-            // `resources` and readied (their earlier device work done) by `ready`.
-            return unsafe {
-                comm.reduce_within_shard_group_device(
-                    sharding,
-                    self.kind,
-                    at[0],
-                    at[1],
-                    self.shard_len,
-                )
-            };
+        if self.on_device {
+            // Under DDP the shard is the full gradient, and nothing moves.
+            let in_place = sharding == Sharding::Ddp;
+            let mut bufs = self
+                .stage(&self.full, &self.shard, in_place)
+                .after(self.written.clone());
+            return comm.reduce_within_shard_group_device(sharding, &mut bufs, self.shard_len);
         }
         // Only the members' values cross (padding stays behind), placed on the host.
         let bytes = self
@@ -289,19 +267,13 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
     }
 
     fn across_replicas(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()> {
-        let handles = [self.shard.clone(), self.piece.clone()];
-        if let Some(at) = self.ready(&handles)? {
-            // SAFETY: as in `within_shard_group`, for the shard and piece buffers (the same
-            // buffer where the stage is in place).
-            unsafe {
-                comm.reduce_across_replicas_device(
-                    sharding,
-                    self.kind,
-                    at[0],
-                    at[1],
-                    self.piece_len,
-                )
-            }?;
+        if self.on_device {
+            // A reduce-scatter across replicas when hierarchical; in place otherwise.
+            let in_place = sharding != Sharding::Hierarchical;
+            let mut bufs = self
+                .stage(&self.shard, &self.piece, in_place)
+                .after(self.written.clone());
+            comm.reduce_across_replicas_device(sharding, &mut bufs, self.piece_len)?;
             self.average(comm.world_size());
             return Ok(());
         }
@@ -327,7 +299,6 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
 
     fn into_piece(self: Box<Self>) -> DeviceUnits {
         let job = *self;
-        drop(job.resources);
         DeviceUnits {
             len: job.piece_len,
             kind: match job.kind {
