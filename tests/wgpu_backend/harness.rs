@@ -17,7 +17,7 @@ use sshsdp::comm::Collective;
 use sshsdp::kernels::FusedOps;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::optim::{MuonConfig, ShardedMuon, ShardedOptimizer, UpdateScale};
-use sshsdp::plan::{Mesh, RuntimeFormat};
+use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 
 /// burn-wgpu's `Wgpu` with Burn's default features: burn-fusion over CubeCL, autotune on.
 pub(crate) type Wgpu = burn_wgpu::Wgpu;
@@ -73,6 +73,11 @@ pub(crate) struct Case {
     pub(crate) shards: Option<Placement>,
     /// Elements per bucket (`None`: the default, one bucket for this model).
     pub(crate) bucket: Option<u64>,
+    /// Hierarchical (the default) or HSDP.
+    pub(crate) sharding: Sharding,
+    /// Collectives staged through the host even where the ranks share a CubeCL device (whose
+    /// buffers the threads engine's peers collectives move by default).
+    pub(crate) staged: bool,
 }
 
 impl Case {
@@ -87,6 +92,8 @@ impl Case {
             compute: Precision::F32,
             shards: None,
             bucket: None,
+            staged: false,
+            sharding: Sharding::Hierarchical,
         }
     }
 
@@ -138,6 +145,8 @@ pub(crate) struct Run {
     pub(crate) shards: (u64, bool),
     /// Rank 0's gathers of the last step, and the bytes they received from peers.
     pub(crate) gathered: (u64, u64),
+    /// Whether the collectives ran on device buffers (the peers engine) or staged.
+    pub(crate) on_device: bool,
 }
 
 /// Every parameter's values on this rank.
@@ -242,7 +251,9 @@ where
             .with_reshard_after_forward(case.reshard)
             .with_master_placement(masters)
             .with_grad_placement(grads)
-            .with_mixed_precision(MixedPrecision::new(case.compute, Precision::F32));
+            .with_mixed_precision(MixedPrecision::new(case.compute, Precision::F32))
+            .with_device_collectives(!case.staged)
+            .with_sharding(case.sharding);
         if let Some(shards) = case.shards {
             config = config.with_shard_placement(shards);
         }
@@ -304,14 +315,13 @@ where
             saved.unwrap();
         }
         let traffic = (counters.uploaded_bytes, counters.downloaded_bytes);
-        // The threads engine moves host memory: device buffers are staged on the lanes.
-        assert!(!runtime.collectives_on_device());
+        let on_device = runtime.collectives_on_device();
         let bytes = (runtime.master_bytes(), runtime.device_master_bytes());
         let piece_bytes = runtime.plan().buckets().iter().map(|b| b.piece_bytes).sum();
         let shards = (runtime.shard_bytes(), runtime.shards_on_device());
         let gathered = (counters.gathers, counters.gathered_bytes);
         let weights = (weights(&runtime), paths(&runtime));
-        let placed = (shards, gathered);
+        let placed = (shards, gathered, on_device);
         (
             losses,
             initial,
@@ -330,8 +340,9 @@ where
     let losses = (0..steps.len())
         .map(|s| ranks.iter().map(|r| r.0[s]).sum::<f32>() / world as f32)
         .collect();
-    let (_, initial, (weights, paths), master_bytes, traffic, piece_bytes, (shards, gathered)) =
+    let (_, initial, (weights, paths), master_bytes, traffic, piece_bytes, placed) =
         ranks.swap_remove(0);
+    let (shards, gathered, on_device) = placed;
     Run {
         losses,
         initial,
@@ -342,6 +353,7 @@ where
         piece_bytes,
         shards,
         gathered,
+        on_device,
     }
 }
 

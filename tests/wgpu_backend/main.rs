@@ -3,14 +3,22 @@
 //! only). On a CPU-only machine wgpu runs over Mesa's lavapipe; run with
 //! `cargo test --features wgpu --test wgpu_backend`.
 //!
-//! * **Device storage against NdArray, pairwise**: fp32 masters, AdamW state and gradient
-//!   buckets on the Wgpu device, runtime bytes re-derived there, against host storage on NdArray:
-//!   f32 losses within 1e-5, bf16/MXFP8 within 2e-3, for a pairwise subset of format × optimizer
-//!   × mesh × reshard (6 runs); `SSHSDP_WGPU_MATRIX=full` runs all 24.
-//! * **The storage seam's proof on a device**: device storage trains bitwise like host storage
-//!   on the same device (the same kernels step the same values), and its host↔device bytes are
-//!   the host storage's plus each piece's gradient up and its runtime bytes down.
-//! * **Checkpoints**: device storage saved at world 2 resumes at world 1, bit for bit.
+//! The ranks of a test share the wgpu device, so by default their collectives run on device
+//! buffers (the threads engine's peers collectives: the production device path above world 1);
+//! `Case::staged` runs them through host memory instead, as engines without device collectives do.
+//!
+//! * **The device path** (`device_path.rs`): at world 2, 2×2 and 4 a step moves no parameter or
+//!   gradient byte between host and device (the gradient norm's 4 bytes aside), and trains like
+//!   the staged path.
+//! * **Device storage against NdArray, pairwise** (device path): fp32 masters, AdamW state,
+//!   gradient buckets and runtime shards on the Wgpu device, against host storage on NdArray at
+//!   the same world size: f32 losses within 1e-5, bf16/MXFP8 within 2e-3, for a pairwise subset
+//!   of format × mesh (flat 2, flat 4, 2×2) × sharding (hierarchical, HSDP) × optimizer (9 runs,
+//!   reshard alternating); `SSHSDP_WGPU_MATRIX=full` runs 24.
+//! * **The storage seam's proof on a device** (staged): device storage trains bitwise like host
+//!   storage on the same device (the same kernels step the same values), and its host↔device
+//!   bytes are the host storage's plus each piece's gradient up and its runtime bytes down.
+//! * **Checkpoints**: device storage saved at world 2 on the device path resumes at world 1.
 //! * **16-bit compute on the device**: parameters as f16 views of a bucket decoded on the device
 //!   (lavapipe has no bf16; CUDA runs the same path in bf16) train like f32 parameters.
 //! * bf16 and MXFP8 on Wgpu against NdArray with host storage.
@@ -23,6 +31,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod device_path;
 mod fusion;
 mod harness;
 mod storage;

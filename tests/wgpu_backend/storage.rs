@@ -7,7 +7,7 @@ use burn::tensor::backend::Backend;
 use sshsdp::backend::{shard, Hsdp, HsdpConfig, Placement, Precision};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::models::Gpt;
-use sshsdp::plan::{Mesh, RuntimeFormat};
+use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 
 use crate::harness::*;
 
@@ -19,8 +19,17 @@ fn device_masters_and_gradients_on_wgpu_train_bitwise_like_host_ones() {
         RuntimeFormat::Bf16,
         RuntimeFormat::Mxfp8,
     ] {
-        let host = train_placed::<Wgpu>(format, (Host, Host), Default::default());
-        let device = train_placed::<Wgpu>(format, (Device, Device), Default::default());
+        // Staged: the path of engines that move host memory only (MPI), whose transfers this
+        // test counts; the device path moves none (`the_device_path_moves_…`).
+        let staged = |placement| Case {
+            placement,
+            staged: true,
+            ..Case::new(format)
+        };
+        let none = Checkpoints::default();
+        let host = run::<Wgpu>(staged((Host, Host)), 0..STEPS, none, Default::default());
+        let device = run::<Wgpu>(staged((Device, Device)), 0..STEPS, none, Default::default());
+        assert!(!host.on_device && !device.on_device);
         assert_eq!(host.losses, device.losses, "{format:?}");
         assert_eq!(host.weights, device.weights, "{format:?}");
         assert!(device.losses[STEPS - 1] < device.losses[0], "{device:?}");
@@ -61,10 +70,11 @@ fn device_masters_and_gradients_on_wgpu_train_bitwise_like_host_ones() {
 }
 
 /// Runtime shards in device memory train bitwise like host shards (device masters and
-/// gradients both ways) in every format: on a flat mesh, where each update's piece encoded on
-/// the device becomes the shard, and on a 2 × 2 mesh, whose shards are rebuilt from two
-/// replicas' pieces (through the host here: the threads engine moves host memory), with and
-/// without resharding (MXFP8 then reads one pass's part of the shard). Staged, a gather reads
+/// gradients both ways) in every format, on the staged path (collectives through the host, as
+/// engines that move host memory only run them): on a flat mesh, where each update's piece
+/// encoded on the device becomes the shard, and on a 2 × 2 mesh, whose shards are rebuilt from
+/// two replicas' pieces (through the host), with and without resharding (MXFP8 then reads one
+/// pass's part of the shard). Staged, a gather reads
 /// this rank's part of the shard back and a rebuild moves the rebuilt shard up and this rank's
 /// piece down; a host shard instead reads each piece's encoded bytes back once per update.
 #[test]
@@ -80,6 +90,7 @@ fn device_runtime_shards_on_wgpu_train_bitwise_like_host_shards() {
                 mesh,
                 reshard,
                 placement: device_storage,
+                staged: true,
                 ..Case::new(format)
             };
             let on_device = Case {
@@ -90,7 +101,7 @@ fn device_runtime_shards_on_wgpu_train_bitwise_like_host_shards() {
             let host = run::<Wgpu>(on_host, 0..3, none, Default::default());
             let device = run::<Wgpu>(on_device, 0..3, none, Default::default());
             let what = format!("{format:?}, mesh {mesh:?}, reshard {reshard}");
-            // The threads engine moves host memory: by default the shards stay there.
+            // Staged, by default the shards stay on the host.
             assert_eq!(host.shards, (device.shards.0, false), "{what}");
             assert!(device.shards.1, "{what}");
             assert_eq!(device.losses, host.losses, "{what}");
@@ -194,30 +205,42 @@ fn hsdp_over_wgpu_trains_like_hsdp_over_ndarray() {
 }
 
 /// The configurations of the pairwise subset: every pair of values of format (f32, bf16, MXFP8)
-/// × optimizer (AdamW, Muon) × mesh (flat 2, 2×2) × reshard after forward (off, on) appears in at
-/// least one (6 runs instead of the full 24, which `SSHSDP_WGPU_MATRIX=full` runs).
+/// × mesh (flat 2, flat 4, 2×2) × sharding (hierarchical, HSDP) × optimizer (AdamW, Muon)
+/// appears in at least one, from the orthogonal array L9(3⁴) (sharding and optimizer are its
+/// 3-level columns folded onto 2 levels), reshard after forward alternating: 9 runs instead of
+/// the full 72 (`SSHSDP_WGPU_MATRIX=full` runs the 24 of format × optimizer × flat 2 / 2×2 ×
+/// reshard).
 fn pairwise() -> Vec<Case> {
-    use Opt::{AdamW, Muon};
     use RuntimeFormat::{Bf16, Mxfp8, F32};
-    let flat = (1, 2);
-    let hsdp = (2, 2);
-    [
-        (F32, AdamW, flat, false),
-        (F32, Muon, hsdp, true),
-        (Bf16, AdamW, hsdp, true),
-        (Bf16, Muon, flat, false),
-        (Mxfp8, AdamW, hsdp, false),
-        (Mxfp8, Muon, flat, true),
-    ]
-    .into_iter()
-    .map(|(format, optim, mesh, reshard)| Case {
-        format,
-        optim,
-        mesh,
-        reshard,
-        ..Case::new(format)
-    })
-    .collect()
+    const L9: [[usize; 4]; 9] = [
+        [0, 0, 0, 0],
+        [0, 1, 1, 1],
+        [0, 2, 2, 2],
+        [1, 0, 1, 2],
+        [1, 1, 2, 0],
+        [1, 2, 0, 1],
+        [2, 0, 2, 1],
+        [2, 1, 0, 2],
+        [2, 2, 1, 0],
+    ];
+    L9.iter()
+        .enumerate()
+        .map(|(row, &[f, m, s, o])| {
+            let format = [F32, Bf16, Mxfp8][f];
+            Case {
+                format,
+                mesh: [(1, 2), (1, 4), (2, 2)][m],
+                sharding: [
+                    Sharding::Hierarchical,
+                    Sharding::Hsdp,
+                    Sharding::Hierarchical,
+                ][s],
+                optim: [Opt::AdamW, Opt::Muon, Opt::AdamW][o],
+                reshard: row % 2 == 1,
+                ..Case::new(format)
+            }
+        })
+        .collect()
 }
 
 /// Every combination of the pairwise subset's values.
@@ -306,6 +329,8 @@ fn device_storage_on_wgpu_trains_like_host_storage_on_ndarray_pairwise() {
             cpu.losses, gpu.losses
         );
         assert_eq!(gpu.master_bytes.0, 0, "{case:?}: no master on the host");
+        // The ranks share the wgpu device: collectives on device buffers, shards there too.
+        assert!(gpu.on_device && gpu.shards.1 && !cpu.on_device, "{case:?}");
         // f32 differs by the backends' float kernels only; bf16 and MXFP8 round the weights,
         // where one ulp of difference in a master can move a value across a rounding boundary.
         let tolerance = match case.format {
@@ -342,6 +367,10 @@ fn a_checkpoint_of_device_storage_at_world_2_resumes_at_world_1_on_any_backend()
             ..Default::default()
         },
         Default::default(),
+    );
+    assert!(
+        first.on_device && first.shards.1,
+        "the device path at world 2"
     );
     let alone = Case {
         mesh: (1, 1),
@@ -414,10 +443,12 @@ fn a_checkpoint_of_device_storage_at_world_2_resumes_at_world_1_on_any_backend()
 #[test]
 fn f16_compute_on_wgpu_with_device_storage_trains_like_f32_compute() {
     for format in [RuntimeFormat::Mxfp8, RuntimeFormat::F32] {
+        // Staged: the uploads compared below are the staged path's (the device path has none).
         let case = |compute| Case {
             placement: (Placement::Device, Placement::Device),
             reshard: true,
             compute,
+            staged: true,
             ..Case::new(format)
         };
         let f32 = run::<Wgpu>(
