@@ -62,6 +62,9 @@ pub struct Args {
     pub unsharded: bool,
     /// `--no-fusion`: wgpu and CUDA without burn-fusion (`CubeBackend`), autotune still on.
     pub no_fusion: bool,
+    /// `--staged`: collectives through host memory even where the engine can move the device's
+    /// memory (the comparison path).
+    pub staged: bool,
 }
 
 /// Parses a `--compute`/`--reduce` dtype.
@@ -147,7 +150,10 @@ Backend:
                        on the default adapter, each rank on it (build with --features wgpu; on
                        a machine without a GPU it runs on Mesa's lavapipe, slowly); cuda:
                        CubeCL's CUDA runtime, every in-process rank on GPU 0 (--features cuda;
-                       collectives through the host engine unless --nccl)
+                       in-process ranks sharing a device exchange its buffers directly, on
+                       wgpu and cuda alike; --nccl for NCCL, one GPU per rank)
+  --staged             collectives through host memory even where ranks share a device or
+                       NCCL moves device memory (the comparison path)
   --no-fusion          wgpu and cuda without burn-fusion (CubeCL's CubeBackend; autotune on):
                        Burn's default GPU types (fusion and autotune on) otherwise
   --storage host|device  where fp32 masters, optimizer state and gradient buckets live
@@ -216,6 +222,7 @@ pub fn parse_args(
         nccl: false,
         unsharded: false,
         no_fusion: false,
+        staged: false,
     };
     let mut storage = None;
     let mut args = args.into_iter();
@@ -317,6 +324,7 @@ pub fn parse_args(
             }
             "--unsharded" => out.unsharded = true,
             "--no-fusion" => out.no_fusion = true,
+            "--staged" => out.staged = true,
             "--compute" => out.precision.compute = parse_precision(&flag, &value()?)?,
             "--reduce" => out.precision.reduce = parse_precision(&flag, &value()?)?,
             other => {

@@ -256,7 +256,7 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
             mib(up),
             mib(down),
             if report.collectives_on_device {
-                "on device memory (the engine's)"
+                "on device memory"
             } else {
                 "staged through the host"
             },

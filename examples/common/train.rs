@@ -127,6 +127,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
         .with_master_placement(args.storage)
         .with_grad_placement(args.storage)
         .with_mixed_precision(args.precision)
+        .with_device_collectives(!args.staged)
         .with_trace(args.trace.is_some());
     let source = match &args.init_from {
         Some(file) => Some(SafetensorsSource::open(file).map_err(|e| e.to_string())?),
