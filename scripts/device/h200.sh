@@ -34,6 +34,9 @@
 #      host<->device bytes per step;
 #   4. [gpt, plain] the staged path: the same on the threads engine (host collectives, device
 #      buffers staged through the host), and its price against plain Burn;
+#   4b. [peersgpt] the device path above world 1 on one GPU: 2 in-process ranks and a 2×2 mesh
+#      sharing GPU 0 exchange its buffers with CubeCL kernels (sshsdp::comm::peers); losses
+#      against the staged run, step time against 1 rank;
 #   5. the device path's losses against the staged path's, within a tolerance (clipping's norm
 #      is summed with atomic adds: not bit-reproducible);
 #   6. [torch] PyTorch on the same GPU, same GPT, data and AdamW, over the same last 10 steps:
@@ -159,7 +162,7 @@ declare -A RATE LOSS
 } >"$TABLE"
 row() { echo "| $1 | $2 | $3 | $4 |" | tee -a "$TABLE"; }
 # Whether stage $1 is selected (H200_STAGES: space-separated names, default all: baseline
-# uploads kernels nccl ncclmem ncclgpt gpt plain torch f32).
+# uploads kernels nccl ncclmem ncclgpt gpt peersgpt plain torch f32).
 want() { case " ${H200_STAGES:-all} " in *" all "* | *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 pack() { tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" logs 2>/dev/null; }
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
@@ -411,7 +414,7 @@ fi
 if want gpt; then
     for format in bf16 mxfp8; do
         train_row "${format}_$HALF" 150 "GPT on Autodiff<Hsdp<$BACKEND>>, threads engine (staged), $format runtime, $HALF compute" \
-            --ranks 1 --format "$format" --compute "$HALF" "${COMMON[@]}"
+            --ranks 1 --staged --format "$format" --compute "$HALF" "${COMMON[@]}"
         pack
     done
     if [ -n "${RATE[bf16_$HALF]:-}" ] && [ -n "${RATE[mxfp8_$HALF]:-}" ]; then
@@ -422,8 +425,38 @@ if want gpt; then
 fi
 if want plain; then
     train_row f32_noclip 90 "GPT on Autodiff<Hsdp<$BACKEND>>, threads engine (staged), f32 runtime, f32 compute, no clipping" \
-        --ranks 1 --format f32 --clip 0 "${COMMON[@]}"
+        --ranks 1 --staged --format f32 --clip 0 "${COMMON[@]}"
     price_row f32_noclip "threads engine, f32 runtime, --clip 0"
+    pack
+fi
+
+# --- 4b. the device path above world 1 on one GPU: in-process ranks sharing it (peers) ----------
+# Two in-process ranks (and a 2×2 mesh) on GPU 0 exchange its buffers with CubeCL kernels
+# (sshsdp::comm::peers): device gathers, reductions and rebuilds, runtime shards on the device.
+# Losses against the staged run of the same world; step time against world 1.
+if want peersgpt; then
+    train_row peers_w1 120 "GPT on Autodiff<Hsdp<$BACKEND>>, 1 rank, device path (peers), bf16 runtime, $HALF compute" \
+        --ranks 1 --format bf16 --compute "$HALF" "${COMMON[@]}"
+    train_row peers_w2 150 "GPT on Autodiff<Hsdp<$BACKEND>>, 2 ranks on one GPU, device path (peers), bf16 runtime, $HALF compute" \
+        --ranks 2 --format bf16 --compute "$HALF" "${COMMON[@]}"
+    train_row peers_w2_staged 150 "the same, staged through the host (--staged)" \
+        --ranks 2 --staged --format bf16 --compute "$HALF" "${COMMON[@]}"
+    train_row peers_2x2 200 "GPT on Autodiff<Hsdp<$BACKEND>>, 2x2 mesh on one GPU, device path (peers), bf16 runtime, $HALF compute" \
+        --mesh 2x2 --format bf16 --compute "$HALF" "${COMMON[@]}"
+    a="${LOSS[peers_w2]:-}" b="${LOSS[peers_w2_staged]:-}"
+    if [ -n "$a" ] && [ -n "$b" ] && [ "$(close "$a" "$b" 1e-3 5e-3)" = yes ]; then
+        row "peers device path against staged, 2 ranks: losses" "agree" 0 "$a vs $b"
+    else
+        row "peers device path against staged, 2 ranks: losses" "FAIL" 0 "${a:-?} vs ${b:-?}"
+        STATUS=1
+    fi
+    for key in peers_w2 peers_2x2; do
+        if [ -n "${RATE[$key]:-}" ] && [ -n "${RATE[peers_w1]:-}" ]; then
+            row "$key against 1 rank on the same GPU (tokens/s ratio)" \
+                "$(awk -v a="${RATE[$key]}" -v b="${RATE[peers_w1]}" 'BEGIN { printf "%.3f", a / b }')" 0 \
+                "one GPU shared: the ranks' compute serialises; the ratio prices the collectives"
+        fi
+    done
     pack
 fi
 

@@ -293,12 +293,35 @@ fn addresses_for<R: CubeRuntime>() -> Option<Addresses<R>> {
     #[cfg(feature = "cuda")]
     {
         let cuda: Box<dyn std::any::Any> =
-            Box::new(super::gather::ready_addresses as Addresses<cubecl::cuda::CudaRuntime>);
+            Box::new(ready_addresses as Addresses<cubecl::cuda::CudaRuntime>);
         if let Ok(f) = cuda.downcast::<Addresses<R>>() {
             return Some(*f);
         }
     }
     None
+}
+
+/// Called on a lane's thread: the device addresses of `handles`, once the device work queued
+/// before them on any CubeCL stream is done (see `gather.rs`); their resources go into
+/// `keep`, which pins the allocations until it is dropped.
+#[cfg(feature = "cuda")]
+pub(crate) fn ready_addresses(
+    client: &ComputeClient<cubecl::cuda::CudaRuntime>,
+    handles: &[Handle],
+    keep: &mut Vec<Box<dyn Send>>,
+) -> CommResult<Vec<u64>> {
+    let err =
+        |e| sshsdp_comm::CommError::Engine(format!("readying a CubeCL buffer for NCCL: {e:?}"));
+    let mut addresses = Vec::with_capacity(handles.len());
+    for handle in handles {
+        // This thread's stream now waits for the streams that used the buffer last.
+        let resource = client.get_resource(handle.clone()).map_err(err)?;
+        addresses.push(resource.resource().ptr);
+        keep.push(Box::new(resource));
+    }
+    // And this waits for that stream.
+    cubecl::future::block_on(client.sync()).map_err(err)?;
+    Ok(addresses)
 }
 
 fn engine(e: impl std::fmt::Debug) -> CommError {

@@ -10,7 +10,7 @@
 //! stream's position; a thread touching another stream's buffer waits for that stream only if
 //! it has not synchronised with it past the buffer's stamp (see
 //! [`stream_mark`](super::stream_mark)). NCCL runs on its own stream, outside that
-//! scheme, so a lane readies the buffers first (`ready_addresses`): `get_resource` on each makes
+//! scheme, so a lane readies the buffers first (`exchange.rs`'s `ready_addresses`): `get_resource` on each makes
 //! the lane's CubeCL stream wait for the streams that own them where needed, and a host wait on
 //! the lane's stream makes that wait complete before NCCL is called.
 //!
@@ -131,29 +131,6 @@ fn gather_job<B: Backend, R: CubeRuntime>(
         empty: kind,
     };
     Ok((Box::new(job), uploaded))
-}
-
-/// Called on a lane's thread: the device addresses of `handles`, once the device work queued
-/// before them on any CubeCL stream is done (see the module docs); their resources go into
-/// `keep`, which pins the allocations until it is dropped.
-#[cfg(feature = "cuda")]
-pub(crate) fn ready_addresses(
-    client: &ComputeClient<cubecl::cuda::CudaRuntime>,
-    handles: &[Handle],
-    keep: &mut Vec<Box<dyn Send>>,
-) -> CommResult<Vec<u64>> {
-    let err =
-        |e| sshsdp_comm::CommError::Engine(format!("readying a CubeCL buffer for NCCL: {e:?}"));
-    let mut addresses = Vec::with_capacity(handles.len());
-    for handle in handles {
-        // This thread's stream now waits for the streams that used the buffer last.
-        let resource = client.get_resource(handle.clone()).map_err(err)?;
-        addresses.push(resource.resource().ptr);
-        keep.push(Box::new(resource));
-    }
-    // And this waits for that stream.
-    cubecl::future::block_on(client.sync()).map_err(err)?;
-    Ok(addresses)
 }
 
 /// What a gather sends.

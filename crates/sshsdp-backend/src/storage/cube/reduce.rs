@@ -3,10 +3,11 @@
 //! element space, zeros between) and its reduction's two stages run on the two lanes, as host
 //! reductions do (`lanes/`), in one of two ways:
 //!
-//! * **By the engine on device memory** (NCCL on `CubeBackend<CudaRuntime>`, where the runtime's
-//!   gathers go to device memory too: `gather.rs`): reduce-scatter in the shard group,
-//!   then across replicas, on CubeCL's buffers in the reduction dtype (the bf16 cast is Burn's
-//!   kernel); no byte crosses to the host.
+//! * **By the engine on device memory** (NCCL on `CubeBackend<CudaRuntime>`, or in-process
+//!   ranks sharing the device: `exchange.rs`; where the runtime's gathers go to device memory
+//!   too): reduce-scatter in the shard group, then across replicas, on CubeCL's buffers in the
+//!   reduction dtype (the bf16 cast is Burn's kernel), summed, then divided once by the world
+//!   size; no byte crosses to the host.
 //! * **Staged**: the shard lane reads the f32 gradient back, the host collectives reduce it
 //!   (rounded to the reduction dtype there, exactly as for host gradients), and the replica
 //!   lane uploads the reduced piece. The transfers run on the lanes, overlapping backward.
@@ -36,7 +37,7 @@ use crate::HsdpError;
 
 /// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in
 /// the reduction dtype `reduce` — by the engine on device memory for [`GradSource::Full`]
-/// (CUDA only, see `gather.rs`), staged through the host for [`GradSource::Members`] — if
+/// (`exchange.rs`), staged through the host for [`GradSource::Members`] — if
 /// `B` is a CubeCL backend this build supports (`None` otherwise).
 pub(crate) fn reduce_job_if_cube<B: Backend>(
     source: GradSource<B>,
