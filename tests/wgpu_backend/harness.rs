@@ -356,19 +356,3 @@ where
         on_device,
     }
 }
-
-/// [`Case::new`] with the fp32 masters and gradients placed by `placement`, over [`STEPS`].
-pub(crate) fn train_placed<I: FusedOps>(
-    format: RuntimeFormat,
-    placement: (Placement, Placement),
-    device: I::Device,
-) -> Run
-where
-    I::Device: Default,
-{
-    let case = Case {
-        placement,
-        ..Case::new(format)
-    };
-    run::<I>(case, 0..STEPS, Checkpoints::default(), device)
-}
