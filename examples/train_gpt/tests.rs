@@ -136,6 +136,8 @@ fn wgpu_with_and_without_fusion_train_alike() {
     };
     let fused = run(&[]);
     let unfused = run(&["--no-fusion"]);
+    // The two ranks share the wgpu device: their collectives ran on its buffers.
+    assert!(fused.collectives_on_device && unfused.collectives_on_device);
     for (a, b) in [
         (fused.first_loss, unfused.first_loss),
         (fused.last_loss, unfused.last_loss),
@@ -290,6 +292,9 @@ fn bad_arguments_are_errors() {
         .unwrap();
     use sshsdp::backend::{MixedPrecision, Precision::Bf16};
     assert_eq!(args.precision, MixedPrecision::new(Bf16, Bf16));
+    // Collectives on device memory where the engine can, unless --staged.
+    assert!(!args.staged);
+    assert!(parse(&["--staged"]).unwrap().unwrap().staged);
     // Without the feature, wgpu is an error naming it; with it, device storage by default.
     let wgpu = parse(&["--backend", "wgpu"]);
     if cfg!(feature = "wgpu") {
