@@ -127,15 +127,17 @@ fn accumulate_kernel(
     let stride = CUBE_COUNT as u32 * CUBE_DIM;
     while i < n {
         let h = at + i;
-        let mut bits = src[h as usize];
-        if bf16 {
+        // (`h` indexes half-words for bf16, words for f32: each branch reads its own.)
+        let bits = if bf16 {
             let word = src[(h / 2) as usize];
             let half = select(h % 2 == 0, word & 0xFFFFu32, word >> 16);
             let x = half << 16;
             // A signalling NaN widens quiet, as `half::bf16::to_f32` does.
             let quiet = select((x & 0x7FFF_FFFFu32) > 0x7F80_0000u32, 0x0040_0000u32, 0u32);
-            bits = x | quiet;
-        }
+            x | quiet
+        } else {
+            src[h as usize]
+        };
         let v = f32::reinterpret(bits);
         if first {
             acc[i as usize] = v;
