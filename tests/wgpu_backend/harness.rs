@@ -116,14 +116,6 @@ pub(crate) enum Optimizer<I: Backend> {
     OnCpu(ShardedOptimizer<NdArray<f32>, AdamW>),
 }
 
-/// Losses of every rank's local batch, averaged, at each step.
-pub(crate) fn train<I: FusedOps>(format: RuntimeFormat, device: I::Device) -> Vec<f32>
-where
-    I::Device: Default,
-{
-    run::<I>(Case::new(format), 0..STEPS, Checkpoints::default(), device).losses
-}
-
 /// What a run leaves.
 #[derive(Debug, PartialEq)]
 pub(crate) struct Run {

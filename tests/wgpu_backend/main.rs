@@ -21,7 +21,7 @@
 //! * **Checkpoints**: device storage saved at world 2 on the device path resumes at world 1.
 //! * **16-bit compute on the device**: parameters as f16 views of a bucket decoded on the device
 //!   (lavapipe has no bf16; CUDA runs the same path in bf16) train like f32 parameters.
-//! * bf16 and MXFP8 on Wgpu against NdArray with host storage.
+//! * MXFP8 in many buckets on Wgpu against NdArray, host and device storage.
 
 //! * **Fusion** (`fusion.rs`): `Wgpu` above is burn-wgpu's default type, burn-fusion over
 //!   CubeCL with autotune, as Burn's users run it; the same jobs on `CubeBackend` without fusion

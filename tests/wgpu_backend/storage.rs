@@ -27,12 +27,18 @@ fn device_masters_and_gradients_on_wgpu_train_bitwise_like_host_ones() {
             ..Case::new(format)
         };
         let none = Checkpoints::default();
-        let host = run::<Wgpu>(staged((Host, Host)), 0..STEPS, none, Default::default());
-        let device = run::<Wgpu>(staged((Device, Device)), 0..STEPS, none, Default::default());
+        let steps = 0..3;
+        let host = run::<Wgpu>(
+            staged((Host, Host)),
+            steps.clone(),
+            none,
+            Default::default(),
+        );
+        let device = run::<Wgpu>(staged((Device, Device)), steps, none, Default::default());
         assert!(!host.on_device && !device.on_device);
         assert_eq!(host.losses, device.losses, "{format:?}");
         assert_eq!(host.weights, device.weights, "{format:?}");
-        assert!(device.losses[STEPS - 1] < device.losses[0], "{device:?}");
+        assert!(device.losses[2] < device.losses[0], "{device:?}");
         assert_eq!(
             device.master_bytes.0, 0,
             "{format:?}: no master on the host"
@@ -185,22 +191,6 @@ fn mxfp8_in_many_buckets_on_wgpu_trains_like_ndarray() {
                 );
             }
         }
-    }
-}
-
-#[test]
-fn hsdp_over_wgpu_trains_like_hsdp_over_ndarray() {
-    for format in [RuntimeFormat::Bf16, RuntimeFormat::Mxfp8] {
-        let cpu = train::<NdArray<f32>>(format, Default::default());
-        let gpu = train::<Wgpu>(format, Default::default());
-        eprintln!("{format:?}: NdArray {cpu:?}\n        Wgpu    {gpu:?}");
-        for (step, (a, b)) in gpu.iter().zip(&cpu).enumerate() {
-            assert!(
-                (a - b).abs() <= 2e-3 * b.abs(),
-                "{format:?} step {step}: Wgpu {a} vs NdArray {b}"
-            );
-        }
-        assert!(gpu[STEPS - 1] < gpu[0], "{gpu:?}");
     }
 }
 
