@@ -15,6 +15,17 @@ pub enum ElementKind {
     U8,
 }
 
+impl ElementKind {
+    /// Bytes of one element.
+    pub fn bytes(self) -> usize {
+        match self {
+            ElementKind::F32 => 4,
+            ElementKind::Bf16 => 2,
+            ElementKind::U8 => 1,
+        }
+    }
+}
+
 /// A type collectives can move.
 pub trait Element: Copy + Default + PartialEq + Debug + Send + Sync + 'static {
     /// The tag of this type.

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use half::bf16;
-use sshsdp_comm::peers::conformance::{self, sum_units, unit_bytes, Fault, PeerMemory, Spans};
+use sshsdp_comm::peers::conformance::{self, sum_units, Fault, PeerMemory, Spans};
 use sshsdp_comm::peers::{PeerExchange, PeerOp};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::{Collective, CommError, CommResult, ElementKind, ReduceOp};
@@ -56,7 +56,7 @@ impl PeerMemory for HostMemory {
         });
         let mut call = peers.exchange(op, kind, count, post)?;
         let plan = op.plan(rank, peers.peer_size(), count, in_place)?;
-        let unit = unit_bytes(kind);
+        let unit = kind.bytes();
         let staged: Vec<(usize, Vec<u8>)> = {
             let posts = call.posts_as::<HostPost>()?;
             let read = |q: usize, from: usize, len: usize| {
@@ -162,15 +162,7 @@ fn a_rank_that_never_arrives_fails_or_panics_is_an_error_on_every_rank_in_bound(
                 conformance::fault(&HostMemory, peers, fault, timeout * 2)
             })
             .unwrap();
-            for (rank, r) in results.into_iter().enumerate() {
-                match r {
-                    Ok(outcome) => assert_eq!(outcome, Ok(()), "{fault:?} world {size}"),
-                    Err(_) => assert!(
-                        fault == Fault::PanicsMidCall && rank + 1 == size,
-                        "{fault:?}: rank {rank} panicked"
-                    ),
-                }
-            }
+            assert_eq!(conformance::check_fault_outcomes(fault, results), Ok(()));
         }
     }
 }

@@ -106,7 +106,7 @@ impl Case {
     fn run<M: PeerMemory>(&self, mem: &M, peers: &dyn PeerExchange) -> Outcome {
         let (rank, size) = (peers.peer_rank(), peers.peer_size());
         let (send_len, recv_len) = self.op.extents(size, self.count);
-        let unit = unit_bytes(self.kind);
+        let unit = self.kind.bytes();
         let mine = values(self.kind, rank, send_len);
         let expected = self.expected(rank, size);
         let err = |e: CommError| format!("rank {rank}: {e}");
@@ -183,7 +183,7 @@ impl Case {
         let count = self.count;
         let (send_len, _) = self.op.extents(size, count);
         let all: Vec<Vec<u8>> = (0..size).map(|q| values(self.kind, q, send_len)).collect();
-        let unit = unit_bytes(self.kind);
+        let unit = self.kind.bytes();
         let units = |q: usize, from: usize| all[q][from * unit..(from + count) * unit].to_vec();
         match self.op {
             PeerOp::AllGather => (0..size).flat_map(|q| units(q, 0)).collect(),
@@ -193,15 +193,6 @@ impl Case {
             }
             PeerOp::AllReduce => sum_units(self.kind, (0..size).map(|q| units(q, 0))),
         }
-    }
-}
-
-/// Bytes per unit of `kind`.
-pub fn unit_bytes(kind: ElementKind) -> usize {
-    match kind {
-        ElementKind::F32 => 4,
-        ElementKind::Bf16 => 2,
-        ElementKind::U8 => 1,
     }
 }
 
@@ -295,7 +286,7 @@ pub fn fault<M: PeerMemory>(
         return Ok(());
     }
     let count = 5;
-    let unit = unit_bytes(ElementKind::F32);
+    let unit = ElementKind::F32.bytes();
     let send = mem
         .buffer(&values(ElementKind::F32, rank, count))
         .map_err(|e| e.to_string())?;
@@ -319,6 +310,21 @@ pub fn fault<M: PeerMemory>(
         )),
         Err(_) => Ok(()),
     }
+}
+
+/// Every rank's outcome of [`fault`] (rank order; `Err` holds a panic), checked: each is `Ok`
+/// but the misbehaving last rank's panic under [`Fault::PanicsMidCall`].
+pub fn check_fault_outcomes(fault: Fault, outcomes: Vec<std::thread::Result<Outcome>>) -> Outcome {
+    let size = outcomes.len();
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("{fault:?}, world {size}: {e}")),
+            Err(_) if fault == Fault::PanicsMidCall && rank + 1 == size => {}
+            Err(_) => return Err(format!("{fault:?}, world {size}: rank {rank} panicked")),
+        }
+    }
+    Ok(())
 }
 
 /// The misbehaving rank's exchange: arrives, then fails or panics.

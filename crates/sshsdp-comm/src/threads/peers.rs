@@ -49,11 +49,7 @@ impl PeerExchange for ThreadComm {
         let posts: Option<Vec<PeerPost>> = posts.into_iter().collect();
         let posts = posts.ok_or_else(|| CommError::PeerFailed("a rank posted nothing".into()))?;
         // Traffic as the engine counts its own calls: what this rank reads of its peers'.
-        let unit = match kind {
-            ElementKind::F32 => 4,
-            ElementKind::Bf16 => 2,
-            ElementKind::U8 => 1,
-        };
+        let unit = kind.bytes();
         let plan = op.plan(self.rank, self.group.size(), count, false)?;
         for transfer in &plan.transfers {
             for &(q, _) in &transfer.sources {

@@ -114,7 +114,7 @@ impl<R: CubeRuntime> CubeBuffers<R> {
     }
 
     fn unit(&self) -> u64 {
-        sshsdp_comm::peers::conformance::unit_bytes(self.kind) as u64
+        self.kind.bytes() as u64
     }
 
     /// Step 1 of the ordering: this rank's buffers' writes complete on the device.
