@@ -6,8 +6,9 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use sshsdp_plan::Plan;
 
+use crate::counters::Counters;
 use crate::model::buffers::{read_buffers, write_buffers, BufferSpec};
-use crate::runtime::{Counters, Piece, Runtime, UpdateGroup, Views};
+use crate::runtime::{Piece, Runtime, UpdateGroup, UpdateStep, Views};
 use crate::{HsdpError, NamedParam};
 
 /// One rank's handle on its sharded parameters: the plan, the update step and the counters.
@@ -152,9 +153,26 @@ impl<B: Backend> HsdpRuntime<B> {
     pub fn update_pieces(
         &self,
         views: Views,
-        step: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+        step: impl FnOnce(&mut [Piece<B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
         self.runtime.update_pieces(views, step)
+    }
+
+    /// Opens this step's update: this rank's pieces (fp32 masters and world-averaged gradients,
+    /// handed as `views`) move out of the runtime into the returned [`UpdateStep`]; step them
+    /// (`pieces_mut`, or `parts` with the update group's collectives) and `commit`. `Ok(None)`
+    /// when every rank skipped the step (a non-finite gradient under
+    /// [`crate::NonFinitePolicy::SkipStep`]). A step dropped without `commit` applies nothing
+    /// more and fails the runtime on every rank (see [`UpdateStep`]). A collective call.
+    pub fn begin_update(&self, views: Views) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
+        self.runtime.begin_update(views)
+    }
+
+    /// Opens an update of every bucket's piece as host slices with empty gradients, for
+    /// reading or overwriting the fp32 masters (checkpoints); `commit` re-derives and rebuilds
+    /// the runtime shards. A collective call.
+    pub fn begin_masters(&self) -> Result<UpdateStep<'_, B>, HsdpError> {
+        self.runtime.begin_masters()
     }
 
     /// Every bucket's piece on this rank with its fp32 master as host slices (gradients empty;
@@ -163,7 +181,7 @@ impl<B: Backend> HsdpRuntime<B> {
     /// afterwards. A collective call: every rank calls it.
     pub fn master_pieces(
         &self,
-        f: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+        f: impl FnOnce(&mut [Piece<B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
         self.runtime.master_pieces(f)
     }

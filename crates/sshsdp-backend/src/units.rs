@@ -33,12 +33,6 @@ pub(crate) struct DeviceUnits {
     /// (the staged path of an f32 bucket computed in 16 bits: half the bytes), that dtype: the
     /// buffer holds the compute values then.
     pub narrowed: Option<crate::config::Precision>,
-    /// Bytes copied from the host to make it (the staged path uploads the whole bucket; an
-    /// engine that gathers into device memory, none).
-    pub uploaded: u64,
-    /// Bytes read back to the host on the way (a staged gradient reduction reads the bucket's
-    /// gradient back for the host collectives).
-    pub downloaded: u64,
 }
 
 impl DeviceUnits {
@@ -190,14 +184,6 @@ impl Elems {
                 .flat_map(|x| x.to_bits().to_le_bytes())
                 .collect(),
             Elems::U8(v) => v[range].to_vec(),
-        }
-    }
-
-    /// The fp32 elements, for the `F32` format's in-place master update.
-    pub fn as_f32_mut(&mut self) -> Option<&mut [f32]> {
-        match self {
-            Elems::F32(v) => Some(v),
-            _ => None,
         }
     }
 }

@@ -219,7 +219,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
 /// The units of `pieces` whose parameter received a gradient in this step, in piece order.
 fn stepped_units<B: Backend>(
     runtime: &HsdpRuntime<B>,
-    pieces: &[Piece<'_, B>],
+    pieces: &[Piece<B>],
     group: &UpdateGroup<'_>,
 ) -> Vec<UpdateUnit> {
     let mut units = units_of(runtime, pieces.iter().map(|p| (p.bucket, p.start, p.len())));

@@ -137,16 +137,16 @@ pub(super) fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sende
             } => {
                 let bucket = tag.bucket.map(|b| b as usize);
                 // A device shard's part is read back first (the staged path of device shards).
-                let (shard, part, downloaded) = match source {
-                    ShardPart::Host(shard, part) => (Ok(shard), part, 0),
+                let (shard, part) = match source {
+                    ShardPart::Host(shard, part) => (Ok(shard), part),
                     ShardPart::Device(reader) => {
                         let read = lane
                             .timeline
                             .span(lane.track, "download shard", bucket, || {
                                 run(&lane.failure, || reader.read())
                             });
-                        let (len, bytes) = read.as_ref().map_or((0, 0), |e| (e.len(), e.bytes()));
-                        (read.map(Arc::new), 0..len, bytes)
+                        let len = read.as_ref().map_or(0, |e| e.len());
+                        (read.map(Arc::new), 0..len)
                     }
                 };
                 let r = shard.and_then(|shard| {
@@ -160,10 +160,9 @@ pub(super) fn serve_shard_lane(lane: Lane, rx: Receiver<Request>, replica: Sende
                 });
                 let r = r.map(|full| match stage {
                     Some(stage) => {
-                        let mut units =
+                        let units =
                             lane.timeline
                                 .span(lane.track, "upload gathered", bucket, || stage.stage(full));
-                        units.downloaded += downloaded;
                         Gathered::Device(units)
                     }
                     None => Gathered::Host(full),

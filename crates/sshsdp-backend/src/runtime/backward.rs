@@ -13,14 +13,20 @@ impl<B: Backend> Runtime<B> {
     pub(crate) fn begin_backward(&self, indices: &[usize]) {
         self.retention.backward_started();
         let mut st = self.lock();
-        st.grads
-            .begin(indices.iter().map(|&i| (i, self.plan.params()[i].bucket)));
+        let mut expected = vec![0; st.buckets.len()];
+        for &i in indices {
+            expected[self.plan.params()[i].bucket] += 1;
+            st.received[i] = true;
+        }
+        for (bucket, expected) in st.buckets.iter_mut().zip(expected) {
+            bucket.expect_gradients(expected);
+        }
         st.schedule.set_backward(!indices.is_empty());
         if st.schedule.reshards() && st.failure.is_none() {
             // The last bucket of forward is the first of backward: it stays; prefetch the one
             // before it.
             if let Some(last) = st.schedule.last_forward() {
-                if st.storage[last].resident().is_some() {
+                if st.buckets[last].resident().is_some() {
                     self.prefetch_after(&mut st, last);
                 }
             }
@@ -32,24 +38,21 @@ impl<B: Backend> Runtime<B> {
     pub(crate) fn submit_gradient(&self, index: usize, grad: B::FloatTensorPrimitive) {
         let p = &self.plan.params()[index];
         let b = p.bucket;
-        let k = index - self.plan.buckets()[b].params.start;
-        let (mut st, complete) = if self.grad_placement == Placement::Device {
-            let members = self.codecs[b].len();
+        let (mut st, complete) = if self.ctx.grads == Placement::Device {
             let mut st = self.lock();
-            let complete = st.grads.accumulate_on_device(b, members, k, grad);
+            let k = st.buckets[b].member(index);
+            let complete = st.buckets[b].accumulate_on_device(k, grad);
             (st, complete)
         } else {
-            let accumulated = with_f32_values::<B, _>(grad, |values| {
+            let accumulated = with_f32_values::<B, _>(grad, &self.ctx.traffic, |values| {
                 let mut st = self.lock();
-                let complete = st.grads.accumulate(b, &self.codecs[b], k, values);
+                let k = st.buckets[b].member(index);
+                let complete = st.buckets[b].accumulate(k, values);
                 st.counters.grad_bytes_copied += 4 * values.len() as u64;
                 (st, complete)
             });
             match accumulated {
-                Ok(((mut st, complete), downloaded)) => {
-                    st.counters.downloaded_bytes += downloaded;
-                    (st, complete)
-                }
+                Ok((st, complete)) => (st, complete),
                 Err(e) => {
                     let failure = format!("reading the gradient of {}: {e}", p.spec.path);
                     self.record_failure(&mut self.lock(), failure);
@@ -62,17 +65,10 @@ impl<B: Backend> Runtime<B> {
                 // The reduction is still queued (see `worker::run`): the ranks stay in step.
                 self.record_failure(&mut st, e);
             }
-            let how = (
-                self.plan.config().sharding,
-                self.plan.runtime_shards(),
-                self.engine_on_device,
-            );
-            match st.grads.reduce(b, &self.codecs[b], &self.worker, how) {
-                Ok(reduced) => {
-                    st.counters.reduced_bytes += reduced.bytes;
-                    st.counters.staged_bytes += reduced.staged;
-                    st.counters.downloaded_bytes += reduced.staged;
-                    st.counters.grad_bytes_copied += reduced.staged;
+            match st.buckets[b].reduce(&self.ctx) {
+                Ok((reduced, read_back)) => {
+                    st.counters.reduced_bytes += reduced;
+                    st.counters.grad_bytes_copied += read_back;
                 }
                 Err(e) => {
                     // Peers queue this bucket's reduction; theirs times out and fails the step.
@@ -83,7 +79,7 @@ impl<B: Backend> Runtime<B> {
                 // Every gradient of the bucket is in: backward needs its parameters no more.
                 st.release(b);
             }
-            if st.grads.complete() {
+            if st.buckets.iter().all(|b| b.pending_gradients() == 0) {
                 st.schedule.set_backward(false);
             }
         }

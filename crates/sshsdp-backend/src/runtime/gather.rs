@@ -4,7 +4,6 @@
 
 use burn_backend::{Backend, Shape};
 
-use super::residency;
 use super::{Runtime, State};
 use crate::lanes::Reply;
 use crate::timeline::Track;
@@ -15,26 +14,29 @@ impl<B: Backend> Runtime<B> {
     pub(crate) fn view(&self, index: usize) -> B::FloatTensorPrimitive {
         let p = &self.plan.params()[index];
         let shape = Shape::from(p.spec.shape.clone());
-        let zeros = |shape| {
-            B::float_zeros(
-                shape,
-                &self.materialiser.device,
-                burn_backend::FloatDType::F32,
-            )
-        };
+        let zeros = |shape| B::float_zeros(shape, &self.ctx.device, burn_backend::FloatDType::F32);
         let mut st = self.lock();
         let b = p.bucket;
+        if st.updating {
+            let failure = format!(
+                "parameter `{}` was read while an update step held the pieces: commit the step \
+                 first",
+                p.spec.path
+            );
+            self.record_failure(&mut st, failure);
+            return zeros(shape);
+        }
         if !self.make_resident(&mut st, b) {
             return zeros(shape);
         }
-        let k = index - self.plan.buckets()[b].params.start;
-        st.storage[b].resident().expect("made resident").params[k].clone()
+        let bucket = &st.buckets[b];
+        bucket.resident().expect("made resident").params[bucket.member(index)].clone()
     }
 
     /// Gathers bucket `b` if it is not resident (waiting for its prefetch if one is in flight),
     /// then prefetches the bucket the schedule expects next; `false` after a failure.
     pub(super) fn make_resident(&self, st: &mut State<B>, b: usize) -> bool {
-        if st.storage[b].resident().is_some() {
+        if st.buckets[b].resident().is_some() {
             return true;
         }
         if let Err(e) = sshsdp_comm::faults::inject("sshsdp::gather", self.world_rank) {
@@ -44,17 +46,14 @@ impl<B: Backend> Runtime<B> {
         // `worker::run`) and the bucket is installed as zeros, so that this rank's later calls
         // are exactly its peers' (the same schedule, prefetches included): the ranks stay in
         // step until the update reports the failure.
-        let reply = match st.storage[b].take_gather() {
+        let reply = match st.buckets[b].take_gather() {
             Some(reply) => {
                 st.counters.prefetched += 1;
                 reply
             }
             None => self.start_gather(st, b),
         };
-        let zeros = |st: &State<B>| {
-            let units = self.codecs[b].gathered_units();
-            Gathered::Host(st.storage[b].shard.zeros_like(units))
-        };
+        let zeros = |st: &State<B>| st.buckets[b].zeros_gathered();
         let full = match self.wait(b, "wait gather", reply) {
             Ok(full) if st.failure.is_none() => full,
             Ok(_) => zeros(st),
@@ -70,7 +69,7 @@ impl<B: Backend> Runtime<B> {
         if st.schedule.in_backward() {
             st.counters.backward_gathers += 1;
         }
-        let buckets = st.storage.len();
+        let buckets = st.buckets.len();
         for other in st.schedule.gathered(b, buckets) {
             st.release(other);
         }
@@ -84,27 +83,18 @@ impl<B: Backend> Runtime<B> {
         let Some(next) = st.schedule.next_after(b) else {
             return;
         };
-        if st.storage[next].is_sharded() {
+        if st.buckets[next].is_sharded() {
             let reply = self.start_gather(st, next);
-            st.storage[next].residency = residency::Residency::Gathering(reply);
+            st.buckets[next].set_gathering(reply);
         }
     }
 
     /// Queues the all-gather of bucket `b`'s runtime shards.
     pub(super) fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply<Gathered> {
         let State {
-            storage, counters, ..
+            buckets, counters, ..
         } = st;
-        let on_device = self.engine_on_device.then_some(&self.materialiser.device);
-        storage[b].start_gather(
-            b,
-            &self.worker,
-            &self.codecs[b],
-            self.materialiser.copy_mode,
-            on_device,
-            self.materialiser.stager(),
-            counters,
-        )
+        buckets[b].start_gather(&self.ctx, counters)
     }
 
     /// Waits for `reply`, timed as the model thread's wait on bucket `b`.
@@ -114,7 +104,8 @@ impl<B: Backend> Runtime<B> {
         name: &'static str,
         reply: Reply<T>,
     ) -> sshsdp_comm::CommResult<T> {
-        self.timeline
+        self.ctx
+            .timeline
             .span(Track::Model, name, Some(b), || reply.wait())
     }
 
@@ -134,20 +125,21 @@ impl<B: Backend> Runtime<B> {
     /// Materialises the gathered units `full` as bucket `b`'s parameters (→ `Unsharded`);
     /// `false` after recording a failure.
     pub(super) fn install(&self, st: &mut State<B>, b: usize, full: Gathered) -> bool {
-        let installed = self
-            .materialiser
-            .install(&self.codecs[b], full, &mut st.counters);
-        let resident = match installed {
-            Ok(resident) => resident,
+        st.release(b);
+        let State {
+            buckets, counters, ..
+        } = &mut *st;
+        match buckets[b].install(&self.ctx, full, counters) {
+            Ok(bytes) => {
+                st.resident_bytes += bytes;
+                st.counters.peak_resident_bytes =
+                    st.counters.peak_resident_bytes.max(st.resident_bytes);
+                true
+            }
             Err(e) => {
                 self.record_failure(st, e.to_string());
-                return false;
+                false
             }
-        };
-        st.release(b);
-        st.resident_bytes += resident.bytes;
-        st.counters.peak_resident_bytes = st.counters.peak_resident_bytes.max(st.resident_bytes);
-        st.storage[b].residency = residency::Residency::Unsharded(resident);
-        true
+        }
     }
 }

@@ -1,40 +1,35 @@
-//! The per-rank runtime, composed of stages with named state (after PyTorch FSDP2's
-//! `FSDPParamGroup`), each in its own module:
+//! The per-rank runtime: PyTorch FSDP2's `FSDPState` to the buckets' `FSDPParamGroup`. Each
+//! [`Bucket`] (`bucket/`) owns one communication group's storage and runs its stage operations
+//! (unshard, gradient, re-derive); the runtime drives them in order and keeps what spans
+//! buckets:
 //!
-//! | stage | module | state | transitions |
-//! |---|---|---|---|
-//! | gather | [`gather`] → [`schedule`], [`residency`] | `Schedule` (order of use, pass), `BucketStorage` (runtime shard, fp32 master), `Residency` | `Sharded → Gathering → Unsharded(pass) → Sharded` · prefetch next · release |
-//! | gradient | [`backward`] → [`grad_sync`] | `GradSync` (full-bucket gradients, pending counts, reductions) | accumulate · reduce · collect |
-//! | update | [`update`] (with [`pieces`], [`step_agreement`]) | masters and reduced pieces | norm · step |
-//! | re-derive | [`rederive`] | runtime shards | encode · rebuild |
+//! | concern | module | state |
+//! |---|---|---|
+//! | gather | [`gather`] → [`schedule`] | `Schedule` (order of use, pass), prefetch, resident bytes |
+//! | gradient | [`backward`] | per-parameter "received a gradient" bits |
+//! | update | [`update`] (with [`pieces`], [`step_agreement`]) | the open [`UpdateStep`] |
 //!
 //! Also: [`handles`] (parameter handles' ids, leaves and retention, [`retention`]), [`world`]
-//! (world collectives outside the step), [`counters`].
+//! (world collectives outside the step), the failure, the counters. Collectives are stateless
+//! and run on the communication lanes (`lanes/`, like FSDP2's `_fsdp_collectives.py`); the model
+//! thread only queues them and waits for replies.
 //!
-//! This module composes them: [`Runtime::view`] (an op meets a parameter handle) makes the
-//! bucket resident through the schedule and residency stages, autodiff's hooks drive gradient
-//! sync, and [`Runtime::update_pieces`] runs the update stage. Where parameters sit in a
-//! bucket's fp32 element space and runtime units is the plan's layout
-//! ([`sshsdp_plan::Bucket`]), encoded and decoded by each bucket's [`BucketCodec`].
-//!
-//! Every stage's state lives in one [`State`] behind one mutex: an op, a gradient hook and an
-//! update never interleave within a rank. Collectives run on the communication lanes
-//! (`lanes/`); the model thread only queues them and waits for replies.
+//! Every stage's state lives in one [`State`] behind one mutex: an op, a gradient hook and the
+//! runtime's side of an update never interleave within a rank. An update step does not hold it
+//! while the optimizer runs: [`Runtime::begin_update`] moves the pieces out, the caller steps
+//! them, [`UpdateStep::commit`] moves them back.
 //!
 //! Errors inside ops (a failed gather during forward or backward) cannot be returned through
 //! Burn's op signatures: the runtime records the failure (and aborts the engine's
 //! communicators, so every rank's calls fail at once), hands out zeros from then on while still
 //! queuing the collectives its peers expect (which fail at once: the ranks stay in step, no
-//! peer waits for a skipped call), and the next [`Runtime::update_pieces`] returns the error.
+//! peer waits for a skipped call), and the next update returns the error.
 
 mod backward;
-mod counters;
+pub(crate) mod bucket;
 mod gather;
-mod grad_sync;
 mod handles;
 mod pieces;
-mod rederive;
-mod residency;
 mod retention;
 mod schedule;
 mod step_agreement;
@@ -47,60 +42,54 @@ use burn_backend::distributed::DistributedParamId;
 use burn_backend::{read_sync, Backend};
 use sshsdp_plan::Plan;
 
-pub use counters::Counters;
-pub use pieces::{Piece, PieceValues, UpdateGroup, Views};
+pub use pieces::{HostMaster, Piece, PieceValues, UpdateGroup, Views};
+pub use update::UpdateStep;
 
 use crate::config::{HsdpConfig, NonFinitePolicy, Placement};
+use crate::counters::Counters;
 use crate::error::HsdpError;
 use crate::lanes::comm::LaneFactory;
 use crate::lanes::{DeviceEngine, Worker};
-use crate::storage::{BucketCodec, MasterBuf};
 use crate::tensor::LeafRearm;
 use crate::timeline::{Span, Timeline};
-use grad_sync::GradSync;
-use residency::{BucketStorage, Materialiser};
+use bucket::{Bucket, BucketContext, NewBuckets};
 use retention::Retention;
 use schedule::Schedule;
 
 /// Every stage's mutable state.
 pub(crate) struct State<B: Backend> {
-    storage: Vec<BucketStorage<B>>,
+    buckets: Vec<Bucket<B>>,
     schedule: Schedule,
-    grads: GradSync<B>,
+    /// Per parameter, whether a backward since the last update expected a gradient for it on
+    /// this rank (frozen parameters and those a step's graph did not use never do).
+    received: Vec<bool>,
     /// Bytes of the gathered buckets held now.
     resident_bytes: u64,
     failure: Option<String>,
     counters: Counters,
     /// The global gradient norm of the last update.
     last_grad_norm: Option<f64>,
+    /// Whether an update step holds the pieces now.
+    updating: bool,
 }
 
 impl<B: Backend> State<B> {
     /// Releases bucket `b`'s materialised parameters.
     fn release(&mut self, b: usize) {
-        self.resident_bytes -= self.storage[b].release();
+        self.resident_bytes -= self.buckets[b].release();
     }
 }
 
 /// One rank's sharded parameters.
 pub struct Runtime<B: Backend> {
     plan: Plan,
-    piece_in_shard: usize,
     world_rank: usize,
-    codecs: Vec<BucketCodec>,
-    materialiser: Materialiser<B>,
-    /// Whether the engine gathers and reduces device memory itself (NCCL on the same GPU as
-    /// `B`'s CUDA device: `storage/cube/gather.rs`, `storage/cube/reduce.rs`); otherwise device buffers are
-    /// staged through the host.
-    engine_on_device: bool,
+    /// What the buckets' operations share (device, formats, lanes, traffic).
+    ctx: BucketContext<B>,
     non_finite: NonFinitePolicy,
-    /// Where gradients are accumulated.
-    grad_placement: Placement,
     /// The communicators' factory, to abort every rank's collectives after a local failure.
     lanes: Arc<dyn LaneFactory>,
     state: Mutex<State<B>>,
-    worker: Worker,
-    timeline: Arc<Timeline>,
     ids: OnceLock<Vec<DistributedParamId>>,
     /// Per parameter, how to re-register its current autodiff leaf (`None` without autodiff or
     /// gradient). Kept apart from `state`: re-registering takes Burn's graph locks.
@@ -110,42 +99,17 @@ pub struct Runtime<B: Backend> {
 }
 
 impl<B: Backend> Runtime<B> {
-    /// The runtime of `plan` on this rank. `shard_of(plan, b, codec)` returns this rank's
-    /// runtime shard of bucket `b` as fp32 elements; it is called once per bucket in plan
-    /// order and each shard is encoded (and its master split off) before the next is asked
-    /// for, so registration holds one bucket's fp32 shard at a time. The communication lanes
-    /// connect their communicators from `lanes`, each on its own thread.
+    /// The runtime of `plan` on this rank over `buckets` (registration's, on `device`); the
+    /// communication lanes connect their communicators from `lanes`, each on its own thread.
     pub(crate) fn new(
         plan: Plan,
         device: B::Device,
         lanes: Arc<dyn LaneFactory>,
-        codecs: Vec<BucketCodec>,
-        mut shard_of: impl FnMut(&Plan, usize, &BucketCodec) -> Result<Vec<f32>, HsdpError>,
+        buckets: NewBuckets<B>,
         config: &HsdpConfig,
     ) -> Result<Self, HsdpError> {
         let rank = lanes.world_rank();
-        let piece_in_shard = plan.piece_of(rank)? % plan.pieces_per_shard();
-        let first_piece = plan.runtime_shard_of(rank)? * plan.pieces_per_shard();
-        // In f32 with host masters the runtime shard's piece is the master; otherwise the
-        // master is kept apart, where the config places it.
-        let separate_masters = plan.config().runtime_format != sshsdp_plan::RuntimeFormat::F32
-            || config.masters != Placement::Host;
-        let storage = codecs
-            .iter()
-            .enumerate()
-            .map(|(b, codec)| {
-                let shard = shard_of(&plan, b, codec)?;
-                let pe = codec.piece_elems();
-                let master = separate_masters.then(|| {
-                    let values = shard[piece_in_shard * pe..(piece_in_shard + 1) * pe].to_vec();
-                    MasterBuf::new(config.masters, values, &device)
-                });
-                Ok(BucketStorage::new(
-                    codec.encode(first_piece, shard)?,
-                    master,
-                ))
-            })
-            .collect::<Result<Vec<_>, HsdpError>>()?;
+        let (mut buckets, traffic) = buckets.finish();
         let timeline = Arc::new(Timeline::new(rank, config.trace));
         let mesh = (plan.mesh().replicas(), plan.mesh().shards());
         let worker = Worker::start(
@@ -159,58 +123,57 @@ impl<B: Backend> Runtime<B> {
         let engine_on_device = config.copy_mode == crate::config::CopyMode::ZeroCopy
             && config.device_collectives
             && engine_on_device::<B>(&worker, &device)?;
-        // Runtime shards on the device: where asked, or by default where the engine gathers
-        // device memory and the masters (which each update encodes from) are there.
-        let shards_on_device =
-            config
-                .shards
-                .unwrap_or(if engine_on_device && config.masters == Placement::Device {
-                    Placement::Device
-                } else {
-                    Placement::Host
-                })
-                == Placement::Device;
-        let mut storage = storage;
-        if shards_on_device {
-            for bucket in &mut storage {
-                if let crate::storage::ShardBuf::Host(shard) = &bucket.shard {
-                    let units = crate::storage::upload_shard::<B>(&device, shard)?;
-                    bucket.shard = crate::storage::ShardBuf::Device(units);
-                }
-            }
-        }
-        let leaves = Mutex::new(vec![None; plan.params().len()]);
-        let retention = Retention::new(plan.params().len());
-        let buckets = storage.len();
-        let params = plan.params().len();
-        Ok(Self {
-            plan,
-            piece_in_shard,
-            world_rank: rank,
-            codecs,
-            materialiser: Materialiser {
-                device,
-                copy_mode: config.copy_mode,
-                compute: config.precision.compute,
-            },
+        let ctx = BucketContext {
+            device,
+            copy_mode: config.copy_mode,
+            compute: config.precision.compute,
+            reduce: config.precision.reduce,
+            masters: config.masters,
+            grads: config.grads,
             engine_on_device,
-            non_finite: config.non_finite,
-            grad_placement: config.grads,
-            lanes,
+            sharding: plan.config().sharding,
+            runtime_shards: plan.runtime_shards(),
+            pieces_per_shard: plan.pieces_per_shard(),
+            piece: plan.piece_of(rank)?,
+            piece_in_shard: plan.piece_of(rank)? % plan.pieces_per_shard(),
             worker,
             timeline,
-            leaves,
-            retention,
+            traffic,
+        };
+        // Runtime shards on the device: where asked, or by default where the engine gathers
+        // device memory and the masters (which each update encodes from) are there.
+        let default_shards = if engine_on_device && config.masters == Placement::Device {
+            Placement::Device
+        } else {
+            Placement::Host
+        };
+        if config.shards.unwrap_or(default_shards) == Placement::Device {
+            for bucket in &mut buckets {
+                bucket.shard_to_device(&ctx)?;
+            }
+        }
+        // Registration's moves are not a step's.
+        ctx.traffic.take();
+        let params = plan.params().len();
+        Ok(Self {
+            world_rank: rank,
+            ctx,
+            non_finite: config.non_finite,
+            lanes,
+            leaves: Mutex::new(vec![None; params]),
+            retention: Retention::new(params),
             state: Mutex::new(State {
-                storage,
+                buckets,
                 schedule: Schedule::new(config.reshard_after_forward),
-                grads: GradSync::new(buckets, params, config.precision.reduce),
+                received: vec![false; params],
                 resident_bytes: 0,
                 failure: None,
                 counters: Counters::default(),
                 last_grad_norm: None,
+                updating: false,
             }),
             ids: OnceLock::new(),
+            plan,
         })
     }
 
@@ -230,7 +193,7 @@ impl<B: Backend> Runtime<B> {
 
     /// The dtype parameters compute in.
     pub(crate) fn compute_precision(&self) -> crate::config::Precision {
-        self.materialiser.compute
+        self.ctx.compute
     }
 
     /// The plan this runtime follows.
@@ -238,40 +201,13 @@ impl<B: Backend> Runtime<B> {
         &self.plan
     }
 
-    /// Runs the optimizer on this rank's pieces and rebuilds the runtime shards.
-    ///
-    /// `step(pieces, group)` updates each piece's fp32 master elements (handed as `views`) from its
-    /// world-averaged gradient; `group` runs the optimizer's own collectives (the same on every
-    /// rank, in the same order). Buckets that received no gradient are not among the pieces.
-    /// Afterwards each piece's runtime elements are re-derived from its master (bf16, MXFP8),
-    /// the runtime shards rebuilt, and every gathered bucket released, so the next forward
-    /// gathers the new values.
-    pub fn update_pieces(
-        &self,
-        views: Views,
-        step: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
-    ) -> Result<(), HsdpError> {
-        update::run(self, &mut self.lock(), false, views, step)
-    }
-
-    /// Hands every bucket's piece to `f` as host slices (gradients empty, pending gradients left
-    /// alone; device masters staged), then
-    /// re-derives and rebuilds the runtime shards as after an update: for checkpoints, which
-    /// read or overwrite the fp32 masters.
-    pub fn master_pieces(
-        &self,
-        f: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
-    ) -> Result<(), HsdpError> {
-        update::run(self, &mut self.lock(), true, Views::Host, f)
-    }
-
     /// Closes a step (applied or not): completes the gathers prefetched for a use that did not
     /// come, releases every gathered bucket (the next forward gathers the current values) and
     /// keeps this step's order of use for the next step's prefetch.
     fn end_step(&self, st: &mut State<B>) -> Result<(), HsdpError> {
-        for b in 0..st.storage.len() {
+        for b in 0..st.buckets.len() {
             // A prefetch this step did not use still completed on every rank: drop its result.
-            if let Some(reply) = st.storage[b].take_gather() {
+            if let Some(reply) = st.buckets[b].take_gather() {
                 if let Err(e) = self.wait(b, "wait unused prefetch", reply) {
                     self.record_failure(st, e.to_string());
                     return Err(e.into());
@@ -280,7 +216,7 @@ impl<B: Backend> Runtime<B> {
             st.release(b);
         }
         st.schedule.end_step();
-        self.worker.end_step();
+        self.ctx.worker.end_step();
         Ok(())
     }
 
@@ -292,13 +228,18 @@ impl<B: Backend> Runtime<B> {
     /// The counters since the last call, reset to zero.
     pub fn take_counters(&self) -> Counters {
         let mut counters = std::mem::take(&mut self.lock().counters);
-        (counters.comm_wait_ns, counters.comm_busy_ns) = self.timeline.take_times();
+        (counters.comm_wait_ns, counters.comm_busy_ns) = self.ctx.timeline.take_times();
+        (
+            counters.uploaded_bytes,
+            counters.downloaded_bytes,
+            counters.staged_bytes,
+        ) = self.ctx.traffic.take();
         counters
     }
 
     /// The timeline's spans since the last call (empty unless `HsdpConfig::with_trace`).
     pub fn take_trace(&self) -> Vec<Span> {
-        self.timeline.take_spans()
+        self.ctx.timeline.take_spans()
     }
 
     /// A copy of parameter `index`'s current values, gathered (for checks and export).
@@ -322,47 +263,47 @@ impl<B: Backend> Runtime<B> {
     /// Whether this rank's runtime shards are in device memory (see
     /// [`HsdpConfig::with_shard_placement`]).
     pub fn shards_on_device(&self) -> bool {
-        self.lock().storage.iter().any(|b| b.shard.on_device())
+        self.lock().buckets.iter().any(|b| b.shard().on_device())
     }
 
     /// Bytes of this rank's persistent runtime shards, wherever they are
     /// ([`Self::shards_on_device`]).
     pub fn shard_bytes(&self) -> u64 {
-        self.lock().storage.iter().map(|b| b.shard.bytes()).sum()
+        self.lock().buckets.iter().map(|b| b.shard().bytes()).sum()
     }
 
     /// Bytes of this rank's separate fp32 master pieces on the host (0 in the f32 runtime format
     /// with host masters, where the runtime shard holds them, and with device masters).
     pub fn master_bytes(&self) -> u64 {
         self.lock()
-            .storage
+            .buckets
             .iter()
-            .map(|b| b.master.as_ref().map_or(0, MasterBuf::host_bytes))
+            .map(|b| b.master().map_or(0, |m| m.host_bytes()))
             .sum()
     }
 
     /// Bytes of this rank's fp32 master pieces on the device ([`Placement::Device`]).
     pub fn device_master_bytes(&self) -> u64 {
         self.lock()
-            .storage
+            .buckets
             .iter()
-            .map(|b| b.master.as_ref().map_or(0, MasterBuf::device_bytes))
+            .map(|b| b.master().map_or(0, |m| m.device_bytes()))
             .sum()
     }
 
     /// The device parameters are gathered on.
     pub fn device(&self) -> &B::Device {
-        &self.materialiser.device
+        &self.ctx.device
     }
 
     /// The memory of [`Self::device`] as its allocator reports it (CubeCL backends only).
     pub fn device_memory(&self) -> Option<crate::DeviceMemory> {
-        crate::storage::device_memory::<B>(&self.materialiser.device)
+        crate::storage::device_memory::<B>(&self.ctx.device)
     }
 
     /// Whether the engine gathers and reduces device memory itself (see `engine_on_device`).
     pub fn collectives_on_device(&self) -> bool {
-        self.engine_on_device
+        self.ctx.engine_on_device
     }
 }
 

@@ -2,6 +2,8 @@
 //! gradients, on the host or the device) and the update group it may exchange with (Muon's
 //! whole matrices).
 
+use std::ops::{Deref, DerefMut, Range};
+
 use burn_backend::{Backend, TensorMetadata};
 
 use crate::lanes::Worker;
@@ -22,36 +24,60 @@ pub enum Views {
     Host,
 }
 
-/// A piece's fp32 master weights and world-averaged gradient, where they live.
-pub enum PieceValues<'a, B: Backend> {
+/// A piece's fp32 master weights and world-averaged gradient, where they live, held by the
+/// update step (moved out of the runtime for it).
+pub enum PieceValues<B: Backend> {
     /// Host memory.
     Host {
-        /// Master elements (padding elements included), updated in place.
-        master: &'a mut [f32],
+        /// Master elements (padding elements included), updated in place (a `[f32]`).
+        master: HostMaster,
         /// Their gradient (empty when handing out masters only).
-        grad: &'a [f32],
+        grad: Vec<f32>,
     },
     /// Tensors on the decorated backend's device (1-D, the piece's element count).
     Device {
         /// Master elements; the optimizer replaces the tensor with the updated one.
-        master: &'a mut B::FloatTensorPrimitive,
+        master: B::FloatTensorPrimitive,
         /// Their gradient.
         grad: B::FloatTensorPrimitive,
     },
 }
 
+/// A piece's fp32 master elements on the host during an update step: dereferences to the
+/// piece's `[f32]`. (In the f32 runtime format with host masters they are the runtime shard's
+/// own elements, which the step holds whole.)
+pub struct HostMaster {
+    pub(super) elements: Vec<f32>,
+    pub(super) slot: Range<usize>,
+    /// Whether `elements` is the runtime shard (see above).
+    pub(super) in_shard: bool,
+}
+
+impl Deref for HostMaster {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.elements[self.slot.clone()]
+    }
+}
+
+impl DerefMut for HostMaster {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.elements[self.slot.clone()]
+    }
+}
+
 /// One bucket's piece on this rank during an update.
-pub struct Piece<'a, B: Backend> {
+pub struct Piece<B: Backend> {
     /// The bucket.
     pub bucket: usize,
     /// Position of the piece's first element in the bucket's element space (the plan's update
     /// views of the piece say where parameters sit in it).
     pub start: usize,
     /// The master and gradient values.
-    pub values: PieceValues<'a, B>,
+    pub values: PieceValues<B>,
 }
 
-impl<B: Backend> Piece<'_, B> {
+impl<B: Backend> Piece<B> {
     /// Number of elements (padding included).
     pub fn len(&self) -> usize {
         match &self.values {

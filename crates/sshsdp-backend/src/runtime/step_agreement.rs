@@ -11,10 +11,10 @@
 
 use burn_backend::Backend;
 
-use super::grad_sync::PieceGrad;
 use super::{Runtime, State};
-use crate::storage::download;
+use crate::storage::{download, F32Buf};
 use crate::timeline::Track;
+use crate::traffic::Purpose;
 use crate::HsdpError;
 
 /// Bytes each rank sends: its sum of squares and one bit per parameter.
@@ -29,35 +29,36 @@ pub(super) fn norm_message_len<B: Backend>(rt: &Runtime<B>) -> usize {
 pub(super) fn global_grad_norm<B: Backend>(
     rt: &Runtime<B>,
     st: &mut State<B>,
-    grads: &[(usize, PieceGrad<B>)],
+    grads: &[(usize, F32Buf<B>)],
 ) -> Result<(f64, Vec<bool>), HsdpError> {
     let mut local = 0f64;
     let mut on_device = Vec::new();
     for (_, g) in grads {
         match g {
-            PieceGrad::Host(g) => {
-                local += g.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
-            }
-            PieceGrad::Device(g) => {
-                on_device.push(B::float_sum(B::float_mul(g.clone(), g.clone())))
-            }
+            F32Buf::Host(g) => local += g.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>(),
+            F32Buf::Device(g) => on_device.push(B::float_sum(B::float_mul(g.clone(), g.clone()))),
         }
     }
     if !on_device.is_empty() {
         // Device pieces: their sums of squares on the device in f32 (Burn's sum), one scalar
         // read back for all. An f32 sum can overflow to infinity where f64 would not, which
         // only makes a gradient of norm beyond 1.8e19 count as non-finite.
-        let sum = download::<B>(B::float_sum(B::float_cat(on_device, 0)))
-            .inspect_err(|e| rt.record_failure(st, e.to_string()))?;
-        st.counters.downloaded_bytes += 4;
+        let sum = download::<B>(
+            B::float_sum(B::float_cat(on_device, 0)),
+            &rt.ctx.traffic,
+            Purpose::Data,
+        )
+        .inspect_err(|e| rt.record_failure(st, e.to_string()))?;
         local += f64::from(sum[0]);
     }
     let params = rt.plan.params().len();
     let mut message = local.to_le_bytes().to_vec();
-    message.extend(pack_bits(&st.grads.take_received()));
+    let fresh = vec![false; params];
+    message.extend(pack_bits(&std::mem::replace(&mut st.received, fresh)));
     debug_assert_eq!(message.len(), norm_message_len(rt));
-    let reply = rt.worker.gather_world_bytes("gradient norm", message);
+    let reply = rt.ctx.worker.gather_world_bytes("gradient norm", message);
     let gathered = rt
+        .ctx
         .timeline
         .span(Track::Model, "wait gradient norm", None, || reply.wait());
     let all = match gathered {

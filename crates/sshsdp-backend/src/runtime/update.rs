@@ -1,258 +1,403 @@
-//! The update stage: the reduced gradient pieces are collected, the global gradient norm is
-//! measured on every rank alike (and a non-finite one stops the step everywhere), the
-//! optimizer steps this rank's pieces, each piece's runtime bytes are re-derived from its fp32
-//! master (bf16 cast or MXFP8 quantisation) and the runtime shards rebuilt across replicas.
-
-use std::sync::Arc;
+//! The update stage, linear: [`Runtime::begin_update`] collects the reduced gradient pieces,
+//! measures the global gradient norm on every rank alike (a non-finite one stops the step
+//! everywhere) and moves this rank's pieces — fp32 masters and gradients, where the caller
+//! wants them — out of the runtime into an [`UpdateStep`]; the caller (the optimizer) steps
+//! them with no runtime lock held; [`UpdateStep::commit`] agrees with every rank that every
+//! step succeeded, re-derives each piece's runtime bytes from its master, rebuilds the runtime
+//! shards across replicas and ends the step.
+//!
+//! A step that is not committed — [`UpdateStep::abandon`]ed with the optimizer's error, or
+//! dropped (an early return, a panic) — applies nothing more: the masters go back as the
+//! optimizer left them, the runtime shards are not re-derived, and this rank's runtime records
+//! the failure and aborts the engine's communicators, so every rank gets an error at its next
+//! collective (a peer already committing fails in the step verdict). The runtime stays failed:
+//! a partly stepped master cannot be told from a whole one, so no rollback is pretended.
 
 use burn_backend::Backend;
 
-use super::grad_sync::PieceGrad;
-use super::pieces::{Piece, PieceValues, UpdateGroup, Views};
-use super::rederive::{finish_rebuild, rederive_piece};
+use super::bucket::TakenMaster;
+use super::pieces::{HostMaster, Piece, PieceValues, UpdateGroup, Views};
 use super::step_agreement::{global_grad_norm, norm_message_len};
 use super::{Runtime, State};
-use crate::config::NonFinitePolicy;
-use crate::storage::{download, upload, MasterBuf, ShardBuf};
+use crate::config::{NonFinitePolicy, Placement};
+use crate::storage::F32Buf;
 use crate::HsdpError;
 
-/// Hands this rank's pieces to `step` as `views` — those with a gradient, or every bucket's
-/// with empty gradients (as host slices) when `all_buckets` (checkpoints reading or writing
-/// masters) — then re-derives and rebuilds the runtime shards and ends the step.
-pub(super) fn run<B: Backend>(
-    rt: &Runtime<B>,
-    st: &mut State<B>,
-    all_buckets: bool,
-    views: Views,
-    step: impl FnOnce(&mut [Piece<'_, B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
-) -> Result<(), HsdpError> {
-    if let Some((b, pending)) = st.grads.waiting() {
-        let failure = format!(
-            "bucket {b} is still waiting for {pending} gradients: finish backward before stepping"
-        );
-        rt.record_failure(st, failure);
+/// This rank's pieces moved out of the runtime for one update (see the module docs): step
+/// them through [`Self::pieces_mut`] (or [`Self::parts`], with the update group's collectives),
+/// then [`Self::commit`].
+pub struct UpdateStep<'r, B: Backend> {
+    runtime: &'r Runtime<B>,
+    pieces: Vec<Piece<B>>,
+    group: UpdateGroup<'r>,
+    /// Every bucket's piece with empty gradients (checkpoints), not a training step.
+    masters_only: bool,
+    /// Whether the pieces went back (committed or abandoned).
+    closed: bool,
+}
+
+impl<B: Backend> Runtime<B> {
+    /// Opens an update: this rank's pieces that received a gradient, handed as `views`, with
+    /// their world-averaged gradients. `Ok(None)` when the step was skipped on every rank (a
+    /// non-finite gradient under [`NonFinitePolicy::SkipStep`]: nothing to step, nothing
+    /// changed). A collective call: every rank calls it, then commits.
+    pub fn begin_update(&self, views: Views) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
+        self.begin(false, views)
     }
-    for b in 0..st.storage.len() {
-        match st.grads.collect(b, &rt.timeline, &rt.materialiser.device) {
-            Ok((up, down)) => {
-                let c = &mut st.counters;
-                c.staged_bytes += up + down;
-                c.uploaded_bytes += up;
-                c.downloaded_bytes += down;
-                c.grad_bytes_copied += down;
+
+    /// Opens an update of every bucket's piece as host slices with empty gradients (device
+    /// masters staged, pending gradients left alone), for reading or overwriting the fp32
+    /// masters (checkpoints); committing re-derives and rebuilds the runtime shards as after an
+    /// update. A collective call.
+    pub fn begin_masters(&self) -> Result<UpdateStep<'_, B>, HsdpError> {
+        Ok(self
+            .begin(true, Views::Host)?
+            .expect("a masters-only update is never skipped"))
+    }
+
+    /// Runs `step(pieces, group)` on this rank's pieces (see [`Self::begin_update`]) and
+    /// commits: the closure form of the linear update. A skipped step does not call `step`.
+    pub fn update_pieces(
+        &self,
+        views: Views,
+        step: impl FnOnce(&mut [Piece<B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        match self.begin_update(views)? {
+            Some(update) => update.run(step),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Self::begin_masters`] in closure form.
+    pub fn master_pieces(
+        &self,
+        f: impl FnOnce(&mut [Piece<B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        self.begin_masters()?.run(f)
+    }
+
+    fn begin(
+        &self,
+        masters_only: bool,
+        views: Views,
+    ) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
+        let st = &mut *self.lock();
+        if st.updating {
+            let failure = "an update was begun while another was open".to_string();
+            self.record_failure(st, failure.clone());
+            return Err(HsdpError::Failed(failure));
+        }
+        if let Some((b, pending)) = st
+            .buckets
+            .iter()
+            .find(|b| b.pending_gradients() > 0)
+            .map(|b| (b.index(), b.pending_gradients()))
+        {
+            let failure = format!(
+                "bucket {b} is still waiting for {pending} gradients: finish backward before \
+                 stepping"
+            );
+            self.record_failure(st, failure);
+        }
+        for b in 0..st.buckets.len() {
+            if let Err(e) = st.buckets[b].collect(&self.ctx) {
+                self.record_failure(st, e);
             }
-            Err(e) => rt.record_failure(st, e),
         }
-    }
-    if let Some(f) = st.failure.clone() {
-        // The update's first collective is still made (it fails at once: see `worker::run`), so
-        // that peers that have not met the failure yet meet it here and return from this same
-        // call: the gradient norm, or the verdict when there is no norm (all buckets). Only the
-        // first: peers stop at it too, so a second would wait for them in vain.
-        if all_buckets {
-            let _ = rt.gather_world(st, "step verdict", vec![1]);
-        } else {
-            let _ = rt
-                .worker
-                .gather_world_bytes("gradient norm", vec![0; norm_message_len(rt)])
-                .wait();
-        }
-        return Err(HsdpError::Failed(f));
-    }
-    let grads: Vec<(usize, PieceGrad<B>)> = (0..st.storage.len())
-        .map(|b| {
-            let g = if all_buckets {
-                PieceGrad::Host(Vec::new())
+        if let Some(f) = st.failure.clone() {
+            // The update's first collective is still made (it fails at once: see
+            // `worker::run`), so that peers that have not met the failure yet meet it here and
+            // return from this same call: the gradient norm, or the verdict when there is no
+            // norm (masters only). Only the first: peers stop at it too, so a second would wait
+            // for them in vain.
+            if masters_only {
+                let _ = self.gather_world(st, "step verdict", vec![1]);
             } else {
-                st.grads.take_piece(b)
-            };
-            (b, g)
-        })
-        .filter(|(_, g)| all_buckets || !g.is_empty())
-        .collect();
-    let (grad_norm, received) = if all_buckets {
-        (0.0, Vec::new())
-    } else {
-        let (norm, received) = global_grad_norm(rt, st, &grads)?;
-        st.last_grad_norm = Some(norm);
-        if !norm.is_finite() {
-            // Every rank measured the same norm: every rank drops this step's gradients and
-            // applies nothing, so masters and runtime shards stay as they were.
-            drop(grads);
-            rt.end_step(st)?;
-            return match rt.non_finite {
-                NonFinitePolicy::Error => Err(HsdpError::NonFiniteGradient { norm }),
-                NonFinitePolicy::SkipStep => {
-                    st.counters.skipped_steps += 1;
-                    Ok(())
-                }
-            };
-        }
-        (norm, received)
-    };
-    let piece = rt.plan.piece_of(rt.world_rank)?;
-    let device = &rt.materialiser.device;
-    // Device masters the caller wants as host slices: staged to the host for the step.
-    let host_views = all_buckets || views == Views::Host;
-    let mut staged: Vec<Option<Vec<f32>>> = vec![None; st.storage.len()];
-    if host_views {
-        for &(b, _) in &grads {
-            if let Some(MasterBuf::Device(t)) = &st.storage[b].master {
-                let t = t.clone();
-                let values =
-                    download::<B>(t).inspect_err(|e| rt.record_failure(st, e.to_string()))?;
-                st.counters.staged_bytes += 4 * values.len() as u64;
-                st.counters.downloaded_bytes += 4 * values.len() as u64;
-                staged[b] = Some(values);
+                let _ = self
+                    .ctx
+                    .worker
+                    .gather_world_bytes("gradient norm", vec![0; norm_message_len(self)])
+                    .wait();
             }
+            return Err(HsdpError::Failed(f));
         }
-    }
-    // Each gradient where its master is: on the host for host slices, on the device for
-    // device masters.
-    let grads: Vec<(usize, PieceGrad<B>)> = grads
-        .into_iter()
-        .map(|(b, g)| {
-            let device_master = matches!(st.storage[b].master, Some(MasterBuf::Device(_)));
-            let on_device = device_master && staged[b].is_none();
-            match (g, on_device) {
-                (PieceGrad::Device(t), false) => {
-                    let values =
-                        download::<B>(t).inspect_err(|e| rt.record_failure(st, e.to_string()))?;
-                    st.counters.staged_bytes += 4 * values.len() as u64;
-                    st.counters.downloaded_bytes += 4 * values.len() as u64;
-                    Ok((b, PieceGrad::Host(values)))
-                }
-                (PieceGrad::Host(values), true) => {
-                    st.counters.staged_bytes += 4 * values.len() as u64;
-                    st.counters.uploaded_bytes += 4 * values.len() as u64;
-                    Ok((b, PieceGrad::Device(upload::<B>(values, device))))
-                }
-                (g, _) => Ok((b, g)),
+        let grads: Vec<(usize, F32Buf<B>)> = if masters_only {
+            (0..st.buckets.len())
+                .map(|b| (b, F32Buf::Host(Vec::new())))
+                .collect()
+        } else {
+            (0..st.buckets.len())
+                .filter_map(|b| st.buckets[b].take_grad().map(|g| (b, g)))
+                .collect()
+        };
+        let (grad_norm, received) = if masters_only {
+            (0.0, Vec::new())
+        } else {
+            let (norm, received) = global_grad_norm(self, st, &grads)?;
+            st.last_grad_norm = Some(norm);
+            if !norm.is_finite() {
+                // Every rank measured the same norm: every rank drops this step's gradients
+                // and applies nothing, so masters and runtime shards stay as they were.
+                drop(grads);
+                self.end_step(st)?;
+                return match self.non_finite {
+                    NonFinitePolicy::Error => Err(HsdpError::NonFiniteGradient { norm }),
+                    NonFinitePolicy::SkipStep => {
+                        st.counters.skipped_steps += 1;
+                        Ok(None)
+                    }
+                };
             }
-        })
-        .collect::<Result<_, HsdpError>>()?;
-    let stepped = {
-        let State { storage, .. } = &mut *st;
-        let mut grads_iter = grads.iter().peekable();
-        let mut pieces = Vec::with_capacity(grads.len());
-        for ((b, bucket), staged) in storage.iter_mut().enumerate().zip(&mut staged) {
-            let Some((_, grad)) = grads_iter.next_if(|(gb, _)| *gb == b) else {
-                continue;
-            };
-            let values = match (&mut bucket.master, staged, grad) {
-                (Some(MasterBuf::Device(master)), None, PieceGrad::Device(grad)) => {
-                    PieceValues::Device {
-                        master,
-                        grad: grad.clone(),
-                    }
-                }
-                (_, _, PieceGrad::Device(_)) => {
-                    return Err(HsdpError::Failed(format!(
-                        "bucket {b}: a device gradient for a host master"
-                    )))
-                }
-                (_, Some(master), PieceGrad::Host(grad)) => PieceValues::Host { master, grad },
-                (Some(MasterBuf::Host(master)), None, PieceGrad::Host(grad)) => {
-                    PieceValues::Host { master, grad }
-                }
-                (Some(MasterBuf::Device(_)), None, PieceGrad::Host(_)) => {
-                    return Err(HsdpError::Failed(format!(
-                        "bucket {b}: a host gradient for a device master"
-                    )))
-                }
-                (None, None, PieceGrad::Host(grad)) => {
-                    // f32 with host masters: the piece's runtime elements, its place in the shard.
-                    let pe = rt.codecs[b].piece_elems();
-                    let range = rt.piece_in_shard * pe..(rt.piece_in_shard + 1) * pe;
-                    let ShardBuf::Host(shard) = &mut bucket.shard else {
-                        return Err(HsdpError::Failed(format!(
-                            "bucket {b}: a device shard without a device master"
-                        )));
-                    };
-                    let elements = Arc::make_mut(shard)
-                        .as_f32_mut()
-                        .ok_or_else(|| HsdpError::Failed("no fp32 master elements".into()))?;
-                    PieceValues::Host {
-                        master: &mut elements[range],
-                        grad,
-                    }
-                }
-            };
-            pieces.push(Piece {
-                bucket: b,
-                start: piece * rt.codecs[b].piece_elems(),
-                values,
-            });
-        }
+            (norm, received)
+        };
+        let pieces = self
+            .take_pieces(st, grads, views)
+            .inspect_err(|e| self.record_failure(st, e.to_string()))?;
+        st.updating = true;
         let group = UpdateGroup {
-            worker: &rt.worker,
-            timeline: &rt.timeline,
-            piece,
-            piece_ranks: piece_ranks(&rt.plan)?,
+            worker: &self.ctx.worker,
+            timeline: &self.ctx.timeline,
+            piece: self.ctx.piece,
+            piece_ranks: piece_ranks(&self.plan)?,
             grad_norm,
             received,
         };
-        sshsdp_comm::faults::inject("sshsdp::update", rt.world_rank)
+        Ok(Some(UpdateStep {
+            runtime: self,
+            pieces,
+            group,
+            masters_only,
+            closed: false,
+        }))
+    }
+
+    /// The pieces of the buckets in `grads`, their masters taken out of the buckets and each
+    /// gradient moved to where its master is: host slices for [`Views::Host`], else where the
+    /// masters live. On an error every master taken so far goes back.
+    fn take_pieces(
+        &self,
+        st: &mut State<B>,
+        grads: Vec<(usize, F32Buf<B>)>,
+        views: Views,
+    ) -> Result<Vec<Piece<B>>, HsdpError> {
+        let ctx = &self.ctx;
+        let placement = match views {
+            Views::Host => Placement::Host,
+            Views::AsStored => ctx.masters,
+        };
+        let mut pieces = Vec::with_capacity(grads.len());
+        for (b, grad) in grads {
+            let piece = st.buckets[b]
+                .take_master(placement, ctx)
+                .and_then(|master| {
+                    let at = match &master {
+                        TakenMaster::Apart(m) => m.placement(),
+                        TakenMaster::InShard { .. } => Placement::Host,
+                    };
+                    let grad = grad.to(at, &ctx.device, &ctx.traffic);
+                    let values = match (master, grad) {
+                        (TakenMaster::Apart(F32Buf::Device(master)), Ok(F32Buf::Device(grad))) => {
+                            PieceValues::Device { master, grad }
+                        }
+                        (TakenMaster::Apart(F32Buf::Host(elements)), Ok(F32Buf::Host(grad))) => {
+                            let slot = 0..elements.len();
+                            let master = HostMaster {
+                                elements,
+                                slot,
+                                in_shard: false,
+                            };
+                            PieceValues::Host { master, grad }
+                        }
+                        (TakenMaster::InShard { elements, slot }, Ok(F32Buf::Host(grad))) => {
+                            let master = HostMaster {
+                                elements,
+                                slot,
+                                in_shard: true,
+                            };
+                            PieceValues::Host { master, grad }
+                        }
+                        (master, grad) => {
+                            st.buckets[b].restore_master(master, ctx)?;
+                            return Err(grad.err().unwrap_or_else(|| {
+                                HsdpError::Failed(format!(
+                                    "bucket {b}: a gradient apart from its master"
+                                ))
+                            }));
+                        }
+                    };
+                    Ok(Piece {
+                        bucket: b,
+                        start: ctx.piece * st.buckets[b].codec().piece_elems(),
+                        values,
+                    })
+                });
+            match piece {
+                Ok(piece) => pieces.push(piece),
+                Err(e) => {
+                    self.restore_pieces(st, pieces);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(pieces)
+    }
+
+    /// Puts the masters of `pieces` back into their buckets (moved home), as they are.
+    fn restore_pieces(&self, st: &mut State<B>, pieces: Vec<Piece<B>>) {
+        for piece in pieces {
+            let b = piece.bucket;
+            if let Err(e) = st.buckets[b].restore_master(taken(piece), &self.ctx) {
+                self.record_failure(st, format!("bucket {b}: restoring its master: {e}"));
+            }
+        }
+        st.updating = false;
+    }
+}
+
+/// A piece's master, as the bucket takes it back.
+fn taken<B: Backend>(piece: Piece<B>) -> TakenMaster<B> {
+    match piece.values {
+        PieceValues::Device { master, .. } => TakenMaster::Apart(F32Buf::Device(master)),
+        PieceValues::Host { master, .. } if master.in_shard => TakenMaster::InShard {
+            elements: master.elements,
+            slot: master.slot,
+        },
+        PieceValues::Host { master, .. } => TakenMaster::Apart(F32Buf::Host(master.elements)),
+    }
+}
+
+impl<'r, B: Backend> UpdateStep<'r, B> {
+    /// This rank's pieces: those with a gradient (every bucket's, with empty gradients, for a
+    /// masters-only update), in bucket order.
+    pub fn pieces_mut(&mut self) -> &mut [Piece<B>] {
+        &mut self.pieces
+    }
+
+    /// The collectives the optimizer may run over its update group, and the step's agreed
+    /// gradient norm and received-gradient bits.
+    pub fn group(&self) -> &UpdateGroup<'r> {
+        &self.group
+    }
+
+    /// [`Self::pieces_mut`] and [`Self::group`] at once (an optimizer that exchanges between
+    /// pieces, as distributed Muon does).
+    pub fn parts(&mut self) -> (&mut [Piece<B>], &UpdateGroup<'r>) {
+        (&mut self.pieces, &self.group)
+    }
+
+    /// `step(pieces, group)`, then [`Self::commit`], or [`Self::abandon`] with its error.
+    pub fn run(
+        mut self,
+        step: impl FnOnce(&mut [Piece<B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
+    ) -> Result<(), HsdpError> {
+        let rank = self.runtime.world_rank;
+        let stepped = sshsdp_comm::faults::inject("sshsdp::update", rank)
             .map_err(HsdpError::Failed)
-            .and_then(|()| step(&mut pieces, &group))
-    };
-    // A failed step (one of its collectives failed, or the optimizer's own error) is recorded
-    // first: that aborts the engine, so a peer of the update group still inside one of the
-    // step's collectives fails at once instead of waiting for this rank.
-    if let Err(e) = &stepped {
-        rt.record_failure(st, e.to_string());
+            .and_then(|()| {
+                let (pieces, group) = self.parts();
+                step(pieces, group)
+            });
+        match stepped {
+            Ok(()) => self.commit(),
+            Err(e) => Err(self.abandon(e)),
+        }
     }
-    // Every rank learns whether every rank's step succeeded (one byte each, over the world), so
-    // a failure in one update group (under HSDP each replica steps on its own) is an error on
-    // every rank in this same call, and no rank goes on to re-derive and rebuild alone. Made
-    // after a failure too: the engine fails it at once, carrying the failure to the ranks that
-    // wait in it.
-    let verdicts = rt.gather_world(st, "step verdict", vec![u8::from(stepped.is_err())]);
-    let failed: Vec<usize> = match &verdicts {
-        Ok(v) => v
-            .iter()
-            .enumerate()
-            .filter(|(_, &f)| f != 0)
-            .map(|(r, _)| r)
-            .collect(),
-        Err(_) => Vec::new(),
-    };
-    stepped?;
-    verdicts?;
-    if !failed.is_empty() {
-        let failure = format!("the optimizer step failed on ranks {failed:?}");
-        rt.record_failure(st, failure.clone());
-        return Err(HsdpError::Failed(failure));
+
+    /// Applies the step: every rank learns whether every rank's step succeeded (one byte each,
+    /// over the world, so a failure in one update group is an error on every rank in this same
+    /// call and no rank re-derives and rebuilds alone); then each piece's runtime units are
+    /// re-derived from its master, the runtime shards rebuilt across replicas, and every
+    /// gathered bucket released, so the next forward gathers the new values.
+    pub fn commit(mut self) -> Result<(), HsdpError> {
+        self.close(None)
     }
-    // Re-derive each updated piece's runtime units and rebuild the shards across replicas.
-    let mut rebuilds = Vec::new();
-    for &(b, _) in &grads {
-        match rederive_piece(rt, st, b, piece, staged[b].take()) {
-            Ok(rebuild) => rebuilds.push((b, rebuild)),
+
+    /// Gives up the step after the optimizer's `error` (or any other): nothing more is applied
+    /// and every rank gets an error (see the module docs). Returns `error`.
+    pub fn abandon(mut self, error: HsdpError) -> HsdpError {
+        let _ = self.close(Some(error.to_string()));
+        error
+    }
+
+    /// Commits (`failure` `None`) or abandons the step.
+    fn close(&mut self, failure: Option<String>) -> Result<(), HsdpError> {
+        self.closed = true;
+        let rt = self.runtime;
+        let st = &mut *rt.lock();
+        let pieces = std::mem::take(&mut self.pieces);
+        // A failed step is recorded first: that aborts the engine, so a peer of the update
+        // group still inside one of the step's collectives fails at once.
+        if let Some(failure) = &failure {
+            rt.record_failure(st, failure.clone());
+        }
+        // Made after a failure too: the engine fails it at once, carrying the failure to the
+        // ranks that wait in it.
+        let verdicts = rt.gather_world(st, "step verdict", vec![u8::from(failure.is_some())]);
+        if let Some(failure) = failure {
+            rt.restore_pieces(st, pieces);
+            return Err(HsdpError::Failed(failure));
+        }
+        let verdicts = match verdicts {
+            Ok(verdicts) => verdicts,
             Err(e) => {
-                // Recorded first: that aborts the engine, so peers already waiting in this
-                // step's rebuilds fail at once instead of waiting for this rank.
+                rt.restore_pieces(st, pieces);
+                return Err(e);
+            }
+        };
+        let failed: Vec<usize> = (0..verdicts.len()).filter(|&r| verdicts[r] != 0).collect();
+        if !failed.is_empty() {
+            let failure = format!("the optimizer step failed on ranks {failed:?}");
+            rt.record_failure(st, failure.clone());
+            rt.restore_pieces(st, pieces);
+            return Err(HsdpError::Failed(failure));
+        }
+        st.updating = false;
+        // Re-derive each updated piece's runtime units and rebuild the shards across replicas.
+        let mut rebuilds = Vec::with_capacity(pieces.len());
+        let mut pieces = pieces.into_iter();
+        for piece in pieces.by_ref() {
+            let b = piece.bucket;
+            match st.buckets[b].rederive(&rt.ctx, taken(piece)) {
+                Ok(rebuild) => rebuilds.push((b, rebuild)),
+                Err(e) => {
+                    // Recorded first: that aborts the engine, so peers already waiting in
+                    // this step's rebuilds fail at once instead of waiting for this rank.
+                    rt.record_failure(st, e.to_string());
+                    rt.restore_pieces(st, pieces.collect());
+                    return Err(e);
+                }
+            }
+        }
+        for (b, rebuild) in rebuilds {
+            if let Err(e) = st.buckets[b].finish_rebuild(&rt.ctx, rebuild) {
                 rt.record_failure(st, e.to_string());
                 return Err(e);
             }
         }
-    }
-    for (b, rebuild) in rebuilds {
-        match finish_rebuild(rt, st, b, rebuild) {
-            Ok(shard) => st.storage[b].shard = shard,
-            Err(e) => {
-                rt.record_failure(st, e.to_string());
-                return Err(e);
-            }
+        rt.end_step(st)?;
+        if !self.masters_only {
+            // A whole step (forward, backward, update, rebuild) ran on every rank: each
+            // compiled its kernels, so engines with a start-up bound tighten their waits now.
+            rt.lanes.startup_done();
         }
+        Ok(())
     }
-    rt.end_step(st)?;
-    if !all_buckets {
-        // A whole step (forward, backward, update, rebuild) ran on every rank: each compiled
-        // its kernels, so engines with a start-up bound tighten their waits now.
-        rt.lanes.startup_done();
+}
+
+impl<B: Backend> Drop for UpdateStep<'_, B> {
+    /// A step neither committed nor abandoned: its masters go back as they are, and the
+    /// runtime fails (see the module docs). No collective is made here (this may run while
+    /// unwinding): the abort reaches the peers.
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        let rt = self.runtime;
+        let st = &mut *rt.lock();
+        let failure = "an update step was dropped without commit: nothing more was applied";
+        rt.record_failure(st, failure.into());
+        rt.restore_pieces(st, std::mem::take(&mut self.pieces));
     }
-    Ok(())
 }
 
 /// The update-group rank holding each piece of `plan`: the world rank when hierarchical, the

@@ -23,8 +23,9 @@ impl<B: Backend> Runtime<B> {
         buf: Vec<f32>,
     ) -> Result<Vec<f32>, HsdpError> {
         let st = &mut self.lock();
-        let reply = self.worker.broadcast_world(stage, buf);
+        let reply = self.ctx.worker.broadcast_world(stage, buf);
         let received = self
+            .ctx
             .timeline
             .span(Track::Model, "wait world broadcast", None, || reply.wait());
         self.settle_world(st, received)
@@ -38,8 +39,9 @@ impl<B: Backend> Runtime<B> {
         bytes: Vec<u8>,
     ) -> Result<Vec<u8>, HsdpError> {
         // Made after a failure too (it fails at once: see `worker::run`): the ranks stay in step.
-        let reply = self.worker.gather_world_bytes(stage, bytes);
+        let reply = self.ctx.worker.gather_world_bytes(stage, bytes);
         let gathered = self
+            .ctx
             .timeline
             .span(Track::Model, "wait world all-gather", None, || reply.wait());
         self.settle_world(st, gathered)

@@ -35,6 +35,7 @@ use crate::model::buffers::{buffer_specs, BufferSpec};
 use crate::model::leaves::leaf;
 use crate::model::params::{param_specs, placeholder, without_drawing};
 use crate::model::paths::{map_at, MapAt};
+use crate::runtime::bucket::NewBuckets;
 use crate::runtime::Runtime;
 use crate::storage::BucketCodec;
 use plan_agreement::agree_on_plan;
@@ -244,9 +245,6 @@ where
 
     let rank = comm.world_rank();
     let shard_index = plan.runtime_shard_of(rank)?;
-    let codecs: Vec<BucketCodec> = (0..plan.buckets().len())
-        .map(|b| BucketCodec::new(&plan, b))
-        .collect();
     let index: HashMap<String, usize> = plan
         .params()
         .iter()
@@ -259,7 +257,7 @@ where
     // and the ranks agree that all could. The runtime encodes each shard and keeps its piece
     // as the fp32 master before asking for the next.
     let mut module = Some(module);
-    let shard_of = |plan: &Plan, b: usize, codec: &BucketCodec| match source {
+    let mut shard_of = |plan: &Plan, b: usize, codec: &BucketCodec| match source {
         Some(source) => {
             let read = read_shard(plan, b, shard_index, source);
             let mut flags = vec![0u8; comm.world_size()];
@@ -303,12 +301,17 @@ where
             Ok(full.split_off(shard_index * shard_len))
         }
     };
+    let mut buckets = NewBuckets::new(&plan, rank, device, &config)?;
+    for (b, bucket) in plan.buckets().iter().enumerate() {
+        let codec = BucketCodec::new(&plan, b);
+        let shard = shard_of(&plan, b, &codec)?;
+        buckets.push(bucket.params.clone(), codec, shard)?;
+    }
     let runtime = Arc::new(Runtime::new(
         plan,
         device.clone(),
         factory,
-        codecs,
-        shard_of,
+        buckets,
         &config,
     )?);
     runtime.set_ids(registry::register(&runtime));

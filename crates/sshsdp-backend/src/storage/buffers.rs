@@ -8,6 +8,7 @@ use std::sync::Arc;
 use burn_backend::{read_sync, Backend, TensorData, TensorMetadata};
 
 use crate::config::Placement;
+use crate::traffic::{Purpose, Traffic};
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
@@ -24,53 +25,123 @@ pub struct DeviceMemory {
     pub allocations: u64,
 }
 
-/// One piece's fp32 master weights, where [`Placement`] put them.
-pub(crate) enum MasterBuf<B: Backend> {
+/// fp32 values of one piece (its master weights, or its reduced gradient) where their role's
+/// [`Placement`] put them. Every move between host and device goes through [`F32Buf::to`],
+/// which charges the bytes it moves.
+pub(crate) enum F32Buf<B: Backend> {
     /// On the host.
     Host(Vec<f32>),
     /// A 1-D tensor on `B`'s device.
     Device(B::FloatTensorPrimitive),
 }
 
-impl<B: Backend> MasterBuf<B> {
+impl<B: Backend> F32Buf<B> {
     /// `values` placed by `placement` (uploaded to `device` for [`Placement::Device`]).
-    pub fn new(placement: Placement, values: Vec<f32>, device: &B::Device) -> Self {
-        match placement {
-            Placement::Host => MasterBuf::Host(values),
-            Placement::Device => MasterBuf::Device(upload::<B>(values, device)),
+    pub fn new(
+        placement: Placement,
+        values: Vec<f32>,
+        device: &B::Device,
+        traffic: &Traffic,
+    ) -> Self {
+        F32Buf::Host(values)
+            .to(placement, device, traffic)
+            .expect("an upload cannot fail")
+    }
+
+    /// Where the values are.
+    pub fn placement(&self) -> Placement {
+        match self {
+            F32Buf::Host(_) => Placement::Host,
+            F32Buf::Device(_) => Placement::Device,
+        }
+    }
+
+    /// The values moved to `placement` (staging: charged to `traffic`); as they are when they
+    /// are there already.
+    pub fn to(
+        self,
+        placement: Placement,
+        device: &B::Device,
+        traffic: &Traffic,
+    ) -> Result<Self, HsdpError> {
+        Ok(match (self, placement) {
+            (F32Buf::Host(values), Placement::Device) => {
+                F32Buf::Device(upload::<B>(values, device, traffic, Purpose::Stage))
+            }
+            (F32Buf::Device(t), Placement::Host) => {
+                F32Buf::Host(download::<B>(t, traffic, Purpose::Stage)?)
+            }
+            (values, _) => values,
+        })
+    }
+
+    /// `self + other`, on the device if both are there, else on the host.
+    pub fn add(self, other: Self, traffic: &Traffic) -> Result<Self, HsdpError> {
+        Ok(match (self, other) {
+            (F32Buf::Device(a), F32Buf::Device(b)) => F32Buf::Device(B::float_add(a, b)),
+            (a, b) => {
+                let (F32Buf::Host(mut a), F32Buf::Host(b)) =
+                    (a.to_host(traffic)?, b.to_host(traffic)?)
+                else {
+                    unreachable!("moved to the host")
+                };
+                a.iter_mut().zip(&b).for_each(|(a, g)| *a += g);
+                F32Buf::Host(a)
+            }
+        })
+    }
+
+    /// The values on the host (device ones read back: staging, charged to `traffic`).
+    fn to_host(self, traffic: &Traffic) -> Result<Self, HsdpError> {
+        match self {
+            F32Buf::Device(t) => Ok(F32Buf::Host(download::<B>(t, traffic, Purpose::Stage)?)),
+            host => Ok(host),
         }
     }
 
     /// Bytes held on the host.
     pub fn host_bytes(&self) -> u64 {
         match self {
-            MasterBuf::Host(v) => 4 * v.len() as u64,
-            MasterBuf::Device(_) => 0,
+            F32Buf::Host(v) => 4 * v.len() as u64,
+            F32Buf::Device(_) => 0,
         }
     }
 
     /// Bytes held on the device.
     pub fn device_bytes(&self) -> u64 {
         match self {
-            MasterBuf::Host(_) => 0,
-            MasterBuf::Device(t) => 4 * t.shape().num_elements() as u64,
+            F32Buf::Host(_) => 0,
+            F32Buf::Device(t) => 4 * t.shape().num_elements() as u64,
         }
     }
 }
 
-/// `values` as a 1-D f32 tensor on `device`.
-pub(crate) fn upload<B: Backend>(values: Vec<f32>, device: &B::Device) -> B::FloatTensorPrimitive {
+/// `values` as a 1-D f32 tensor on `device` (the upload charged to `traffic`).
+pub(crate) fn upload<B: Backend>(
+    values: Vec<f32>,
+    device: &B::Device,
+    traffic: &Traffic,
+    purpose: Purpose,
+) -> B::FloatTensorPrimitive {
     let n = values.len();
-    B::float_from_data(TensorData::new(values, [n]), device)
+    let tensor = B::float_from_data(TensorData::new(values, [n]), device);
+    traffic.upload(4 * n as u64, purpose);
+    tensor
 }
 
-/// A float tensor's values, read back to the host as f32.
-pub(crate) fn download<B: Backend>(tensor: B::FloatTensorPrimitive) -> Result<Vec<f32>, HsdpError> {
-    read_sync(B::float_into_data(tensor))
+/// A float tensor's values, read back to the host as f32 (charged to `traffic`).
+pub(crate) fn download<B: Backend>(
+    tensor: B::FloatTensorPrimitive,
+    traffic: &Traffic,
+    purpose: Purpose,
+) -> Result<Vec<f32>, HsdpError> {
+    let values = read_sync(B::float_into_data(tensor))
         .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))?
         .convert::<f32>()
         .into_vec::<f32>()
-        .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))
+        .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))?;
+    traffic.download(4 * values.len() as u64, purpose);
+    Ok(values)
 }
 
 /// A bucket's runtime shard on this rank, where its [`Placement`] put it.

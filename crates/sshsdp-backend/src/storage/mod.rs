@@ -33,6 +33,7 @@
 //! runtime units (`units.rs`), never the runtime or registration.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn_backend::{Backend, Shape, Slice};
 use sshsdp_comm::CommError;
@@ -40,6 +41,7 @@ use sshsdp_plan::Sharding;
 
 use crate::config::Precision;
 use crate::lanes::{DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits};
+use crate::traffic::{Purpose, Traffic};
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
@@ -51,7 +53,9 @@ pub(crate) mod cube;
 pub(crate) mod host;
 
 pub use buffers::DeviceMemory;
-pub(crate) use buffers::{download, upload, GradSource, MasterBuf, SendUnits, ShardBuf};
+#[cfg(test)]
+pub(crate) use buffers::upload;
+pub(crate) use buffers::{download, F32Buf, GradSource, SendUnits, ShardBuf};
 pub(crate) use codec::BucketCodec;
 pub(crate) use compute::{ComputeBuf, Member};
 pub(crate) use host::views::with_f32_values;
@@ -95,29 +99,31 @@ pub(crate) fn cuda_ordinal<B: Backend>(device: &B::Device) -> Option<usize> {
     }
 }
 
-/// The bucket buffer `full` as one tensor per member, each a view into it; also the bytes
-/// uploaded into `B`'s memory (0 where `B` takes the host allocation itself: burn-ndarray).
+/// The bucket buffer `full` as one tensor per member, each a view into it; the bytes uploaded
+/// into `B`'s memory (none where `B` takes the host allocation itself: burn-ndarray) are
+/// charged to `traffic`.
 pub(crate) fn bucket_views<B: Backend>(
     full: ComputeBuf,
     members: &[Member],
     device: &B::Device,
-) -> (Vec<B::FloatTensorPrimitive>, u64) {
-    let bytes = full.bytes();
+    traffic: &Traffic,
+) -> Vec<B::FloatTensorPrimitive> {
     #[cfg(feature = "ndarray")]
     let full = match full {
         ComputeBuf::F32(values) => match host::views::views_if_ndarray::<B>(values, members) {
-            Ok(views) => return (views, 0),
+            Ok(views) => return views,
             Err(values) => ComputeBuf::F32(values),
         },
         other => other,
     };
+    traffic.upload(full.bytes(), Purpose::Data);
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     let full = match cube::views::views_if_cube::<B>(full, members, device) {
-        Ok(views) => return (views, bytes),
+        Ok(views) => return views,
         Err(full) => full,
     };
     let bucket = B::float_from_data(full.into_data(), device);
-    let views = members
+    members
         .iter()
         .map(|m| {
             let slice = Slice {
@@ -128,21 +134,21 @@ pub(crate) fn bucket_views<B: Backend>(
             let flat = B::float_slice(bucket.clone(), &[slice]);
             B::float_reshape(flat, Shape::from(m.shape.clone()))
         })
-        .collect();
-    (views, bytes)
+        .collect()
 }
 
-/// What uploads a host gather's units on the lane, where parameters are views of a CubeCL
-/// buffer of `device` in `compute` (`None` elsewhere: host backends).
+/// What uploads a host gather's units on the lane (charging `traffic`), where parameters are
+/// views of a CubeCL buffer of `device` in `compute` (`None` elsewhere: host backends).
 pub(crate) fn stager<B: Backend>(
     device: &B::Device,
     compute: Precision,
+    traffic: &Arc<Traffic>,
 ) -> Option<Box<dyn StageUnits>> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return cube::codec::stager_if_cube::<B>(device, compute);
+    return cube::codec::stager_if_cube::<B>(device, compute, traffic);
     #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
     {
-        let _ = (device, compute);
+        let _ = (device, compute, traffic);
         None
     }
 }
@@ -165,35 +171,39 @@ pub(crate) fn device_views<B: Backend>(
     }
 }
 
-/// What reads units `range` of a device shard back on the shard lane.
+/// What reads units `range` of a device shard back on the shard lane (staging, charged to
+/// `traffic`).
 pub(crate) fn device_part(
     shard: &DeviceUnits,
     range: Range<usize>,
+    traffic: &Arc<Traffic>,
 ) -> Result<ShardPart, CommError> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return cube::shard::units_reader(shard, range)
+    return cube::shard::units_reader(shard, range, traffic.clone(), Purpose::Stage)
         .map(ShardPart::Device)
         .map_err(|e| CommError::Engine(e.to_string()));
     #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
     {
-        let _ = (shard, range);
+        let _ = (shard, range, traffic);
         Err(CommError::Engine(no_cube().to_string()))
     }
 }
 
 /// Piece `piece`'s runtime bytes encoded on the device from its device master `master`, where
 /// the decorated backend is a CubeCL backend this build supports and the format has an encoding
-/// (`None` otherwise: the master is read back and encoded on the host).
+/// (`None` otherwise: the master is read back and encoded on the host). The bytes read back
+/// are charged to `traffic`.
 pub(crate) fn encode_on_device<B: Backend>(
     codec: &BucketCodec,
     piece: usize,
     master: &B::FloatTensorPrimitive,
+    traffic: &Traffic,
 ) -> Option<Result<Vec<u8>, HsdpError>> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    if let Some(bytes) = cube::codec::encode_piece_if_cube::<B>(codec, piece, master) {
+    if let Some(bytes) = cube::codec::encode_piece_if_cube::<B>(codec, piece, master, traffic) {
         return Some(bytes);
     }
-    let _ = (codec, piece, master);
+    let _ = (codec, piece, master, traffic);
     None
 }
 
@@ -212,27 +222,31 @@ pub(crate) fn encode_units_on_device<B: Backend>(
     Err(no_cube())
 }
 
-/// Every unit of `units`, read back to the host.
-pub(crate) fn read_device_units(units: &DeviceUnits) -> Result<Elems, HsdpError> {
+/// Every unit of `units`, read back to the host (staging, charged to `traffic`).
+pub(crate) fn read_device_units(
+    units: &DeviceUnits,
+    traffic: &Arc<Traffic>,
+) -> Result<Elems, HsdpError> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return cube::shard::read_units(units, 0..units.len);
+    return cube::shard::read_units(units, 0..units.len, traffic);
     #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
     {
-        let _ = units;
+        let _ = (units, traffic);
         Err(no_cube())
     }
 }
 
-/// `shard` uploaded into a device buffer of `device`.
+/// `shard` uploaded into a device buffer of `device` (staging, charged to `traffic`).
 pub(crate) fn upload_shard<B: Backend>(
     device: &B::Device,
     shard: &Elems,
+    traffic: &Traffic,
 ) -> Result<DeviceUnits, HsdpError> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    if let Some(units) = cube::shard::upload_units::<B>(device, shard) {
+    if let Some(units) = cube::shard::upload_units::<B>(device, shard, traffic, Purpose::Stage) {
         return Ok(units);
     }
-    let _ = (device, shard);
+    let _ = (device, shard, traffic);
     Err(no_cube())
 }
 
@@ -282,30 +296,32 @@ pub(crate) fn device_reduce_job<B: Backend>(
     reduce: Precision,
     sharding: Sharding,
     shape: (usize, usize),
+    traffic: &Arc<Traffic>,
 ) -> Option<Box<dyn DeviceReduceJob>> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return cube::reduce::reduce_job_if_cube::<B>(source, reduce, sharding, shape);
+    return cube::reduce::reduce_job_if_cube::<B>(source, reduce, sharding, shape, traffic);
     #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
     {
-        let _ = (source, reduce, sharding, shape);
+        let _ = (source, reduce, sharding, shape, traffic);
         None
     }
 }
 
 /// The buffers of an all-gather of `send` into `full_len` units on `device`, moved by the engine
 /// in device memory (NCCL on `CubeBackend<CudaRuntime>` where [`cuda_ordinal`] matches the
-/// engine's GPU, or ranks of this process sharing `device`): the job for a lane and the bytes
-/// it will upload.
+/// engine's GPU, or ranks of this process sharing `device`): the job for a lane (which charges
+/// `traffic` with a host part's upload).
 pub(crate) fn device_gather<B: Backend>(
     device: &B::Device,
     send: SendUnits<'_>,
     full_len: usize,
-) -> Result<(Box<dyn DeviceGatherJob>, u64), HsdpError> {
+    traffic: &Arc<Traffic>,
+) -> Result<Box<dyn DeviceGatherJob>, HsdpError> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return cube::gather::gather_buffers::<B>(device, send, full_len);
+    return cube::gather::gather_buffers::<B>(device, send, full_len, traffic);
     #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
     {
-        let _ = (device, send, full_len);
+        let _ = (device, send, full_len, traffic);
         Err(no_cube())
     }
 }

@@ -31,8 +31,10 @@ use crate::config::Precision;
 use crate::lanes::StageUnits;
 use crate::storage::codec::{BucketCodec, CodecOp, MX_FORMAT};
 use crate::storage::compute::{ComputeBuf, Member};
+use crate::traffic::{Purpose, Traffic};
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
+use std::sync::Arc;
 
 /// Uploads gathered host units into a CubeCL buffer of `device` on the shard lane, if `B` is a
 /// CubeCL backend this build supports (`None` otherwise). Called on the model's thread: the
@@ -42,12 +44,14 @@ use crate::HsdpError;
 pub(crate) fn stager_if_cube<B: Backend>(
     device: &B::Device,
     compute: Precision,
+    traffic: &Arc<Traffic>,
 ) -> Option<Box<dyn StageUnits>> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
             let client = lane_client(client_of::<B, R>(device));
             let narrow = (compute != Precision::F32).then_some(compute);
-            return Some(Box::new(CubeStager::<R> { client, narrow }));
+            let traffic = traffic.clone();
+            return Some(Box::new(CubeStager::<R> { client, narrow, traffic }));
         }
     });
     None
@@ -58,6 +62,8 @@ struct CubeStager<R: CubeRuntime> {
     client: ComputeClient<R>,
     /// The 16-bit compute dtype f32 units are narrowed to, if any.
     narrow: Option<Precision>,
+    /// Charged with the uploads.
+    traffic: Arc<Traffic>,
 }
 
 impl<R: CubeRuntime> StageUnits for CubeStager<R> {
@@ -76,12 +82,11 @@ impl<R: CubeRuntime> StageUnits for CubeStager<R> {
                 (handle, units.bytes(), None, units.zeros_like(0))
             }
         };
+        self.traffic.upload(uploaded, Purpose::Data);
         DeviceUnits {
             len,
             kind,
             narrowed,
-            uploaded,
-            downloaded: 0,
             buffer: Box::new(CubeUnits::<R>::new(self.client, handle)),
         }
     }
@@ -209,11 +214,16 @@ pub(crate) fn encode_piece_if_cube<B: Backend>(
     codec: &BucketCodec,
     piece: usize,
     master: &B::FloatTensorPrimitive,
+    traffic: &Traffic,
 ) -> Option<Result<Vec<u8>, HsdpError>> {
     let ops = codec.encode_ops(piece)?;
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            return Some(encode::<B, R>(codec, &ops, master));
+            let bytes = encode::<B, R>(codec, &ops, master);
+            if let Ok(bytes) = &bytes {
+                traffic.download(bytes.len() as u64, Purpose::Stage);
+            }
+            return Some(bytes);
         }
     });
     None
@@ -268,8 +278,6 @@ pub(crate) fn encode_piece_units_if_cube<B: Backend>(
                     len: codec.piece_bytes() / kind.unit_bytes() as usize,
                     kind,
                     narrowed: None,
-                    uploaded: 0,
-                    downloaded: 0,
                 }
             }));
         }
@@ -396,6 +404,7 @@ fn run<R: CubeRuntime>(
 mod tests {
     use super::*;
     use crate::storage::buffers::download;
+    use crate::traffic::{Purpose, Traffic};
     use burn_cubecl::CubeBackend;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
     use sshsdp_plan::{DType, Mesh, ParamSpec, Plan, PlanConfig, Role, RuntimeFormat};
@@ -467,7 +476,7 @@ mod tests {
                     let host = codec.to_compute(gathered.clone()).unwrap();
                     let tensor =
                         decode::<B, WgpuRuntime>(&codec, le_bytes(&gathered), &device).unwrap();
-                    let dev = download::<B>(tensor).unwrap();
+                    let dev = download::<B>(tensor, &Traffic::default(), Purpose::Data).unwrap();
                     for (k, p) in members.iter().enumerate() {
                         let at = codec.compute_start(k);
                         let n = p.spec.numel() as usize;
@@ -519,8 +528,9 @@ mod tests {
                                 .map(|i| value(i + piece * 13, with_specials))
                                 .collect();
                             let host = le_bytes(&codec.encode(piece, master.clone()).unwrap());
-                            let tensor = upload::<B>(master, &device);
-                            let dev = encode_piece_if_cube::<B>(&codec, piece, &tensor)
+                            let tensor =
+                                upload::<B>(master, &device, &Traffic::default(), Purpose::Data);
+                            let dev = encode_piece_if_cube::<B>(&codec, piece, &tensor, &Traffic::default())
                                 .expect("a CubeCL backend and an encoded format")
                                 .unwrap();
                             let what = format!(
@@ -547,7 +557,12 @@ mod tests {
         }
         // The f32 format has no encoding: its runtime elements are the masters.
         let codec = BucketCodec::new(&plan_in(1, RuntimeFormat::F32), 0);
-        let tensor = upload::<B>(vec![0.0; codec.piece_elems()], &device);
-        assert!(encode_piece_if_cube::<B>(&codec, 0, &tensor).is_none());
+        let tensor = upload::<B>(
+            vec![0.0; codec.piece_elems()],
+            &device,
+            &Traffic::default(),
+            Purpose::Data,
+        );
+        assert!(encode_piece_if_cube::<B>(&codec, 0, &tensor, &Traffic::default()).is_none());
     }
 }

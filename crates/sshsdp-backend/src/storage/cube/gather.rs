@@ -47,8 +47,10 @@ use super::{
 use crate::lanes::comm::DeviceBuffers;
 use crate::lanes::DeviceGatherJob;
 use crate::storage::buffers::SendUnits;
+use crate::traffic::{Purpose, Traffic};
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
+use std::sync::Arc;
 
 /// The CUDA ordinal of `device` if `B` is `CubeBackend<CudaRuntime, …>` or fusion over it (`None`
 /// otherwise).
@@ -70,13 +72,14 @@ pub(crate) fn gather_buffers<B: Backend>(
     device: &B::Device,
     send: SendUnits<'_>,
     full_len: usize,
-) -> Result<(Box<dyn DeviceGatherJob>, u64), HsdpError> {
+    traffic: &Arc<Traffic>,
+) -> Result<Box<dyn DeviceGatherJob>, HsdpError> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            return gather_job::<B, R>(device, send, full_len);
+            return gather_job::<B, R>(device, send, full_len, traffic);
         }
     });
-    let _ = (device, send, full_len);
+    let _ = (device, send, full_len, traffic);
     Err(HsdpError::Unsupported(
         "all-gathers on device memory need a CubeCL backend (this crate's `wgpu` or `cuda` \
          feature)"
@@ -88,19 +91,14 @@ fn gather_job<B: Backend, R: CubeRuntime>(
     device: &B::Device,
     send: SendUnits<'_>,
     full_len: usize,
-) -> Result<(Box<dyn DeviceGatherJob>, u64), HsdpError> {
+    traffic: &Arc<Traffic>,
+) -> Result<Box<dyn DeviceGatherJob>, HsdpError> {
     // The lane queues through it (on wgpu, on the model thread's stream: `lane_client`).
     let client = lane_client(client_of::<B, R>(device));
-    let (send, count, kind, uploaded) = match send {
+    let (send, count, kind) = match send {
         SendUnits::Host(shard, part) => {
             let bytes = padded_to_words(shard.le_bytes(part.clone()));
-            let uploaded = bytes.len() as u64;
-            (
-                Outgoing::Upload(bytes),
-                part.len(),
-                shard.zeros_like(0),
-                uploaded,
-            )
+            (Outgoing::Upload(bytes), part.len(), shard.zeros_like(0))
         }
         SendUnits::Device(units, part) => {
             let cube: &CubeUnits<R> = units.buffer.downcast_ref().ok_or_else(|| {
@@ -116,7 +114,6 @@ fn gather_job<B: Backend, R: CubeRuntime>(
                 Outgoing::Device { send, written },
                 part.len(),
                 units.kind.zeros_like(0),
-                0,
             )
         }
     };
@@ -129,8 +126,9 @@ fn gather_job<B: Backend, R: CubeRuntime>(
         count,
         full_len,
         empty: kind,
+        traffic: traffic.clone(),
     };
-    Ok((Box::new(job), uploaded))
+    Ok(Box::new(job))
 }
 
 /// What a gather sends.
@@ -155,6 +153,8 @@ struct CubeGatherJob<R: CubeRuntime> {
     full_len: usize,
     /// An empty run of the units' type.
     empty: Elems,
+    /// Charged with the upload of a host part.
+    traffic: Arc<Traffic>,
 }
 
 impl<R: CubeRuntime> DeviceGatherJob for CubeGatherJob<R> {
@@ -168,7 +168,10 @@ impl<R: CubeRuntime> DeviceGatherJob for CubeGatherJob<R> {
             self.empty.unit_bytes() as usize * self.full_len,
         ));
         let (send, written) = match &self.send {
-            Outgoing::Upload(bytes) => (Span::of(lane_upload(&self.client, bytes)), None),
+            Outgoing::Upload(bytes) => {
+                self.traffic.upload(bytes.len() as u64, Purpose::Data);
+                (Span::of(lane_upload(&self.client, bytes)), None)
+            }
             Outgoing::Device { send, written } => (send.clone(), written.clone()),
         };
         self.recv = Some(recv.clone());
@@ -188,8 +191,6 @@ impl<R: CubeRuntime> DeviceGatherJob for CubeGatherJob<R> {
             len: job.full_len,
             kind: job.empty,
             narrowed: None,
-            uploaded: 0,
-            downloaded: 0,
         }
     }
 }

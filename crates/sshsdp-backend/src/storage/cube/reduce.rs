@@ -32,8 +32,10 @@ use crate::config::Precision;
 use crate::lanes::comm::MeshComm;
 use crate::lanes::DeviceReduceJob;
 use crate::storage::buffers::GradSource;
+use crate::traffic::{Purpose, Traffic};
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
+use std::sync::Arc;
 
 /// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in
 /// the reduction dtype `reduce` — by the engine on device memory for [`GradSource::Full`]
@@ -44,6 +46,7 @@ pub(crate) fn reduce_job_if_cube<B: Backend>(
     reduce: Precision,
     sharding: Sharding,
     (shards, piece_len): (usize, usize),
+    traffic: &Arc<Traffic>,
 ) -> Option<Box<dyn DeviceReduceJob>> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
@@ -59,7 +62,7 @@ pub(crate) fn reduce_job_if_cube<B: Backend>(
                 },
             };
             return Some(Box::new(CubeReduceJob::<R>::new(
-                source, reduce, sharding, shards, piece_len,
+                source, reduce, sharding, (shards, piece_len), traffic.clone(),
             )));
         }
     });
@@ -129,8 +132,8 @@ struct CubeReduceJob<R: CubeRuntime> {
     /// accumulated in place; under DDP no fresh buffer is in the first stage's ready call)
     /// would otherwise hand NCCL a buffer still being written.
     written: Option<Handle>,
-    uploaded: u64,
-    downloaded: u64,
+    /// Charged with the staged path's moves.
+    traffic: Arc<Traffic>,
 }
 
 impl<R: CubeRuntime> CubeReduceJob<R> {
@@ -138,8 +141,8 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
         source: Source<R>,
         reduce: Precision,
         sharding: Sharding,
-        shards: usize,
-        piece_len: usize,
+        (shards, piece_len): (usize, usize),
+        traffic: Arc<Traffic>,
     ) -> Self {
         let (full, full_len, runs, on_device) = match source {
             // The runtime passes a full gradient only where the engine reduces device memory.
@@ -186,8 +189,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
             piece_len,
             host_shard: None,
             written,
-            uploaded: 0,
-            downloaded: 0,
+            traffic,
         }
     }
 
@@ -253,7 +255,7 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect();
-        self.downloaded += 4 * cat.len() as u64;
+        self.traffic.download(4 * cat.len() as u64, Purpose::Stage);
         let mut values = vec![0f32; self.full_len];
         for &(at, from, len) in &self.runs {
             values[at..at + len].copy_from_slice(&cat[from..from + len]);
@@ -293,7 +295,7 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
         };
         self.piece_len = piece.len();
         self.kind = ElementKind::F32;
-        self.uploaded += 4 * piece.len() as u64;
+        self.traffic.upload(4 * piece.len() as u64, Purpose::Stage);
         self.piece = lane_upload(&self.client, &Elems::F32(piece).word_bytes());
         Ok(())
     }
@@ -307,8 +309,6 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
                 _ => Elems::F32(Vec::new()),
             },
             narrowed: None,
-            uploaded: job.uploaded,
-            downloaded: job.downloaded,
             buffer: Box::new(CubeUnits::<R>::new(job.client, job.piece)),
         }
     }

@@ -14,33 +14,42 @@ use sshsdp_comm::{CommError, CommResult};
 use super::codec::CubeUnits;
 use super::{client_of, for_each_runtime, is_cube};
 use crate::lanes::ReadUnits;
+use crate::traffic::{Purpose, Traffic};
 use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
+use std::sync::Arc;
 
 /// `units` in a new CubeCL buffer of `device`, if `B` is a CubeCL backend this build supports
 /// (`None` otherwise).
-pub(crate) fn upload_units<B: Backend>(device: &B::Device, units: &Elems) -> Option<DeviceUnits> {
+pub(crate) fn upload_units<B: Backend>(
+    device: &B::Device,
+    units: &Elems,
+    traffic: &Traffic,
+    purpose: Purpose,
+) -> Option<DeviceUnits> {
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
             let client = client_of::<B, R>(device);
             let handle = client.create_from_slice(&units.word_bytes());
+            traffic.upload(units.bytes(), purpose);
             return Some(DeviceUnits {
                 buffer: Box::new(CubeUnits::<R>::new(client, handle)),
                 len: units.len(),
                 kind: units.zeros_like(0),
                 narrowed: None,
-                uploaded: units.bytes(),
-                downloaded: 0,
             });
         }
     });
     None
 }
 
-/// What reads units `range` of `units` back to the host on a lane.
+/// What reads units `range` of `units` back to the host on a lane (charging `traffic` with
+/// `purpose`).
 pub(crate) fn units_reader(
     units: &DeviceUnits,
     range: Range<usize>,
+    traffic: Arc<Traffic>,
+    purpose: Purpose,
 ) -> Result<Box<dyn ReadUnits>, HsdpError> {
     for_each_runtime!(R => {
         if let Some(cube) = units.buffer.downcast_ref::<CubeUnits<R>>() {
@@ -49,6 +58,8 @@ pub(crate) fn units_reader(
                 handle: cube.handle.clone(),
                 kind: units.kind.zeros_like(0),
                 range,
+                traffic,
+                purpose,
             }));
         }
     });
@@ -57,9 +68,13 @@ pub(crate) fn units_reader(
     ))
 }
 
-/// Units `range` of `units`, read back to the host now (on the calling thread).
-pub(crate) fn read_units(units: &DeviceUnits, range: Range<usize>) -> Result<Elems, HsdpError> {
-    Ok(units_reader(units, range)?.read()?)
+/// Units `range` of `units`, read back to the host now (on the calling thread; staging).
+pub(crate) fn read_units(
+    units: &DeviceUnits,
+    range: Range<usize>,
+    traffic: &Arc<Traffic>,
+) -> Result<Elems, HsdpError> {
+    Ok(units_reader(units, range, traffic.clone(), Purpose::Stage)?.read()?)
 }
 
 /// [`ReadUnits`] over a CubeCL buffer.
@@ -71,6 +86,9 @@ struct CubeReader<R: CubeRuntime> {
     kind: Elems,
     /// The units to read.
     range: Range<usize>,
+    /// Charged with the bytes read.
+    traffic: Arc<Traffic>,
+    purpose: Purpose,
 }
 
 impl<R: CubeRuntime> ReadUnits for CubeReader<R> {
@@ -96,6 +114,7 @@ impl<R: CubeRuntime> ReadUnits for CubeReader<R> {
             .read_one(words)
             .map_err(|e| CommError::Engine(format!("reading a device shard: {e:?}")))?;
         let at = (start - first) as usize;
+        self.traffic.download(end - start, self.purpose);
         Ok(self
             .kind
             .units_from_le_bytes(&bytes[at..at + (end - start) as usize]))

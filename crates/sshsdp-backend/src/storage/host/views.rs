@@ -7,6 +7,7 @@
 //! through a view into the bucket. Other host backends get the generic path of the seam
 //! (`storage/mod.rs`).
 
+use crate::traffic::{Purpose, Traffic};
 use burn_backend::Backend;
 #[cfg(feature = "ndarray")]
 use {
@@ -19,23 +20,24 @@ use {
 /// Runs `f` on `tensor`'s values as f32: in place when `B` is burn-ndarray and the tensor is a
 /// contiguous f32 array (reading a gradient that Burn still holds would otherwise copy it one
 /// element at a time, since the data is shared), else through `into_data` (a bf16 tensor is
-/// widened on the host). Also returns the bytes downloaded from `B`'s memory (0 when read in
-/// place).
+/// widened on the host). The bytes read back from `B`'s memory (none when read in place) are
+/// charged to `traffic`.
 pub(crate) fn with_f32_values<B: Backend, R>(
     tensor: B::FloatTensorPrimitive,
+    traffic: &Traffic,
     f: impl FnOnce(&[f32]) -> R,
-) -> Result<(R, u64), String> {
+) -> Result<R, String> {
     #[cfg(feature = "ndarray")]
     if let Some(values) = f32_slice::<B>(&tensor) {
-        return Ok((f(values), 0));
+        return Ok(f(values));
     }
     let data = burn_backend::read_sync(B::float_into_data(tensor)).map_err(|e| format!("{e:?}"))?;
-    let downloaded = data.bytes.len() as u64;
+    traffic.download(data.bytes.len() as u64, Purpose::Data);
     let values = data
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| format!("{e:?}"))?;
-    Ok((f(&values), downloaded))
+    Ok(f(&values))
 }
 
 #[cfg(feature = "ndarray")]
