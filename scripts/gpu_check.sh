@@ -5,7 +5,9 @@
 # matmul TFLOP/s against the f32 GEMM of the same shape, Newton-Schulz step and AdamW rates.
 #
 # The binary is built beforehand (no Rust toolchain needed on the GPU machine):
-#   cargo build --release -p sshsdp-kernels --features cuda --bin gpu_check
+#   cargo build --release -p sshsdp-kernels --features cuda,experimental --bin gpu_check
+# (`experimental`: the lab kernels' checks too, the tiled layout, MX matmul and Newton-Schulz;
+# without it the binary checks the production kernels only: square-block codec and AdamW.)
 # and carried over at target/release/gpu_check (or pass its path as $1, or set GPU_CHECK_BIN).
 # Extra arguments after the path go to the binary (`--small`, `--seed N`).
 #
@@ -46,7 +48,7 @@ say "== gpu_check on $(hostname) at $(date -u +%FT%TZ)"
 
 # --- the binary -------------------------------------------------------------------------------
 if [ ! -f "$BIN" ]; then
-    say "binary not found: $BIN (build it with: cargo build --release -p sshsdp-kernels --features cuda --bin gpu_check)"
+    say "binary not found: $BIN (build it with: cargo build --release -p sshsdp-kernels --features cuda,experimental --bin gpu_check)"
     finish 3
 fi
 chmod +x "$BIN" 2>/dev/null || true

@@ -10,6 +10,9 @@
 //! `t` is the step count after this step (1 on the first step, where burn's fresh state
 //! equals zero moments). The scalar factors are formed on the host exactly as burn forms
 //! them (`f32` powers, `1 − lr·wd` in `f64`).
+//!
+//! Not behind `experimental`, though no training path calls it yet: the device optimizer step
+//! is to be built from it (see the crate docs). Keep it un-fenced.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;

@@ -11,9 +11,9 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use crate::common::grid;
 use crate::e4m3::round_bf16;
 use crate::error::{check_size, to_u32, KernelError};
-use crate::planes::grid;
 
 /// Widen kernel: value `i` of `n` is half-word `src_half + i` of `src`.
 #[cube(launch_unchecked)]

@@ -11,10 +11,10 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use sshsdp_mx::Plane;
 
+use crate::common::tile_grid;
 use crate::e4m3::{byte_of, decode_byte};
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::layout::{COL_DATA_W, ROW_DATA_W, TILE_WORDS};
-use crate::quantize::tile_grid;
 
 /// The dequantise kernel: tiles `CUBE_POS, CUBE_POS + CUBE_COUNT, ...` of `n_tiles`; the
 /// output holds `f32` bits.

@@ -3,7 +3,8 @@
 //! for bit on every runtime, WGSL included: exact integer encode/decode, plus a float encoder
 //! ([`encode_e4m3_fast`]) used only for the scales where it is provably exact.
 //!
-//! Also the `bf16` rounding of the bf16-storage Newton–Schulz iteration ([`round_bf16`]).
+//! Also the `bf16` rounding ([`round_bf16()`]) of [`crate::narrow_bf16`] and of the exchange
+//! kernels' bf16 stores (and of the lab's bf16-storage Newton–Schulz iteration).
 //!
 //! Bytes travel in `u32` words, four per word, little endian (byte `i` of a buffer is bits
 //! `8·(i % 4)..` of word `i / 4`), which is the byte layout of `sshsdp-mx`'s buffers.
@@ -195,7 +196,9 @@ pub fn encode_e4m3_fast(x_bits: u32, inv: f32) -> u32 {
 }
 
 /// Encodes four values (`f32` bits) with the scale byte `s` into one little-endian word;
-/// a NaN scale gives four NaN bytes. Uses the float encoder where it is exact.
+/// a NaN scale gives four NaN bytes. Uses the float encoder where it is exact. Lab: the
+/// word-at-a-time quantisers of the tiled and 1×32 layouts (`experimental`) use it.
+#[cfg(feature = "experimental")]
 #[cube]
 #[allow(clippy::manual_range_contains)]
 pub fn encode_word(v0: u32, v1: u32, v2: u32, v3: u32, s: u32) -> u32 {

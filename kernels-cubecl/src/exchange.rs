@@ -14,9 +14,9 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use crate::common::grid;
 use crate::e4m3::round_bf16;
 use crate::error::{check_size, to_u32, KernelError};
-use crate::planes::grid;
 
 /// The element type of a summed run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

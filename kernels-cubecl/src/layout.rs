@@ -15,9 +15,3 @@ pub const COL_DATA_W: u32 = (TILE_COL_DATA / 4) as u32;
 pub const COL_SCALES_W: u32 = (TILE_COL_SCALES / 4) as u32;
 
 const _: () = assert!(TILE_BYTES % 4 == 0 && TILE_COL_DATA % 4 == 0);
-
-/// Units per cube of the tile kernels: 32 x 8, one tile per cube at a time.
-pub(crate) const TILE_CUBE: (u32, u32) = (32, 8);
-
-/// Most cubes launched along one grid dimension (wgpu's limit); larger jobs loop.
-pub(crate) const MAX_CUBES: u32 = 65_535;

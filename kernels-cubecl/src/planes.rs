@@ -19,13 +19,9 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use sshsdp_mx::{MxShape, Plane, ScaleRule};
 
+use crate::common::{grid, load_bits, InputDType};
 use crate::e4m3::{byte_of, decode_byte, encode_word, scale_byte};
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
-use crate::layout::MAX_CUBES;
-use crate::quantize::{load_bits, InputDType};
-
-/// Units per cube of the plane kernels.
-const UNITS: u32 = 256;
 
 /// Where a plane's values come from or go to, and where the plane sits in its buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -205,12 +201,6 @@ fn dequantize_plane_kernel(
         out[(values_offset + i) as usize] = decode_byte(b, s);
         i += stride;
     }
-}
-
-/// Grid of `units` units of [`UNITS`] per cube, at most [`MAX_CUBES`] cubes (they loop).
-pub(crate) fn grid(units: usize) -> (CubeCount, CubeDim) {
-    let cubes = (units.div_ceil(UNITS as usize) as u32).clamp(1, MAX_CUBES);
-    (CubeCount::Static(cubes, 1, 1), CubeDim::new_1d(UNITS))
 }
 
 /// Checks the shape and the plane's place; returns `(blocks, per_line, data + scale words)`.

@@ -13,21 +13,10 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use sshsdp_mx::ScaleRule;
 
+use crate::common::{load_bits, tile_grid, InputDType};
 use crate::e4m3::{encode_word, scale_byte};
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
-use crate::layout::{
-    COL_DATA_W, COL_SCALES_W, MAX_CUBES, ROW_DATA_W, ROW_SCALES_W, TILE_CUBE, TILE_WORDS,
-};
-
-/// Element type of the quantiser's input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum InputDType {
-    /// `f32`, one per word.
-    #[default]
-    F32,
-    /// `bf16`, two per word (element `2i` in the low half), as Burn stores bf16 tensors.
-    Bf16,
-}
+use crate::layout::{COL_DATA_W, COL_SCALES_W, ROW_DATA_W, ROW_SCALES_W, TILE_WORDS};
 
 /// Stride of the shared tile (33: conflict-free row and column walks).
 const SMEM_STRIDE: u32 = 33;
@@ -35,17 +24,6 @@ const SMEM_STRIDE: u32 = 33;
 const PART_STRIDE: u32 = 9;
 /// Offset of the column partial maxima (32 groups of [`PART_STRIDE`]).
 const PART_COLS: u32 = 32 * PART_STRIDE;
-
-/// `f32` bits of element `idx` of the input (`bf16` widened exactly).
-#[cube]
-pub(crate) fn load_bits(input: &Array<u32>, idx: u32, #[comptime] bf16: bool) -> u32 {
-    if bf16 {
-        let w = input[(idx / 2) as usize];
-        ((w >> ((idx & 1) * 16)) & 0xFFFF) << 16
-    } else {
-        input[idx as usize]
-    }
-}
 
 /// The quantise kernel: tiles `CUBE_POS, CUBE_POS + CUBE_COUNT, ...` of `n_tiles`.
 #[cube(launch_unchecked)]
@@ -142,15 +120,6 @@ fn quantize_tiled_kernel(
         // more barriers
         t += stride;
     }
-}
-
-/// Grid for `n_tiles` tiles: one cube per tile, at most [`MAX_CUBES`] (they loop).
-pub(crate) fn tile_grid(n_tiles: u32) -> (CubeCount, CubeDim) {
-    let cubes = n_tiles.clamp(1, MAX_CUBES);
-    (
-        CubeCount::Static(cubes, 1, 1),
-        CubeDim::new_2d(TILE_CUBE.0, TILE_CUBE.1),
-    )
 }
 
 /// Quantises the row-major `[rows, cols]` tensor in `input` (`f32` or `bf16`, see

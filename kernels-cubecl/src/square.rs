@@ -19,12 +19,11 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use sshsdp_mx::ScaleRule;
 
+use crate::common::{grid, load_bits, tile_grid, InputDType};
 use crate::e4m3::{
     byte_of, decode_byte, encode_e4m3, encode_e4m3_fast, scale_byte, FAST_MIN_SCALE, SCALE_NAN,
 };
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
-use crate::planes::grid;
-use crate::quantize::{load_bits, tile_grid, InputDType};
 
 /// Where a rectangle's values are and where its square-block bytes sit in their buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

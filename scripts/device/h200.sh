@@ -17,7 +17,8 @@
 #      10 uploads of 256 MiB on cubecl-cuda, without and with the flush lanes now make;
 #   1. [kernels] every CubeCL kernel against its CPU reference on fresh data (the square-block
 #      MXFP8 codec the runtime uses included), their GB/s against a measured device copy, MX
-#      matmul against the f32 GEMM;
+#      matmul against the f32 GEMM (the lab kernels' rows need `sshsdp-kernels/experimental`
+#      in the build below);
 #   2. [nccl] NCCL conformance at world 1, with the fault checks (results printed before them;
 #      the device path's reductions are Sum-only, Avg must be refused);
 #      [ncclmem] NCCL's GPU memory for the runtime's communicators at world 1 (`nccl_memory`:
@@ -51,7 +52,7 @@
 #
 # Build on the x86-64 build machine (one cargo call: one feature set for every binary), stage:
 #   cargo build --release -p sshsdp -p sshsdp-kernels -p sshsdp-comm \
-#       --features sshsdp/cuda,sshsdp/nccl,sshsdp/wgpu,sshsdp-kernels/cuda \
+#       --features sshsdp/cuda,sshsdp/nccl,sshsdp/wgpu,sshsdp-kernels/cuda,sshsdp-kernels/experimental \
 #       --example train_gpt --example nccl_conformance --example nccl_memory \
 #       --bin gpu_check --bin gpu_check_wgpu --bin upload_queue
 #   scripts/device/h200.sh --stage device-bin   # the binaries, stripped and gzipped (< 64 MiB)

@@ -1,6 +1,7 @@
 //! Shared test helpers: the wgpu client (failing loudly without an adapter), a seeded PRNG,
 //! upload/download of `u32`/`f32` buffers.
 
+use burn::tensor::{Tensor, TensorData};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
@@ -94,7 +95,8 @@ pub fn words_to_bytes(w: &[u32]) -> Vec<u8> {
     w.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Words of little-endian bytes (length a multiple of 4).
+/// Words of little-endian bytes (length a multiple of 4). Lab tests only.
+#[cfg(feature = "experimental")]
 pub fn bytes_to_words(b: &[u8]) -> Vec<u32> {
     b.chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -102,6 +104,8 @@ pub fn bytes_to_words(b: &[u8]) -> Vec<u32> {
 }
 
 /// Row-major `C = A · Bᵀ` in `f64` (`A` `[m, k]`, `B` `[n, k]`), the matmul reference.
+/// Lab tests only.
+#[cfg(feature = "experimental")]
 pub fn matmul_nt(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
     let mut c = vec![0f64; m * n];
     for i in 0..m {
@@ -114,4 +118,29 @@ pub fn matmul_nt(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f64>
         }
     }
     c
+}
+
+/// The NdArray backend of the CPU references (burn-optim, `sshsdp-optim`).
+pub type B = burn::backend::NdArray<f32>;
+
+/// A `[rows, cols]` tensor of `v` on [`B`].
+pub fn tensor(v: &[f32], rows: usize, cols: usize) -> Tensor<B, 2> {
+    Tensor::from_data(
+        TensorData::new(v.to_vec(), [rows, cols]),
+        &Default::default(),
+    )
+}
+
+/// The values of `t`.
+pub fn values(t: Tensor<B, 2>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+/// Largest `|a - b|` over equal-length slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }

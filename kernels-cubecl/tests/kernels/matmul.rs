@@ -1,4 +1,6 @@
-//! MXFP8 matmul and the strided `f32` GEMM against CPU products.
+//! MXFP8 matmul and the strided `f32` GEMM against CPU products (lab, feature
+//! `experimental`).
+#![cfg(feature = "experimental")]
 use crate::common::*;
 use sshsdp_kernels::{gemm, mx_matmul, quantize_tiled, InputDType, MatRef, ScaleRule};
 use sshsdp_mx::{decode_tiled, encode_tiled, tiled_bytes, ElemFormat, MxShape, Plane};

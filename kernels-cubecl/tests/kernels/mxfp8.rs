@@ -1,4 +1,7 @@
-//! MXFP8 quantise / dequantise kernels against the CPU reference `sshsdp-mx`, bit for bit.
+//! The two-plane 32×32 tiled MXFP8 quantise / dequantise kernels (lab, feature
+//! `experimental`: the runtime stores square blocks, `square.rs`) against the CPU reference
+//! `sshsdp-mx`, bit for bit.
+#![cfg(feature = "experimental")]
 use crate::common::*;
 use half::bf16;
 use sshsdp_kernels::{dequantize_tiled, quantize_tiled, InputDType, Plane, ScaleRule};
