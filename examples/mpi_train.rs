@@ -21,7 +21,7 @@ use sshsdp::comm::mpi::{MpiOptions, MpiSession};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::{Collective, ReduceOp};
 use sshsdp::models::{Gpt, GptConfig};
-use sshsdp::optim::ShardedOptimizer;
+use sshsdp::optim::{ShardedOptimizer, ShardedStep};
 use sshsdp::plan::Mesh;
 
 type B = Autodiff<Hsdp<NdArray<f32>>>;

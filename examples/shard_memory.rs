@@ -13,7 +13,7 @@
 //! Markdown row per rank: the growth of the peak over the resident set before the phase,
 //! against what the rank keeps plus two buckets. The phases: `shard` (from the lazy module),
 //! then with `--export` the streaming export to a consolidated safetensors file (what it keeps:
-//! nothing new); or `--import` alone (`shard_from` a file written by `--export`, the module
+//! nothing new); or `--import` alone (`Shard::from_source`: a file written by `--export`, the module
 //! never initialised). The program exits non-zero if a rank grew by more than its bound +
 //! 10 %. `--eager` initialises the whole module on every rank before `shard`, as every rank
 //! had to before `shard` streamed (for comparison; no bound is checked then). Linux only
@@ -26,7 +26,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::Initializer;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use sshsdp::backend::{shard, shard_from, Hsdp, HsdpConfig, HsdpRuntime};
+use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpRuntime, Shard};
 use sshsdp::checkpoint::{export_safetensors, SafetensorsSource};
 use sshsdp::comm::mpi::{MpiComm, MpiSession};
 use sshsdp::comm::Collective;
@@ -197,12 +197,18 @@ fn run() -> Result<bool, String> {
     let (runtime, phase) = if let Some(file) = &o.import {
         let source = SafetensorsSource::open(file).map_err(|e| e.to_string())?;
         let ((_model, runtime), before, growth) = measure(|| {
-            shard_from::<B, _, _>(model(), config, comm, &device, &source)
+            Shard::new(config)
+                .from_source(&source)
+                .run::<B, _, _>(model(), comm, &device)
                 .map_err(|e| e.to_string())
         })?;
         (
             runtime,
-            (format!("import of {file} (shard_from)"), before, growth),
+            (
+                format!("import of {file} (Shard::from_source)"),
+                before,
+                growth,
+            ),
         )
     } else {
         let ((_model, runtime), before, growth) = measure(|| {

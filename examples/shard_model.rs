@@ -17,6 +17,7 @@ use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpError};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::optim::ShardedOptimizer;
+use sshsdp::optim::ShardedStep;
 use sshsdp::plan::Mesh;
 
 /// Autodiff over the sharding decorator over any Burn backend.

@@ -26,6 +26,7 @@ use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::optim::ShardedOptimizer;
+use sshsdp::optim::ShardedStep;
 use sshsdp::plan::{Mesh, RuntimeFormat};
 
 type A = Autodiff<Hsdp<Flex>>;
@@ -103,8 +104,7 @@ fn run(case: Case, steps: usize) -> Run {
     let ranks = ThreadsWorld::run(world, config, |comm| {
         let device = Default::default();
         let rank = comm.rank();
-        let model: Gpt<A> = CONFIG.init(&device);
-        let model = model.map(&mut common::Load(record.iter()));
+        let model: Gpt<A> = common::loaded(&device, &record, |d| CONFIG.init(d));
         let config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
             .with_format(case.format)
             .with_reshard_after_forward(case.reshard)

@@ -19,6 +19,7 @@ use sshsdp::checkpoint;
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::ShardedStep;
 use sshsdp::optim::{MuonConfig, MuonExchange, MuonWithElementwise, ShardedMuon};
 use sshsdp::plan::{Mesh, Role, Sharding};
 

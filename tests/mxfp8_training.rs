@@ -13,6 +13,7 @@ use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::optim::ShardedOptimizer;
+use sshsdp::optim::ShardedStep;
 use sshsdp::optim::{MuonConfig, ShardedMuon};
 use sshsdp::plan::Span;
 use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};

@@ -12,6 +12,7 @@ use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::optim::ShardedOptimizer;
+use sshsdp::optim::ShardedStep;
 use sshsdp::optim::{MuonConfig, ShardedMuon};
 use sshsdp::plan::projection::{MuonExchange, Purpose, StepTraffic, TrafficOptions};
 use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};

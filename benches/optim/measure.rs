@@ -16,6 +16,7 @@ use sshsdp::plan::{Mesh, Role, RuntimeFormat, Sharding};
 use crate::common::{median, LIVE, PEAK};
 use crate::model::{tokens, GptShapes};
 use crate::{B, BUCKET_ELEMENTS, LR, STEPS, WARMUP};
+use sshsdp::optim::ShardedStep;
 
 /// One optimizer phase's numbers on one rank.
 struct RankPhase {

@@ -21,6 +21,7 @@ use sshsdp::plan::Mesh;
 use crate::common::{median, LIVE, PEAK};
 use crate::modes::Mode;
 use crate::{Inner, B, BATCH, BUCKET_ELEMENTS, SEQ, VOCAB, WARMUP};
+use sshsdp::optim::ShardedStep;
 
 fn tokens<A: Backend>(rows: usize, offset: usize, device: &A::Device) -> Tensor<A, 2, Int> {
     let data: Vec<i64> = (0..rows * (SEQ + 1))

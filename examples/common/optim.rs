@@ -10,6 +10,7 @@ use sshsdp::optim::ShardedOptimizer;
 use sshsdp::optim::{MuonConfig, ShardedMuon, UpdateScale};
 
 use super::*;
+use sshsdp::optim::ShardedStep;
 
 /// The optimizer of a run on backend `I`.
 pub(crate) enum Optim<I: Compute> {

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use burn::tensor::ElementConversion;
 use indicatif::{ProgressBar, ProgressStyle};
-use sshsdp::backend::{shard_with_source, HsdpConfig, HsdpRuntime, RUNTIME_LANES};
+use sshsdp::backend::{HsdpConfig, HsdpRuntime, Shard, RUNTIME_LANES};
 use sshsdp::checkpoint::{export_safetensors, SafetensorsSource};
 use sshsdp::comm::{Collective, ReduceOp, SplitLanes};
 use sshsdp::plan::Mesh;
@@ -47,18 +47,22 @@ fn shard_on_host_engine<I: Compute, T: Task<I>, C: Collective + Send + 'static>(
         #[cfg(not(feature = "nccl"))]
         return Err("--nccl needs the `nccl` feature".into());
         #[cfg(feature = "nccl")]
-        Ok(shard_with_source::<Train<I>, _, _>(
+        Ok(sharding(config, source).run_on::<Train<I>, _, _>(
             init,
-            config,
             nccl_lanes(&comm, device)?,
             device,
-            source,
         ))
     } else {
         let lanes = SplitLanes::new(comm, RUNTIME_LANES).map_err(|e| e.to_string())?;
-        Ok(shard_with_source::<Train<I>, _, _>(
-            init, config, lanes, device, source,
-        ))
+        Ok(sharding(config, source).run_on::<Train<I>, _, _>(init, lanes, device))
+    }
+}
+
+/// `config`'s sharding, with initial values from `source` where given.
+fn sharding(config: HsdpConfig, source: Option<&dyn sshsdp::backend::ParamSource>) -> Shard<'_> {
+    match source {
+        Some(source) => Shard::new(config).from_source(source),
+        None => Shard::new(config),
     }
 }
 
@@ -97,9 +101,7 @@ impl LaunchComm for sshsdp::comm::nccl::NcclComm {
         source: Option<&dyn sshsdp::backend::ParamSource>,
     ) -> Result<Sharded<T::Model, I>, String> {
         let lanes = nccl_lanes(&self, device)?.with_liveness(self.liveness());
-        Ok(shard_with_source::<Train<I>, _, _>(
-            init, config, lanes, device, source,
-        ))
+        Ok(sharding(config, source).run_on::<Train<I>, _, _>(init, lanes, device))
     }
 
     fn gpu(&self) -> Option<usize> {

@@ -37,6 +37,24 @@ pub fn record(config: &GptConfig, seed: u64) -> Vec<(Vec<usize>, Vec<f32>)> {
         .collect()
 }
 
+/// The model `init` builds on `device`, its parameters replaced by `record`'s values. Built
+/// under the process's Burn RNG lock and synced before it is released: building draws the lazy
+/// parameters Load then replaces, and a draw outside the lock (on fusion, queued and run later)
+/// would move another thread's seeded sequence (`sshsdp::backend::with_burn_rng`).
+pub fn loaded<B: Backend, M: burn::module::Module<B>>(
+    device: &B::Device,
+    record: &[(Vec<usize>, Vec<f32>)],
+    init: impl FnOnce(&B::Device) -> M,
+) -> M {
+    sshsdp::backend::with_burn_rng(|| {
+        let model = init(device).map(&mut Load(record.iter()));
+        if let Err(e) = B::sync(device) {
+            panic!("synchronising the device after loading a record: {e:?}");
+        }
+        model
+    })
+}
+
 /// Replaces every float parameter, in module order, with the next recorded values.
 pub struct Load<'a>(pub std::slice::Iter<'a, (Vec<usize>, Vec<f32>)>);
 

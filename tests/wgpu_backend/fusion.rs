@@ -28,6 +28,7 @@ use sshsdp::optim::ShardedOptimizer;
 use sshsdp::plan::{Mesh, RuntimeFormat};
 
 use crate::harness::*;
+use sshsdp::optim::ShardedStep;
 
 /// The loss and weight tolerances of a format (see the module's documentation).
 fn tolerances(format: RuntimeFormat) -> (f32, f64) {
@@ -153,8 +154,7 @@ fn parameter_views_queued_before_an_update_read_the_values_before_it() {
         ThreadsWorld::run(1, config, |comm| {
             let device = Default::default();
             let record = initial_record();
-            let model: Gpt<A> = CONFIG.init(&device);
-            let model = model.map(&mut crate::common::Load(record.iter()));
+            let model: Gpt<A> = crate::common::loaded(&device, &record, |d| CONFIG.init(d));
             let mut config = HsdpConfig::new(Mesh::new(1, 1).unwrap())
                 .with_format(format)
                 .with_master_placement(storage)

@@ -5,7 +5,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::Module;
 use burn::optim::{AdamW, AdamWConfig};
 use burn::tensor::backend::distributed::DistributedBackend;
 use burn::tensor::backend::Backend;
@@ -16,6 +15,7 @@ use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::kernels::FusedOps;
 use sshsdp::models::{Gpt, GptConfig};
+use sshsdp::optim::ShardedStep;
 use sshsdp::optim::{MuonConfig, ShardedMuon, ShardedOptimizer, UpdateScale};
 use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 
@@ -166,8 +166,7 @@ pub(crate) fn plain_burn<I: FusedOps + DistributedBackend>(
 ) -> (Vec<f32>, Weights) {
     use burn::optim::{GradientsParams, Optimizer};
     let record = initial_record();
-    let model: Gpt<Autodiff<I>> = CONFIG.init(&device);
-    let mut model = model.map(&mut crate::common::Load(record.iter()));
+    let mut model: Gpt<Autodiff<I>> = crate::common::loaded(&device, &record, |d| CONFIG.init(d));
     let mut optim = AdamWConfig::new().init::<Autodiff<I>, Gpt<Autodiff<I>>>();
     let mut losses = Vec::new();
     for step in 0..steps {
@@ -235,8 +234,7 @@ where
     let ranks = ThreadsWorld::run(world, config, |comm| {
         type A<I> = Autodiff<Hsdp<I>>;
         let rank = comm.rank();
-        let model: Gpt<A<I>> = CONFIG.init(&device);
-        let model = model.map(&mut crate::common::Load(record.iter()));
+        let model: Gpt<A<I>> = crate::common::loaded(&device, &record, |d| CONFIG.init(d));
         let (masters, grads) = case.placement;
         let mut config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
             .with_format(case.format)

@@ -2,7 +2,6 @@
 //! storage and against `Hsdp<NdArray>`.
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::Module;
 use burn::tensor::backend::Backend;
 use sshsdp::backend::{shard, Hsdp, HsdpConfig, Placement, Precision};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
@@ -136,8 +135,8 @@ fn device_runtime_shards_without_device_masters_or_a_cubecl_backend_are_refused(
         let record = initial_record();
         let errors = ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
             let device = I::Device::default();
-            let model: Gpt<Autodiff<Hsdp<I>>> = CONFIG.init(&device);
-            let model = model.map(&mut crate::common::Load(record.iter()));
+            let model: Gpt<Autodiff<Hsdp<I>>> =
+                crate::common::loaded(&device, &record, |d| CONFIG.init(d));
             let config = HsdpConfig::new(Mesh::flat(1).unwrap())
                 .with_master_placement(masters)
                 .with_shard_placement(Placement::Device);

@@ -9,7 +9,7 @@ use sshsdp::backend::{shard, Hsdp, HsdpConfig};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::kernels::FusedOps;
 use sshsdp::models::{Gpt, GptConfig};
-use sshsdp::optim::ShardedOptimizer;
+use sshsdp::optim::{ShardedOptimizer, ShardedStep};
 use sshsdp::plan::Mesh;
 
 /// One sharded training step of a tiny GPT on `I` at world 1; the loss.

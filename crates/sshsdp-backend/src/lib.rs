@@ -24,33 +24,34 @@
 #![deny(missing_docs)]
 
 // Layers, lowest first; a module imports only from the layers below it (`scripts/layers`
-// checks this): `error`, `config`, `timeline`, `rng`, `units` | `lanes` | `storage` | `tensor` |
-// `runtime` | `registry`, `backend`, `backend_ext`, `ops` | `model` | `handle` | `shard`.
+// checks this): `error`, `config`, `counters`, `traffic`, `timeline`, `rng`, `runtime_units` |
+// `lanes` | `storage` | `tensor` | `runtime` | `registry`, `backend`, `backend_ext`, `ops` |
+// `model` | `hsdp_runtime` | `shard`.
 mod backend;
 mod backend_ext;
 mod config;
 mod counters;
 mod error;
-mod handle;
+mod hsdp_runtime;
 mod lanes;
 mod model;
 mod ops;
 mod registry;
 mod rng;
 mod runtime;
+mod runtime_units;
 mod shard;
 mod storage;
 mod tensor;
 mod timeline;
 mod traffic;
-mod units;
 
 pub use backend::Hsdp;
 pub use backend_ext::ShardableBackend;
 pub use config::{CopyMode, HsdpConfig, MixedPrecision, NonFinitePolicy, Placement, Precision};
 pub use counters::Counters;
 pub use error::HsdpError;
-pub use handle::HsdpRuntime;
+pub use hsdp_runtime::HsdpRuntime;
 pub use lanes::RUNTIME_LANES;
 pub use model::buffers::BufferSpec;
 pub use model::leaves::{check_gradient_leaves, refresh_leaves};
@@ -58,7 +59,8 @@ pub use model::params::{named_params, param_shapes};
 pub use model::paths::NamedParam;
 pub use rng::{init_seeded, initialise_in_module_order, with_burn_rng, ConcurrentDrawer};
 pub use runtime::{HostMaster, Piece, PieceValues, UpdateGroup, UpdateStep, Views};
-pub use shard::{shard, shard_from, shard_with, shard_with_source, ParamSource};
+#[allow(deprecated)]
+pub use shard::{shard, shard_from, shard_with, shard_with_source, ParamSource, Shard};
 pub use storage::DeviceMemory;
 pub use tensor::{HsdpFloat, LeafRearm, ParamHandle};
 pub use timeline::{chrome_trace, Span, Track};

@@ -5,7 +5,7 @@
 //!   parameters they complete and drops them, so no rank holds more than about one bucket
 //!   besides its shards. Tensors are named by module path, in Burn's shapes, so plain Burn
 //!   (`burn-store`'s `SafetensorsStore`) loads the file into the unsharded module.
-//! * [`SafetensorsSource`] gives `sshsdp_backend::shard_from` a safetensors file (ours, or a
+//! * [`SafetensorsSource`] gives `sshsdp_backend::Shard::from_source` a safetensors file (ours, or a
 //!   Hugging Face one with names mapped by [`SafetensorsSource::with_names`]) as initial
 //!   values: each rank reads only the byte ranges of its own runtime shard, with positioned
 //!   reads (`pread`), and the header is checked against the model (names, shapes, dtypes)
@@ -294,7 +294,7 @@ impl StreamWriter {
     }
 }
 
-/// A safetensors file as the initial values of `sshsdp_backend::shard_from`: parameters are
+/// A safetensors file as the initial values of `sshsdp_backend::Shard::from_source`: parameters are
 /// looked up by module path (mapped by [`Self::with_names`]) and read as f32 from F32, BF16,
 /// F16 or F64 tensors, only the requested elements.
 pub struct SafetensorsSource {

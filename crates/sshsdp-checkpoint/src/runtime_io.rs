@@ -14,7 +14,7 @@ use burn::tensor::backend::Backend;
 use sshsdp_backend::HsdpRuntime;
 
 use crate::{with_prefix, CheckpointError, Coverage, EncodedState, ShardFile, SliceEntry, MASTER};
-use sshsdp_optim::{units_of, UpdateUnit};
+use sshsdp_plan::UpdateUnit;
 
 /// Prefix of optimizer state arrays and scalars in a checkpoint.
 const STATE: &str = "state.";
@@ -69,7 +69,7 @@ impl UnitState for WeightsOnly {
 /// One bucket's fp32 master piece on this rank, as host elements.
 struct MasterPiece<'a> {
     bucket: usize,
-    start: usize,
+    index: usize,
     master: &'a mut [f32],
 }
 
@@ -85,11 +85,11 @@ fn on_masters<B: Backend>(
     let outer = runtime.master_pieces(|pieces, _| {
         let mut masters = Vec::with_capacity(pieces.len());
         for p in pieces.iter_mut() {
-            let (bucket, start) = (p.bucket, p.start);
+            let (bucket, index) = (p.bucket, p.index);
             let (master, _) = p.host()?;
             masters.push(MasterPiece {
                 bucket,
-                start,
+                index,
                 master,
             });
         }
@@ -119,10 +119,10 @@ pub(crate) fn build_shard<B: Backend>(
         scalars.insert(format!("{OPTIMIZER}{name}"), 1.0);
     }
     on_masters(runtime, |pieces| {
-        let units = units_of(
-            runtime,
-            pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
-        );
+        let units = runtime
+            .plan()
+            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))
+            .map_err(|e| CheckpointError::Runtime(e.into()))?;
         for unit in units {
             let spec = &plan.params()[unit.param].spec;
             let mut arrays = BTreeMap::from([(
@@ -182,10 +182,10 @@ pub(crate) fn layout<B: Backend>(
 ) -> Result<Vec<UpdateUnit>, CheckpointError> {
     let mut units = Vec::new();
     on_masters(runtime, |pieces| {
-        units = units_of(
-            runtime,
-            pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
-        );
+        units = runtime
+            .plan()
+            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))
+            .map_err(|e| CheckpointError::Runtime(e.into()))?;
         Ok(())
     })?;
     Ok(units)
@@ -310,10 +310,10 @@ pub(crate) fn apply<B: Backend>(
     values: Vec<UnitValues>,
 ) -> Result<(), CheckpointError> {
     on_masters(runtime, |pieces| {
-        let now = units_of(
-            runtime,
-            pieces.iter().map(|p| (p.bucket, p.start, p.master.len())),
-        );
+        let now = runtime
+            .plan()
+            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))
+            .map_err(|e| CheckpointError::Runtime(e.into()))?;
         if now != units || values.len() != units.len() {
             return Err(CheckpointError::Invalid(
                 "this rank's pieces changed during the load".into(),

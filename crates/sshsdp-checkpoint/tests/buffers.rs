@@ -24,6 +24,7 @@ use sshsdp_checkpoint::{
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
 use sshsdp_optim::ShardedOptimizer;
+use sshsdp_optim::ShardedStep;
 use sshsdp_plan::Mesh;
 
 type Inner = NdArray<f32>;

@@ -11,7 +11,7 @@
 //!
 //! Parameter groups: [`MuonWithElementwise`] routes a module's matrices to Muon and its 1-D
 //! parameters, embeddings and LM head to an element-wise Burn optimizer (AdamW) on one device;
-//! [`ShardedMuon`] does the same on a sharded model's update pieces ([`units_of`]), with
+//! [`ShardedMuon`] does the same on a sharded model's update pieces ([`UpdateUnit`]s), with
 //! distributed owner-compute Muon: each matrix is orthogonalised exactly once per update group,
 //! on the owner the plan assigned, and matrices whole on their owner need no communication.
 //! Element-wise optimizers alone run through [`ShardedOptimizer`]: any Burn `SimpleOptimizer`
@@ -28,20 +28,21 @@
 
 #![deny(missing_docs)]
 
+mod adaptor;
 mod clip;
-mod elementwise;
 mod hybrid;
 mod muon;
 mod newton_schulz;
-mod sharded;
-mod units;
+mod sharded_muon;
+mod step;
 
+pub use adaptor::{step_slice, ShardedOptimizer, Slice};
 pub use clip::{clip_factor, GradClip};
-pub use elementwise::{step_slice, ShardedOptimizer, Slice};
 pub use hybrid::MuonWithElementwise;
 pub use muon::{MatrixLayout, Muon, MuonConfig, MuonState, NsStats, UpdateScale};
 pub use newton_schulz::{
     newton_schulz, newton_schulz_batched, ns_flops, NsPrecision, NS_COEFFICIENTS, NS_EPS,
 };
-pub use sharded::{MuonExchange, MuonStepStats, ParamState, ShardedMuon};
-pub use units::{units_of, UpdateUnit};
+pub use sharded_muon::{MuonExchange, MuonStepStats, ParamState, ShardedMuon};
+pub use sshsdp_plan::UpdateUnit;
+pub use step::ShardedStep;

@@ -22,10 +22,11 @@ use std::time::Duration;
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer, SgdConfig};
 use common::{batches, rows, seeded, TinyLm};
-use sshsdp_backend::{named_params, shard, shard_with, Hsdp, HsdpConfig, RUNTIME_LANES};
+use sshsdp_backend::{named_params, shard, Hsdp, HsdpConfig, Shard, RUNTIME_LANES};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::{Collective, CommFactory, CommResult, Element, ReduceOp, Reducible, SplitLanes};
 use sshsdp_optim::ShardedOptimizer;
+use sshsdp_optim::ShardedStep;
 use sshsdp_plan::{Mesh, RuntimeFormat, Sharding};
 
 type Inner = NdArray<f32>;
@@ -95,7 +96,7 @@ fn sharded_with(
     sharded_over(opt, init, mesh, sharding, configure, false)
 }
 
-/// [`sharded_with`]; with `thread_bound`, through `shard_with` and communicators that cannot
+/// [`sharded_with`]; with `thread_bound`, through `Shard::run_on` and communicators that cannot
 /// cross threads ([`ThreadBound`]).
 fn sharded_over(
     opt: Opt,
@@ -122,7 +123,7 @@ fn sharded_over(
             false => shard::<B, _, _>(init.clone(), config, comm, &device),
             true => {
                 let lanes = ThreadBoundLanes(SplitLanes::new(comm, RUNTIME_LANES).unwrap());
-                shard_with::<B, _, _>(init.clone(), config, lanes, &device)
+                Shard::new(config).run_on::<B, _, _>(init.clone(), lanes, &device)
             }
         }
         .unwrap();

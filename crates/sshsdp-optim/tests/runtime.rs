@@ -14,6 +14,7 @@ use sshsdp_backend::{
 };
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
+use sshsdp_optim::ShardedStep;
 use sshsdp_optim::{MuonConfig, ShardedMuon, ShardedOptimizer};
 use sshsdp_plan::{Mesh, RuntimeFormat, Sharding};
 

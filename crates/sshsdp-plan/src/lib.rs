@@ -40,6 +40,7 @@ pub mod presets;
 pub mod projection;
 mod spec;
 pub mod tiles;
+mod update_units;
 
 pub use config::{OptimizerFootprint, PlanConfig, Sharding, MAX_ALIGN_BYTES, MAX_STATE_BYTES};
 pub use error::PlanError;
@@ -52,3 +53,4 @@ pub use plan::{
     Fallback, Fingerprint, Plan, PlanStats, MAX_LAYOUT_VIEWS, MAX_TOTAL_ELEMENTS, PLAN_VERSION,
 };
 pub use spec::{DType, ParamSpec, Role, RoleRule};
+pub use update_units::UpdateUnit;

@@ -16,7 +16,7 @@ use sshsdp_comm::{
 use sshsdp_plan::Sharding;
 use std::ops::Range;
 
-use crate::units::Elems;
+use crate::runtime_units::Elems;
 
 /// The lanes of a runtime: the model thread's during `shard` (registration), then the shard
 /// lane's and the replica lane's.
@@ -30,7 +30,7 @@ pub(crate) enum LaneId {
     Replica = 2,
 }
 
-/// How many lanes a runtime connects: what a [`CommFactory`] handed to `shard_with` must offer.
+/// How many lanes a runtime connects: what a [`CommFactory`] handed to `Shard::run_on` must offer.
 pub const RUNTIME_LANES: usize = 3;
 
 /// A [`CommFactory`] seen without its communicator type: makes a lane's mesh communicators on

@@ -10,7 +10,7 @@ use sshsdp_comm::{CommError, CommResult};
 use sshsdp_plan::Sharding;
 
 use super::comm::{DeviceBuffers, MeshComm};
-use crate::units::{DeviceUnits, Elems};
+use crate::runtime_units::{DeviceUnits, Elems};
 
 /// What a rank sends in a bucket all-gather on host memory.
 pub(crate) enum ShardPart {

@@ -87,8 +87,8 @@ use sshsdp_comm::{CallTag, CommError, CommResult};
 use sshsdp_plan::Sharding;
 
 use crate::config::Precision;
+use crate::runtime_units::{DeviceUnits, Elems, Gathered};
 use crate::timeline::{Timeline, Track};
-use crate::units::{DeviceUnits, Elems, Gathered};
 pub(crate) use comm::DeviceEngine;
 use comm::{LaneFactory, LaneId};
 use serve::{serve_replica_lane, serve_shard_lane, Failure, Lane, ReplicaRequest, Request};

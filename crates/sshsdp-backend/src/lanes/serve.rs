@@ -13,8 +13,8 @@ use half::bf16;
 use super::comm::MeshComm;
 use super::jobs::{DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits};
 use crate::config::Precision;
+use crate::runtime_units::{DeviceUnits, Elems, Gathered};
 use crate::timeline::{Timeline, Track};
-use crate::units::{DeviceUnits, Elems, Gathered};
 
 /// A request of the model thread; it enters the shard lane.
 pub(super) enum Request {

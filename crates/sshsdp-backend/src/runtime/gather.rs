@@ -6,8 +6,8 @@ use burn_backend::{Backend, Shape};
 
 use super::{Runtime, State};
 use crate::lanes::Reply;
+use crate::runtime_units::Gathered;
 use crate::timeline::Track;
-use crate::units::Gathered;
 
 impl<B: Backend> Runtime<B> {
     /// Parameter `index` as a tensor of `B`: a view into its gathered bucket.

@@ -9,7 +9,7 @@
 //! | gradient | [`backward`] | per-parameter "received a gradient" bits |
 //! | update | [`update`] (with [`pieces`], [`step_agreement`]) | the open [`UpdateStep`] |
 //!
-//! Also: [`handles`] (parameter handles' ids, leaves and retention, [`retention`]), [`world`]
+//! Also: [`param_handles`] (parameter handles' ids, leaves and retention, [`retention`]), [`world`]
 //! (world collectives outside the step), the failure, the counters. Collectives are stateless
 //! and run on the communication lanes (`lanes/`, like FSDP2's `_fsdp_collectives.py`); the model
 //! thread only queues them and waits for replies.
@@ -28,7 +28,7 @@
 mod backward;
 pub(crate) mod bucket;
 mod gather;
-mod handles;
+mod param_handles;
 mod pieces;
 mod retention;
 mod schedule;

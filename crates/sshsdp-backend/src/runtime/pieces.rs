@@ -70,6 +70,9 @@ impl DerefMut for HostMaster {
 pub struct Piece<B: Backend> {
     /// The bucket.
     pub bucket: usize,
+    /// The piece's index in the bucket (the plan's: `Plan::piece_views(bucket, index)` are its
+    /// update views, `Plan::update_units` its units).
+    pub index: usize,
     /// Position of the piece's first element in the bucket's element space (the plan's update
     /// views of the piece say where parameters sit in it).
     pub start: usize,

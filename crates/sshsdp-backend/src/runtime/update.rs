@@ -81,6 +81,23 @@ impl<B: Backend> Runtime<B> {
         masters_only: bool,
         views: Views,
     ) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
+        let update = self.open(masters_only, views)?;
+        // (A fault injected here fails the step as an optimizer's error would.)
+        match (
+            update,
+            sshsdp_comm::faults::inject("sshsdp::update", self.world_rank),
+        ) {
+            (Some(update), Err(e)) => Err(update.abandon(HsdpError::Failed(e))),
+            (update, _) => Ok(update),
+        }
+    }
+
+    /// [`Self::begin`] up to the step's pieces, the state's lock held.
+    fn open(
+        &self,
+        masters_only: bool,
+        views: Views,
+    ) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
         let st = &mut *self.lock();
         if st.updating {
             let failure = "an update was begun while another was open".to_string();
@@ -227,6 +244,7 @@ impl<B: Backend> Runtime<B> {
                     };
                     Ok(Piece {
                         bucket: b,
+                        index: ctx.piece,
                         start: ctx.piece * st.buckets[b].codec().piece_elems(),
                         values,
                     })
@@ -290,14 +308,8 @@ impl<'r, B: Backend> UpdateStep<'r, B> {
         mut self,
         step: impl FnOnce(&mut [Piece<B>], &UpdateGroup<'_>) -> Result<(), HsdpError>,
     ) -> Result<(), HsdpError> {
-        let rank = self.runtime.world_rank;
-        let stepped = sshsdp_comm::faults::inject("sshsdp::update", rank)
-            .map_err(HsdpError::Failed)
-            .and_then(|()| {
-                let (pieces, group) = self.parts();
-                step(pieces, group)
-            });
-        match stepped {
+        let (pieces, group) = self.parts();
+        match step(pieces, group) {
             Ok(()) => self.commit(),
             Err(e) => Err(self.abandon(e)),
         }

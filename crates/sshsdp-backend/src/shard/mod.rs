@@ -111,10 +111,11 @@ impl<B: ShardableBackend> MapAt<B> for Swapper<B> {
 
 /// Shards `module` over the ranks of `comm` (a collective call: every rank calls it with the same
 /// module structure and config). Returns the module with its parameters in bucket storage and the
-/// runtime that steps them.
+/// runtime that steps them. The one entry point; [`Shard`] builds its variants (initial values
+/// from a [`ParamSource`], communicators that cannot cross threads).
 ///
 /// `comm` must be able to cross threads (threads engine, MPI): the runtime's communication
-/// lanes are split from it here. For communicators that cannot (NCCL), use [`shard_with`].
+/// lanes are split from it here. For communicators that cannot (NCCL), use [`Shard::run_on`].
 ///
 /// Initialisation order: rank 0 draws lazy parameters here, bucket by bucket in module order,
 /// from Burn's process-global RNG. A seed set before this call fixes them only if nothing else
@@ -131,18 +132,84 @@ where
     M: Module<B>,
     C: Collective + Send + 'static,
 {
-    shard_with(
-        module,
-        config,
-        SplitLanes::new(comm, RUNTIME_LANES)?,
-        device,
-    )
+    Shard::new(config).run::<B, M, C>(module, comm, device)
 }
 
-/// [`shard`] with a factory of communicators: the model thread connects lane 0 for the
-/// registration collectives, and each of the runtime's two communication lanes connects its own
-/// lane (1, 2) on its own thread — so `factory`'s communicators need not cross threads (e.g.
-/// `sshsdp_comm::nccl::NcclLanes`). `factory` must offer [`RUNTIME_LANES`] lanes.
+/// [`shard`]'s variants, built: `Shard::new(config)`, optionally `.from_source(&source)`, then
+/// `.run(module, comm, &device)` (communicators that cross threads) or `.run_on(module, factory,
+/// &device)` (a factory of communicators, e.g. NCCL lanes).
+pub struct Shard<'s> {
+    config: HsdpConfig,
+    source: Option<&'s dyn ParamSource>,
+}
+
+impl<'s> Shard<'s> {
+    /// Sharding with `config`, initial values from the module.
+    pub fn new(config: HsdpConfig) -> Self {
+        Self {
+            config,
+            source: None,
+        }
+    }
+
+    /// The initial values read from `source` instead of the module: the module gives only its
+    /// structure and parameter shapes (its lazy parameters are never initialised, on any rank),
+    /// and each rank reads just its runtime shard's element ranges from `source`. A missing
+    /// parameter, a shape or dtype the source cannot give, or a failed read is an error on
+    /// every rank, naming the parameter.
+    pub fn from_source(mut self, source: &'s dyn ParamSource) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// Shards `module` over the ranks of `comm`, which must be able to cross threads (threads
+    /// engine, MPI): the runtime's communication lanes are split from it (see [`shard`]).
+    pub fn run<B, M, C>(
+        self,
+        module: M,
+        comm: C,
+        device: &B::Device,
+    ) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
+    where
+        B: ShardableBackend,
+        M: Module<B>,
+        C: Collective + Send + 'static,
+    {
+        let factory = SplitLanes::new(comm, RUNTIME_LANES)?;
+        self.run_on::<B, M, _>(module, factory, device)
+    }
+
+    /// Shards `module` with a factory of communicators: the model thread connects lane 0 for
+    /// the registration collectives, and each of the runtime's two communication lanes connects
+    /// its own lane (1, 2) on its own thread — so `factory`'s communicators need not cross
+    /// threads (e.g. `sshsdp_comm::nccl::NcclLanes`). `factory` must offer [`RUNTIME_LANES`]
+    /// lanes. On a local error it aborts the factory's communicators: the others may be waiting
+    /// in a collective of `shard` for this rank, so they fail now (where the engine can) rather
+    /// than at their timeouts.
+    pub fn run_on<B, M, F>(
+        self,
+        module: M,
+        factory: F,
+        device: &B::Device,
+    ) -> Result<(M, HsdpRuntime<B::Inner>), HsdpError>
+    where
+        B: ShardableBackend,
+        M: Module<B>,
+        F: CommFactory,
+    {
+        let rank = factory.rank();
+        let factory = Arc::new(factory);
+        let lanes: Arc<dyn LaneFactory> = factory.clone();
+        let sharded = shard_on::<B, M>(module, self.config, lanes, device, self.source);
+        if let Err(e) = &sharded {
+            factory.abort(&format!("rank {rank} failed in shard: {e}"));
+        }
+        sharded
+    }
+}
+
+/// [`shard`] with a factory of communicators.
+#[deprecated(note = "use `Shard::new(config).run_on(module, factory, device)`")]
 pub fn shard_with<B, M, F>(
     module: M,
     config: HsdpConfig,
@@ -154,14 +221,11 @@ where
     M: Module<B>,
     F: CommFactory,
 {
-    shard_with_source::<B, M, F>(module, config, factory, device, None)
+    Shard::new(config).run_on::<B, M, F>(module, factory, device)
 }
 
-/// [`shard`] with the initial values read from `source` instead of the module: the module gives
-/// only its structure and parameter shapes (its lazy parameters are never initialised, on any
-/// rank), and each rank reads just its runtime shard's element ranges from `source`. A missing
-/// parameter, a shape or dtype the source cannot give, or a failed read is an error on every
-/// rank, naming the parameter.
+/// [`shard`] with the initial values read from `source`.
+#[deprecated(note = "use `Shard::new(config).from_source(source).run(module, comm, device)`")]
 pub fn shard_from<B, M, C>(
     module: M,
     config: HsdpConfig,
@@ -174,14 +238,13 @@ where
     M: Module<B>,
     C: Collective + Send + 'static,
 {
-    let factory = SplitLanes::new(comm, RUNTIME_LANES)?;
-    shard_with_source::<B, M, _>(module, config, factory, device, Some(source))
+    Shard::new(config)
+        .from_source(source)
+        .run::<B, M, C>(module, comm, device)
 }
 
-/// [`shard_with`] when `source` is `None`; otherwise [`shard_from`]'s initial values from
-/// `source`, over a factory of communicators (e.g. NCCL lanes). On a local error it aborts the
-/// factory's communicators: the others may be waiting in a collective of `shard` for this rank,
-/// so they fail now (where the engine can) rather than at their timeouts.
+/// [`shard`] over a factory of communicators, with initial values from `source` if given.
+#[deprecated(note = "use `Shard::new(config)` with `.from_source(source)` and `.run_on(…)`")]
 pub fn shard_with_source<B, M, F>(
     module: M,
     config: HsdpConfig,
@@ -194,17 +257,15 @@ where
     M: Module<B>,
     F: CommFactory,
 {
-    let rank = factory.rank();
-    let factory = Arc::new(factory);
-    let lanes: Arc<dyn LaneFactory> = factory.clone();
-    let sharded = shard_on::<B, M>(module, config, lanes, device, source);
-    if let Err(e) = &sharded {
-        factory.abort(&format!("rank {rank} failed in shard: {e}"));
+    let shard = Shard::new(config);
+    match source {
+        Some(source) => shard.from_source(source),
+        None => shard,
     }
-    sharded
+    .run_on::<B, M, F>(module, factory, device)
 }
 
-/// [`shard_with`] on a factory seen as lanes; an error here is aborted on every rank there.
+/// [`Shard::run_on`] on a factory seen as lanes; an error here is aborted on every rank there.
 fn shard_on<B, M>(
     module: M,
     config: HsdpConfig,

@@ -1,4 +1,4 @@
-//! Initial values from elsewhere than the module (`shard_from`): the [`ParamSource`] trait,
+//! Initial values from elsewhere than the module (`Shard::from_source`): the [`ParamSource`] trait,
 //! the checks that every planned parameter is there, and each rank's reads of its own runtime
 //! shards (and of the module's buffers).
 
@@ -8,7 +8,7 @@ use sshsdp_plan::Plan;
 use crate::backend_ext::ShardableBackend;
 use crate::{HsdpError, HsdpRuntime};
 
-/// Initial values for [`crate::shard_from`] read straight into each rank's shards instead of
+/// Initial values for [`crate::Shard::from_source`] read straight into each rank's shards instead of
 /// from the module (e.g. a safetensors file, `sshsdp_checkpoint::SafetensorsSource`): each rank asks only
 /// for the element ranges of its own runtime shard, so no rank ever holds the whole model.
 pub trait ParamSource: Send + Sync {

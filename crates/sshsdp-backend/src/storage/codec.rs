@@ -20,7 +20,7 @@
 use sshsdp_mx::{ElemFormat, MxShape, ScaleRule};
 use sshsdp_plan::{Encoding, Plan, RuntimeFormat, Span, UpdateView};
 
-use crate::units::Elems;
+use crate::runtime_units::Elems;
 use crate::HsdpError;
 
 /// The MXFP8 element format and scale rule of runtime parameters (E4M3, RCEIL as in cuBLAS and

@@ -8,7 +8,7 @@
 //! | runtime shard | [`HsdpConfig::with_shard_placement`](crate::HsdpConfig::with_shard_placement) ([`ShardBuf`]): host (what the host collectives read and write) or a CubeCL buffer of `B`'s device (by default where the engine moves device memory — NCCL, or in-process ranks sharing the device — and the masters are on the device: gathered from and rebuilt on the device, each update's piece encoded into it; elsewhere this rank's part is read back for each gather) |
 //! | gathered bucket | `B`'s device: on CubeCL backends the gathered units land in a device buffer ([`DeviceUnits`]: written by NCCL itself, `cube/gather.rs`, or gathered on the host and uploaded by the shard lane) and are decoded there by kernels; elsewhere decoded on the host into one `B` tensor; parameters are views of it |
 //! | gradient bucket | [`HsdpConfig::with_grad_placement`](crate::HsdpConfig::with_grad_placement): host (default; each gradient read back as it arrives) or `B`'s device (summed there; on CubeCL backends reduced from the device, `cube/reduce.rs`; elsewhere read back once per bucket for the host reduction) |
-//! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`MasterBuf`]) |
+//! | fp32 masters | [`HsdpConfig::with_master_placement`](crate::HsdpConfig::with_master_placement): host (default) or `B`'s device ([`F32Buf`]) |
 //! | optimizer state | with the masters: the optimizer's tensors on its device |
 //!
 //! With device masters the update runs on `B`'s device with no host copy of a master (the
@@ -23,14 +23,14 @@
 //! # The seam
 //!
 //! The runtime's stages (`runtime/`) reach storage only through this module: the buffers of each
-//! role ([`ShardBuf`], [`MasterBuf`], [`ComputeBuf`]), the codec of a bucket ([`BucketCodec`]:
+//! role ([`ShardBuf`], [`F32Buf`], [`ComputeBuf`]), the codec of a bucket ([`BucketCodec`]:
 //! layout and ops), and the functions below, which choose the placement's implementation:
 //! `host/` (host memory: the codec run with `sshsdp-mx`, burn-ndarray views) or `cube/` (CubeCL
 //! buffers: views, kernels, device collectives; features `wgpu`/`cuda`). What no placement supports is an error here,
 //! not a `cfg` in the runtime.
 //!
 //! Layers: `storage` uses the lanes (`lanes/`, to hand device collectives over) and the
-//! runtime units (`units.rs`), never the runtime or registration.
+//! runtime units (`runtime_units.rs`), never the runtime or registration.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -41,24 +41,24 @@ use sshsdp_plan::Sharding;
 
 use crate::config::Precision;
 use crate::lanes::{DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits};
+use crate::runtime_units::{DeviceUnits, Elems};
 use crate::traffic::{Purpose, Traffic};
-use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
-pub(crate) mod buffers;
 pub(crate) mod codec;
 pub(crate) mod compute;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) mod cube;
 pub(crate) mod host;
+pub(crate) mod roles;
 
-pub use buffers::DeviceMemory;
-#[cfg(test)]
-pub(crate) use buffers::upload;
-pub(crate) use buffers::{download, F32Buf, GradSource, SendUnits, ShardBuf};
 pub(crate) use codec::BucketCodec;
 pub(crate) use compute::{ComputeBuf, Member};
 pub(crate) use host::views::with_f32_values;
+#[cfg(test)]
+pub(crate) use roles::upload;
+pub use roles::DeviceMemory;
+pub(crate) use roles::{download, F32Buf, GradSource, SendUnits, ShardBuf};
 
 /// The memory of `device` if `B` is a CubeCL backend this build supports (`None` otherwise,
 /// and when the device cannot say).

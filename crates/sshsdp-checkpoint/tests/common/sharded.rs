@@ -13,8 +13,8 @@ use sshsdp_backend::{shard, Hsdp, HsdpConfig, HsdpRuntime};
 use sshsdp_checkpoint::{CheckpointError, EncodedState, UnitState};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
-use sshsdp_optim::{units_of, UpdateUnit};
 use sshsdp_plan::Mesh;
+use sshsdp_plan::UpdateUnit;
 
 pub type Inner = NdArray<f32>;
 /// The backend the model is sharded on.
@@ -70,11 +70,9 @@ pub fn value(param: usize, index: usize, salt: u32) -> f32 {
 fn with_units<R>(rt: &Runtime, f: impl FnOnce(&[UpdateUnit], &mut [&mut [f32]]) -> R) -> R {
     let mut out = None;
     rt.master_pieces(|pieces, _| {
-        let layout: Vec<(usize, usize, usize)> = pieces
-            .iter_mut()
-            .map(|p| Ok((p.bucket, p.start, p.host()?.0.len())))
-            .collect::<Result<_, sshsdp_backend::HsdpError>>()?;
-        let units = units_of(rt, layout);
+        let units = rt
+            .plan()
+            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?;
         let mut masters = Vec::new();
         for p in pieces.iter_mut() {
             masters.push(p.host()?.0);

@@ -1,5 +1,5 @@
 //! Consolidated safetensors files: streaming export from a sharded model, sharded import
-//! (`shard_from` + `SafetensorsSource`) at any world size, plain Burn loading an export, and
+//! (`Shard::from_source` + `SafetensorsSource`) at any world size, plain Burn loading an export, and
 //! clear errors for files that do not fit the model.
 
 use std::path::Path;
@@ -11,7 +11,7 @@ use crate::common::TempDir;
 use burn::backend::NdArray;
 use burn::nn::{LayerNormConfig, LinearConfig};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
-use sshsdp_backend::{named_params, shard_from, HsdpConfig, HsdpError, ParamSource};
+use sshsdp_backend::{named_params, HsdpConfig, HsdpError, ParamSource, Shard};
 use sshsdp_checkpoint::{export_safetensors, CheckpointError, SafetensorsSource};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
@@ -67,8 +67,9 @@ fn import<T: Send>(
             read: AtomicUsize::new(0),
         };
         let device = Default::default();
-        let (_model, runtime) =
-            shard_from::<Hb, _, _>(model.clone(), config.clone(), comm, &device, &counting)?;
+        let (_model, runtime) = Shard::new(config.clone())
+            .from_source(&counting)
+            .run::<Hb, _, _>(model.clone(), comm, &device)?;
         Ok(f(rank, &runtime, counting.read.load(Ordering::Relaxed)))
     })
     .unwrap()
@@ -212,7 +213,10 @@ fn a_file_that_does_not_fit_the_model_is_an_error_on_every_rank() {
         let source = SafetensorsSource::open(&file)
             .unwrap()
             .with_names(|p| format!("model.{p}"));
-        shard_from::<Hb, _, _>(net(), flat2(), comm, &Default::default(), &source).map(|_| ())
+        Shard::new(flat2())
+            .from_source(&source)
+            .run::<Hb, _, _>(net(), comm, &Default::default())
+            .map(|_| ())
     })
     .unwrap();
     for e in errors(results.into_iter().map(|r| r.unwrap()).collect()) {

@@ -13,6 +13,7 @@ use sshsdp_backend::{named_params, shard, Hsdp, HsdpConfig};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
 use sshsdp_optim::ShardedOptimizer;
+use sshsdp_optim::ShardedStep;
 use sshsdp_plan::{Mesh, Sharding};
 
 type Inner = NdArray<f32>;

@@ -18,6 +18,7 @@ use sshsdp_optim::{Muon, MuonConfig, MuonWithElementwise, ShardedMuon, ShardedOp
 use sshsdp_plan::Mesh;
 
 use super::{Inner, B};
+use sshsdp_optim::ShardedStep;
 
 const WIDTH: usize = 8;
 const BATCH: usize = 4;

@@ -15,6 +15,7 @@ use sshsdp_backend::{named_params, shard, with_burn_rng, Hsdp, HsdpConfig, Named
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
 use sshsdp_optim::ShardedOptimizer;
+use sshsdp_optim::ShardedStep;
 use sshsdp_plan::{Mesh, RuntimeFormat};
 
 type Inner = NdArray<f32>;

@@ -18,12 +18,12 @@ use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 use super::{Bucket, BucketContext};
 use crate::config::Precision;
 use crate::lanes::Reply;
+use crate::runtime_units::DeviceUnits;
 use crate::storage::{
     device_piece, device_reduce_job, download, reduces_on_device, BucketCodec, F32Buf, GradSource,
 };
 use crate::timeline::Track;
 use crate::traffic::Purpose;
-use crate::units::DeviceUnits;
 
 /// One bucket's gradients in flight.
 pub(crate) struct BucketGrads<B: Backend> {

@@ -29,10 +29,10 @@ use sshsdp_plan::Sharding;
 
 use crate::config::{CopyMode, Placement, Precision};
 use crate::lanes::Worker;
+use crate::runtime_units::Elems;
 use crate::storage::{upload_shard, BucketCodec, F32Buf, ShardBuf};
 use crate::timeline::Timeline;
 use crate::traffic::Traffic;
-use crate::units::Elems;
 use crate::HsdpError;
 use grads::BucketGrads;
 use unshard::Residency;

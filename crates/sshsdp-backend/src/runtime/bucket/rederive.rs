@@ -8,13 +8,13 @@ use burn_backend::Backend;
 
 use super::{Bucket, BucketContext, TakenMaster};
 use crate::lanes::Reply;
+use crate::runtime_units::{DeviceUnits, Elems};
 use crate::storage::{
     device_gather, download, encode_on_device, encode_units_on_device, read_device_units,
     upload_shard, F32Buf, SendUnits, ShardBuf,
 };
 use crate::timeline::Track;
 use crate::traffic::Purpose;
-use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
 /// A runtime shard's rebuild after its piece was re-derived.

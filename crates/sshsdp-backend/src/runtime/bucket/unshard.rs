@@ -12,12 +12,12 @@ use super::{Bucket, BucketContext};
 use crate::config::{CopyMode, Precision};
 use crate::counters::Counters;
 use crate::lanes::{Reply, ShardPart};
+use crate::runtime_units::{Elems, Gathered};
 use crate::storage::{
     bucket_views, device_gather, device_part, device_views, stager, ComputeBuf, Member, SendUnits,
     ShardBuf,
 };
 use crate::traffic::Purpose;
-use crate::units::{Elems, Gathered};
 use crate::HsdpError;
 
 /// A gathered bucket: each parameter's tensor — a view into the decoded buffer (zero-copy

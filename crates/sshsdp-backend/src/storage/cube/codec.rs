@@ -29,10 +29,10 @@ use super::{
 };
 use crate::config::Precision;
 use crate::lanes::StageUnits;
+use crate::runtime_units::{DeviceUnits, Elems};
 use crate::storage::codec::{BucketCodec, CodecOp, MX_FORMAT};
 use crate::storage::compute::{ComputeBuf, Member};
 use crate::traffic::{Purpose, Traffic};
-use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 use std::sync::Arc;
 
@@ -403,7 +403,7 @@ fn run<R: CubeRuntime>(
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use super::*;
-    use crate::storage::buffers::download;
+    use crate::storage::roles::download;
     use crate::traffic::{Purpose, Traffic};
     use burn_cubecl::CubeBackend;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
@@ -495,7 +495,7 @@ mod tests {
 
     #[test]
     fn device_encode_is_bit_identical_to_the_host_encode() {
-        use crate::storage::buffers::upload;
+        use crate::storage::roles::upload;
         let device = WgpuDevice::default();
         // Ordinary values with specials mixed in: NaN (signalling too), ±inf, ±0, subnormals,
         // bf16 rounding ties and the largest finite f32.
@@ -530,9 +530,14 @@ mod tests {
                             let host = le_bytes(&codec.encode(piece, master.clone()).unwrap());
                             let tensor =
                                 upload::<B>(master, &device, &Traffic::default(), Purpose::Data);
-                            let dev = encode_piece_if_cube::<B>(&codec, piece, &tensor, &Traffic::default())
-                                .expect("a CubeCL backend and an encoded format")
-                                .unwrap();
+                            let dev = encode_piece_if_cube::<B>(
+                                &codec,
+                                piece,
+                                &tensor,
+                                &Traffic::default(),
+                            )
+                            .expect("a CubeCL backend and an encoded format")
+                            .unwrap();
                             let what = format!(
                                 "{format:?}, world {world}, bucket {b}, piece {piece}, \
                                  specials {with_specials}"

@@ -46,9 +46,9 @@ use super::{
 };
 use crate::lanes::comm::DeviceBuffers;
 use crate::lanes::DeviceGatherJob;
-use crate::storage::buffers::SendUnits;
+use crate::runtime_units::{DeviceUnits, Elems};
+use crate::storage::roles::SendUnits;
 use crate::traffic::{Purpose, Traffic};
-use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 use std::sync::Arc;
 

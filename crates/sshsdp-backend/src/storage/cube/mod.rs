@@ -22,8 +22,8 @@ use burn_backend::Backend;
 use burn_cubecl::CubeRuntime;
 use cubecl::Runtime;
 
-use crate::storage::buffers::DeviceMemory;
-pub(crate) use crate::units::{padded_to_words, word_buffer_len};
+pub(crate) use crate::runtime_units::{padded_to_words, word_buffer_len};
+use crate::storage::roles::DeviceMemory;
 
 pub(crate) mod adapter;
 pub(crate) mod codec;

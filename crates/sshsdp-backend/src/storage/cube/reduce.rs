@@ -31,9 +31,9 @@ use super::{for_each_runtime, is_cube, lane_client, lane_upload, stream_mark, wo
 use crate::config::Precision;
 use crate::lanes::comm::MeshComm;
 use crate::lanes::DeviceReduceJob;
-use crate::storage::buffers::GradSource;
+use crate::runtime_units::{DeviceUnits, Elems};
+use crate::storage::roles::GradSource;
 use crate::traffic::{Purpose, Traffic};
-use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 use std::sync::Arc;
 

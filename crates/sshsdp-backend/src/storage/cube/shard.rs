@@ -14,8 +14,8 @@ use sshsdp_comm::{CommError, CommResult};
 use super::codec::CubeUnits;
 use super::{client_of, for_each_runtime, is_cube};
 use crate::lanes::ReadUnits;
+use crate::runtime_units::{DeviceUnits, Elems};
 use crate::traffic::{Purpose, Traffic};
-use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 use std::sync::Arc;
 

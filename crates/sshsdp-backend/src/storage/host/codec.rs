@@ -7,8 +7,8 @@ use half::bf16;
 
 use sshsdp_plan::RuntimeFormat;
 
+use crate::runtime_units::Elems;
 use crate::storage::codec::{BucketCodec, CodecOp, MX_FORMAT};
-use crate::units::Elems;
 use crate::HsdpError;
 
 impl BucketCodec {

@@ -1,4 +1,5 @@
-//! Update units: the part of one parameter that lies in one of this rank's pieces.
+//! Update units: the part of one parameter that lies in one piece — the update layout every
+//! optimizer and checkpoint reads, made here from the plan's update views ([`UpdateView`]).
 //!
 //! A piece is a contiguous run of a bucket's element space; the plan's update views say which
 //! elements of which parameter sit where in it. A unit is one view: a contiguous range of the
@@ -11,16 +12,16 @@
 
 use std::ops::Range;
 
-use burn::tensor::backend::Backend;
-use sshsdp_backend::HsdpRuntime;
-use sshsdp_plan::Role;
+use crate::layout::UpdateView;
+use crate::{Plan, PlanError, Role};
 
 /// The part of one parameter that lies in one piece.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UpdateUnit {
     /// Index of the parameter in the plan.
     pub param: usize,
-    /// Index of the piece among the pieces handed to the update.
+    /// Position of the piece in the list the units were made from (the pieces an update
+    /// hands out, in order).
     pub piece: usize,
     /// The bucket the piece belongs to.
     pub bucket: usize,
@@ -34,41 +35,42 @@ pub struct UpdateUnit {
 }
 
 impl UpdateUnit {
+    /// The unit of `view`, the `piece`-th of a list of pieces.
+    fn of(plan: &Plan, view: &UpdateView, piece: usize) -> Self {
+        let at = view.master_offset as usize;
+        UpdateUnit {
+            param: view.param,
+            piece,
+            bucket: view.bucket,
+            in_piece: at..at + view.len() as usize,
+            runs: view
+                .runs()
+                .into_iter()
+                .map(|(run, _)| run.start as usize..run.end as usize)
+                .collect(),
+            role: plan.params()[view.param].spec.role,
+        }
+    }
+
     /// Its elements' indices in the parameter (row-major), in the order of `in_piece`.
     pub fn param_indices(&self) -> impl Iterator<Item = usize> + '_ {
         self.runs.iter().flat_map(|r| r.clone())
     }
 }
 
-/// The units of the pieces `(bucket, first element, length)`, piece by piece in parameter
-/// order: the plan's update views of each piece.
-pub fn units_of<B: Backend>(
-    runtime: &HsdpRuntime<B>,
-    pieces: impl IntoIterator<Item = (usize, usize, usize)>,
-) -> Vec<UpdateUnit> {
-    let plan = runtime.plan();
-    let mut units = Vec::new();
-    for (piece, (bucket, start, len)) in pieces.into_iter().enumerate() {
-        let b = &plan.buckets()[bucket];
-        let piece_elements = b.piece_elements as usize;
-        let index = start / piece_elements.max(1);
-        debug_assert_eq!(len, piece_elements);
-        for view in &b.views[index] {
-            let at = view.master_offset as usize;
-            let runs: Vec<Range<usize>> = view
-                .runs()
-                .into_iter()
-                .map(|(run, _)| run.start as usize..run.end as usize)
-                .collect();
-            units.push(UpdateUnit {
-                param: view.param,
-                piece,
-                bucket,
-                in_piece: at..at + view.len() as usize,
-                runs,
-                role: plan.params()[view.param].spec.role,
-            });
+impl Plan {
+    /// The units of `pieces` — `(bucket, piece index)`, as an update hands its pieces out —
+    /// piece by piece in parameter order.
+    pub fn update_units(
+        &self,
+        pieces: impl IntoIterator<Item = (usize, usize)>,
+    ) -> Result<Vec<UpdateUnit>, PlanError> {
+        let mut units = Vec::new();
+        for (at, (bucket, piece)) in pieces.into_iter().enumerate() {
+            for view in self.piece_views(bucket, piece)? {
+                units.push(UpdateUnit::of(self, view, at));
+            }
         }
+        Ok(units)
     }
-    units
 }

@@ -13,18 +13,15 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
-use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use sshsdp_backend::{
-    check_gradient_leaves, HsdpError, HsdpRuntime, Piece, PieceValues, ShardableBackend,
-    UpdateGroup, Views,
-};
+use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, PieceValues, UpdateGroup, UpdateStep, Views};
 
 use crate::clip::GradClip;
-use crate::units::{units_of, UpdateUnit};
+use crate::step::ShardedStep;
+use sshsdp_plan::UpdateUnit;
 
 /// A Burn element-wise optimizer over sharded pieces.
 pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
@@ -76,73 +73,21 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         self.clip.last_norm
     }
 
-    /// One optimizer step with learning rate `lr` on every parameter of `runtime`'s pieces that
-    /// received a gradient in this step; returns `module`, whose parameters now read the
-    /// updated storage (as Burn's own optimizers return the module). Fails on every rank alike, e.g. with
-    /// [`HsdpError::NonFiniteGradient`] (nothing applied; see [`sshsdp_backend::NonFinitePolicy`]).
-    pub fn step<AB, M>(
+    /// Steps host slices of `pieces`.
+    fn step_host_pieces<R: Backend>(
         &mut self,
         lr: f64,
-        module: M,
-        runtime: &HsdpRuntime<B>,
-    ) -> Result<M, HsdpError>
-    where
-        AB: ShardableBackend<Inner = B>,
-        M: Module<AB>,
-    {
-        let leaves = check_gradient_leaves(&module);
-        self.step_pieces(runtime, lr)?;
-        leaves.map(|()| module)
-    }
-
-    /// [`Self::step`] for a model on another backend than the optimizer's: the runtime hands
-    /// host views of every piece (host masters as they are; device masters staged), and the
-    /// optimizer steps them on `B` — with a CPU backend (burn-flex, NdArray) under a GPU model
-    /// its state never touches the device: FSDP2's CPU offload policy. Keep the masters on the
-    /// host too (`Placement::Host`, the default) so nothing is staged.
-    pub fn step_offloaded<AB, M>(
-        &mut self,
-        lr: f64,
-        module: M,
-        runtime: &HsdpRuntime<AB::Inner>,
-    ) -> Result<M, HsdpError>
-    where
-        AB: ShardableBackend,
-        M: Module<AB>,
-    {
-        let leaves = check_gradient_leaves(&module);
-        runtime.update_pieces(Views::Host, |pieces, group| {
-            let scale = self.clip.factor(group);
-            let units = stepped_units(runtime, pieces, group);
-            for unit in &units {
-                let (master, grad) = pieces[unit.piece].host()?;
-                self.step_host_unit(lr, scale, unit, master, grad)?;
-            }
-            Ok(())
-        })?;
-        leaves.map(|()| module)
-    }
-
-    fn step_pieces(&mut self, runtime: &HsdpRuntime<B>, lr: f64) -> Result<(), HsdpError> {
-        runtime.update_pieces(Views::AsStored, |pieces, group| {
-            let scale = self.clip.factor(group);
-            let units = stepped_units(runtime, pieces, group);
-            for (p, piece) in pieces.iter_mut().enumerate() {
-                let mine = units.iter().filter(|u| u.piece == p);
-                match &mut piece.values {
-                    PieceValues::Host { master, grad } => {
-                        for unit in mine {
-                            self.step_host_unit(lr, scale, unit, master, grad)?;
-                        }
-                    }
-                    PieceValues::Device { master, grad } => {
-                        let mine: Vec<&UpdateUnit> = mine.collect();
-                        self.step_device_piece(lr, scale, &mine, master, grad.clone());
-                    }
-                }
-            }
-            Ok(())
-        })
+        runtime: &HsdpRuntime<R>,
+        pieces: &mut [Piece<R>],
+        group: &UpdateGroup<'_>,
+    ) -> Result<(), HsdpError> {
+        let scale = self.clip.factor(group);
+        let units = stepped_units(runtime, pieces, group)?;
+        for unit in &units {
+            let (master, grad) = pieces[unit.piece].host()?;
+            self.step_host_unit(lr, scale, unit, master, grad)?;
+        }
+        Ok(())
     }
 
     /// One step on the units `units` (in piece order) of a device-resident piece: each unit's
@@ -216,15 +161,60 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     }
 }
 
+impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O> {
+    /// Where the masters live: device pieces step on the device.
+    fn views(&self) -> Views {
+        Views::AsStored
+    }
+
+    fn step_update(
+        &mut self,
+        lr: f64,
+        runtime: &HsdpRuntime<B>,
+        update: &mut UpdateStep<'_, B>,
+    ) -> Result<(), HsdpError> {
+        let (pieces, group) = update.parts();
+        let scale = self.clip.factor(group);
+        let units = stepped_units(runtime, pieces, group)?;
+        for (p, piece) in pieces.iter_mut().enumerate() {
+            let mine = units.iter().filter(|u| u.piece == p);
+            match &mut piece.values {
+                PieceValues::Host { master, grad } => {
+                    for unit in mine {
+                        self.step_host_unit(lr, scale, unit, master, grad)?;
+                    }
+                }
+                PieceValues::Device { master, grad } => {
+                    let mine: Vec<&UpdateUnit> = mine.collect();
+                    self.step_device_piece(lr, scale, &mine, master, grad.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn step_host_update<R: Backend>(
+        &mut self,
+        lr: f64,
+        runtime: &HsdpRuntime<R>,
+        update: &mut UpdateStep<'_, R>,
+    ) -> Result<(), HsdpError> {
+        let (pieces, group) = update.parts();
+        self.step_host_pieces(lr, runtime, pieces, group)
+    }
+}
+
 /// The units of `pieces` whose parameter received a gradient in this step, in piece order.
 fn stepped_units<B: Backend>(
     runtime: &HsdpRuntime<B>,
     pieces: &[Piece<B>],
     group: &UpdateGroup<'_>,
-) -> Vec<UpdateUnit> {
-    let mut units = units_of(runtime, pieces.iter().map(|p| (p.bucket, p.start, p.len())));
+) -> Result<Vec<UpdateUnit>, HsdpError> {
+    let mut units = runtime
+        .plan()
+        .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?;
     units.retain(|u| group.received_gradient(u.param));
-    units
+    Ok(units)
 }
 
 /// A flat run of fp32 master elements with its gradient, for [`step_slice`].

@@ -1,5 +1,5 @@
 //! The buffers of one rank's storage roles, whatever the placement: fp32 masters
-//! ([`MasterBuf`]), runtime shards ([`ShardBuf`]), moves between host and device, and the
+//! ([`F32Buf`]), runtime shards ([`ShardBuf`]), moves between host and device, and the
 //! device allocator's report ([`DeviceMemory`]).
 
 use std::ops::Range;
@@ -8,8 +8,8 @@ use std::sync::Arc;
 use burn_backend::{read_sync, Backend, TensorData, TensorMetadata};
 
 use crate::config::Placement;
+use crate::runtime_units::{DeviceUnits, Elems};
 use crate::traffic::{Purpose, Traffic};
-use crate::units::{DeviceUnits, Elems};
 use crate::HsdpError;
 
 /// Memory of the decorated backend's device as its allocator reports it (CubeCL's

@@ -20,17 +20,16 @@
 
 use std::collections::HashMap;
 
-use burn::module::Module;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{check_gradient_leaves, HsdpError, HsdpRuntime, ShardableBackend, Views};
+use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, UpdateGroup, UpdateStep, Views};
 
 use crate::{step_slice, GradClip, Slice};
 pub use sshsdp_plan::projection::MuonExchange;
-use sshsdp_plan::Role;
+use sshsdp_plan::{Role, UpdateUnit};
 
-use crate::units::{units_of, UpdateUnit};
+use crate::step::ShardedStep;
 use crate::Muon;
 
 mod exchange;
@@ -164,114 +163,85 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         }
     }
 
-    /// One step with learning rate `lr` (both optimizers); returns `module`, whose parameters
-    /// now read the updated storage.
-    pub fn step<AB, M>(
-        &mut self,
-        lr: f64,
-        module: M,
-        runtime: &HsdpRuntime<B>,
-    ) -> Result<M, HsdpError>
-    where
-        AB: ShardableBackend<Inner = B>,
-        M: Module<AB>,
-    {
-        let leaves = check_gradient_leaves(&module);
-        self.step_on(lr, runtime)?;
-        leaves.map(|()| module)
-    }
-
-    /// [`Self::step`] for a model on another backend than the optimizer's: with a CPU backend
-    /// (burn-flex, NdArray) as `B` under a GPU model, the optimizer state and Newton–Schulz
-    /// stay on the host (FSDP2's CPU offload; the runtime hands host views of every piece).
-    pub fn step_offloaded<AB, M>(
-        &mut self,
-        lr: f64,
-        module: M,
-        runtime: &HsdpRuntime<AB::Inner>,
-    ) -> Result<M, HsdpError>
-    where
-        AB: ShardableBackend,
-        M: Module<AB>,
-    {
-        let leaves = check_gradient_leaves(&module);
-        self.step_on(lr, runtime)?;
-        leaves.map(|()| module)
-    }
-
     /// One step on `runtime`'s pieces, as host views, whatever its backend.
-    fn step_on<R: Backend>(&mut self, lr: f64, runtime: &HsdpRuntime<R>) -> Result<(), HsdpError> {
-        runtime.update_pieces(Views::Host, |pieces, group| {
-            let mut units = units_of(runtime, pieces.iter().map(|p| (p.bucket, p.start, p.len())));
-            // A parameter without a gradient in this step (on any rank) is not stepped, its
-            // momentum and state left alone, as Burn's optimizers do; every rank agrees.
-            units.retain(|u| group.received_gradient(u.param));
-            // Host slices (device masters are staged by the runtime for `Views::Host`).
-            let mut pieces: Vec<HostPiece<'_>> = pieces
-                .iter_mut()
-                .map(|p| p.host().map(|(master, grad)| HostPiece { master, grad }))
-                .collect::<Result<_, _>>()?;
-            let plan = runtime.plan();
-            let mut stats = MuonStepStats::default();
-            let scale = self.clip.factor(group) as f32;
-            let scaled: Vec<Option<Vec<f32>>> = pieces
-                .iter()
-                .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
-                .collect();
-            let mut split_updates = Vec::new();
-            let mut owned_updates = Vec::new();
-            for unit in &units {
-                let piece = &mut pieces[unit.piece];
-                let grad = match &scaled[unit.piece] {
-                    Some(g) => &g[unit.in_piece.clone()],
-                    None => &piece.grad[unit.in_piece.clone()],
-                };
-                match unit.role {
-                    Role::Elementwise => {
-                        let master = &mut piece.master[unit.in_piece.clone()];
-                        self.step_elementwise(lr, unit.param, master, grad)?;
-                    }
-                    Role::Matrix => {
-                        let u = self.momentum_update(unit, grad);
-                        if plan.params()[unit.param].split {
-                            split_updates.push((unit.clone(), u));
-                        } else {
-                            owned_updates.push((unit.clone(), u));
-                        }
+    fn step_pieces<R: Backend>(
+        &mut self,
+        lr: f64,
+        runtime: &HsdpRuntime<R>,
+        pieces: &mut [Piece<R>],
+        group: &UpdateGroup<'_>,
+    ) -> Result<(), HsdpError> {
+        let mut units = runtime
+            .plan()
+            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?;
+        // A parameter without a gradient in this step (on any rank) is not stepped, its
+        // momentum and state left alone, as Burn's optimizers do; every rank agrees.
+        units.retain(|u| group.received_gradient(u.param));
+        // Host slices (device masters are staged by the runtime for `Views::Host`).
+        let mut pieces: Vec<HostPiece<'_>> = pieces
+            .iter_mut()
+            .map(|p| p.host().map(|(master, grad)| HostPiece { master, grad }))
+            .collect::<Result<_, _>>()?;
+        let plan = runtime.plan();
+        let mut stats = MuonStepStats::default();
+        let scale = self.clip.factor(group) as f32;
+        let scaled: Vec<Option<Vec<f32>>> = pieces
+            .iter()
+            .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
+            .collect();
+        let mut split_updates = Vec::new();
+        let mut owned_updates = Vec::new();
+        for unit in &units {
+            let piece = &mut pieces[unit.piece];
+            let grad = match &scaled[unit.piece] {
+                Some(g) => &g[unit.in_piece.clone()],
+                None => &piece.grad[unit.in_piece.clone()],
+            };
+            match unit.role {
+                Role::Elementwise => {
+                    let master = &mut piece.master[unit.in_piece.clone()];
+                    self.step_elementwise(lr, unit.param, master, grad)?;
+                }
+                Role::Matrix => {
+                    let u = self.momentum_update(unit, grad);
+                    if plan.params()[unit.param].split {
+                        split_updates.push((unit.clone(), u));
+                    } else {
+                        owned_updates.push((unit.clone(), u));
                     }
                 }
             }
-            // Split matrices go to their owners (in plan order); every matrix this rank owns —
-            // whole in its pieces or assembled — is orthogonalised here, same shapes together.
-            split_updates.sort_by_key(|(unit, _)| unit.param);
-            let assembled = self.send_to_owners(runtime, group, &split_updates, &mut stats)?;
-            let whole = owned_updates.len();
-            let (owned_units, owned_u): (Vec<UpdateUnit>, Vec<Vec<f32>>) =
-                owned_updates.into_iter().unzip();
-            let matrices: Vec<(usize, Vec<f32>)> = owned_units
-                .iter()
-                .map(|unit| unit.param)
-                .zip(owned_u)
-                .chain(assembled)
-                .collect();
-            stats.ns_local += matrices.len() as u64;
-            stats.ns_split += (matrices.len() - whole) as u64;
-            let mut orthogonal = self.orthogonalize_all(runtime, matrices)?;
-            let split_results: Vec<(usize, Vec<f32>)> = orthogonal.split_off(whole);
-            for (unit, (_, o)) in owned_units.iter().zip(orthogonal) {
-                let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
-                self.apply(lr, runtime, unit.param, master, &o);
-            }
-            // Each holder's rows of the results back.
-            let rows =
-                self.return_to_holders(runtime, group, &split_updates, split_results, &mut stats)?;
-            for ((unit, _), o) in split_updates.iter().zip(rows) {
-                let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
-                self.apply(lr, runtime, unit.param, master, &o);
-            }
-            self.last = stats;
-            Ok(())
-        })
+        }
+        // Split matrices go to their owners (in plan order); every matrix this rank owns —
+        // whole in its pieces or assembled — is orthogonalised here, same shapes together.
+        split_updates.sort_by_key(|(unit, _)| unit.param);
+        let assembled = self.send_to_owners(runtime, group, &split_updates, &mut stats)?;
+        let whole = owned_updates.len();
+        let (owned_units, owned_u): (Vec<UpdateUnit>, Vec<Vec<f32>>) =
+            owned_updates.into_iter().unzip();
+        let matrices: Vec<(usize, Vec<f32>)> = owned_units
+            .iter()
+            .map(|unit| unit.param)
+            .zip(owned_u)
+            .chain(assembled)
+            .collect();
+        stats.ns_local += matrices.len() as u64;
+        stats.ns_split += (matrices.len() - whole) as u64;
+        let mut orthogonal = self.orthogonalize_all(runtime, matrices)?;
+        let split_results: Vec<(usize, Vec<f32>)> = orthogonal.split_off(whole);
+        for (unit, (_, o)) in owned_units.iter().zip(orthogonal) {
+            let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
+            self.apply(lr, runtime, unit.param, master, &o);
+        }
+        // Each holder's rows of the results back.
+        let rows =
+            self.return_to_holders(runtime, group, &split_updates, split_results, &mut stats)?;
+        for ((unit, _), o) in split_updates.iter().zip(rows) {
+            let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
+            self.apply(lr, runtime, unit.param, master, &o);
+        }
+        self.last = stats;
+        Ok(())
     }
 
     /// Newton–Schulz of whole matrices' updates `(param, values)`, in order: same-shape
@@ -403,4 +373,30 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpErr
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| HsdpError::Failed(format!("reading optimizer values: {e:?}")))
+}
+
+impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedMuon<B, O> {
+    /// Host slices: Muon's exchange and Newton–Schulz read whole matrices on the host.
+    fn views(&self) -> Views {
+        Views::Host
+    }
+
+    fn step_update(
+        &mut self,
+        lr: f64,
+        runtime: &HsdpRuntime<B>,
+        update: &mut UpdateStep<'_, B>,
+    ) -> Result<(), HsdpError> {
+        self.step_host_update(lr, runtime, update)
+    }
+
+    fn step_host_update<R: Backend>(
+        &mut self,
+        lr: f64,
+        runtime: &HsdpRuntime<R>,
+        update: &mut UpdateStep<'_, R>,
+    ) -> Result<(), HsdpError> {
+        let (pieces, group) = update.parts();
+        self.step_pieces(lr, runtime, pieces, group)
+    }
 }

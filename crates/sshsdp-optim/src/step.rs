@@ -1,0 +1,79 @@
+//! [`ShardedStep`]: what every optimizer of sharded pieces shares — opening the runtime's
+//! update, stepping its pieces with the optimizer as the caller, committing (or abandoning it
+//! with the optimizer's error) — once, for both `step` and `step_offloaded`.
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use sshsdp_backend::{
+    check_gradient_leaves, HsdpError, HsdpRuntime, ShardableBackend, UpdateStep, Views,
+};
+
+/// An optimizer over a sharded model's update pieces whose own state lives on `B`.
+pub trait ShardedStep<B: Backend> {
+    /// How [`Self::step`] asks the runtime for the pieces (on the optimizer's own backend).
+    fn views(&self) -> Views;
+
+    /// Steps the open update's pieces, handed as [`Self::views`], of `runtime` (on the
+    /// optimizer's own backend).
+    fn step_update(
+        &mut self,
+        lr: f64,
+        runtime: &HsdpRuntime<B>,
+        update: &mut UpdateStep<'_, B>,
+    ) -> Result<(), HsdpError>;
+
+    /// Steps the open update's pieces of `runtime` on any backend, handed as host slices.
+    fn step_host_update<R: Backend>(
+        &mut self,
+        lr: f64,
+        runtime: &HsdpRuntime<R>,
+        update: &mut UpdateStep<'_, R>,
+    ) -> Result<(), HsdpError>;
+
+    /// One step with learning rate `lr` on every parameter of `runtime`'s pieces that received
+    /// a gradient in this step; returns `module`, whose parameters now read the updated storage
+    /// (as Burn's own optimizers return the module). Fails on every rank alike, e.g. with
+    /// [`HsdpError::NonFiniteGradient`] (nothing applied; see
+    /// [`sshsdp_backend::NonFinitePolicy`]).
+    fn step<AB, M>(&mut self, lr: f64, module: M, runtime: &HsdpRuntime<B>) -> Result<M, HsdpError>
+    where
+        Self: Sized,
+        AB: ShardableBackend<Inner = B>,
+        M: Module<AB>,
+    {
+        let leaves = check_gradient_leaves(&module);
+        if let Some(mut update) = runtime.begin_update(self.views())? {
+            match self.step_update(lr, runtime, &mut update) {
+                Ok(()) => update.commit()?,
+                Err(e) => return Err(update.abandon(e)),
+            }
+        }
+        leaves.map(|()| module)
+    }
+
+    /// [`Self::step`] for a model on another backend than the optimizer's: the runtime hands
+    /// host views of every piece (host masters as they are; device masters staged), and the
+    /// optimizer steps them on `B` — with a CPU backend (burn-flex, NdArray) under a GPU model
+    /// its state never touches the device: FSDP2's CPU offload policy. Keep the masters on the
+    /// host too (`Placement::Host`, the default) so nothing is staged.
+    fn step_offloaded<AB, M>(
+        &mut self,
+        lr: f64,
+        module: M,
+        runtime: &HsdpRuntime<AB::Inner>,
+    ) -> Result<M, HsdpError>
+    where
+        Self: Sized,
+        AB: ShardableBackend,
+        M: Module<AB>,
+    {
+        let leaves = check_gradient_leaves(&module);
+        if let Some(mut update) = runtime.begin_update(Views::Host)? {
+            match self.step_host_update(lr, runtime, &mut update) {
+                Ok(()) => update.commit()?,
+                Err(e) => return Err(update.abandon(e)),
+            }
+        }
+        leaves.map(|()| module)
+    }
+}
