@@ -4,4 +4,6 @@
 
 mod common;
 mod gather;
+mod placement;
+mod rederive;
 mod reduce;
