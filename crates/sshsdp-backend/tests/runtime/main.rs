@@ -3,6 +3,7 @@
 //! optimizer crate). One binary, one module per area; `common` holds what they share.
 
 mod common;
+mod failure;
 mod gather;
 mod placement;
 mod rederive;

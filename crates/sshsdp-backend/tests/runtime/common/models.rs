@@ -67,7 +67,7 @@ pub fn net_batch(step: usize, rows: Range<usize>) -> (Vec<i64>, Vec<i64>) {
     let mut tokens = Vec::new();
     let mut targets = Vec::new();
     for row in rows {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ ((step as u64) << 32 | row as u64 + 1);
+        let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ (((step as u64) << 32) | (row as u64 + 1));
         for _ in 0..SEQ {
             state ^= state << 13;
             state ^= state >> 7;
