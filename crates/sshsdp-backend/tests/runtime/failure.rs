@@ -9,7 +9,9 @@
 use std::time::Duration;
 
 use burn::nn::LinearConfig;
-use sshsdp_backend::{HsdpConfig, HsdpError, NonFinitePolicy, Placement};
+use sshsdp_backend::{
+    HsdpConfig, HsdpError, MixedPrecision, NonFinitePolicy, Placement, Precision,
+};
 use sshsdp_comm::threads::ThreadComm;
 use sshsdp_comm::Collective;
 use sshsdp_plan::{RuntimeFormat, Sharding};
@@ -108,6 +110,22 @@ fn an_invalid_config_on_one_rank_is_an_error_on_every_rank() {
     assert_every_rank_failed("device shards on rank 1", &outcomes);
     let own = outcomes[1].as_ref().unwrap_err().to_string();
     assert!(own.contains("master"), "rank 1 names its mistake: {own}");
+}
+
+#[test]
+fn a_compute_dtype_the_backend_lacks_is_refused_on_every_rank() {
+    // NdArray computes in f32 only: a bf16 compute policy is refused by `shard`, on every rank,
+    // naming the dtype, before anything is gathered.
+    let init = sharded_net(&plain_net(59));
+    let outcomes = failing_world(2, |comm| {
+        let config = config(flat(2), Sharding::Hierarchical, RuntimeFormat::Bf16)
+            .with_mixed_precision(MixedPrecision::new(Precision::Bf16, Precision::F32));
+        sshsdp_backend::shard::<B, _, _>(init.clone(), config, comm, &Default::default())
+            .map(|_| ())
+    });
+    assert_every_rank_failed("bf16 compute on NdArray", &outcomes);
+    let own = outcomes[0].as_ref().unwrap_err().to_string();
+    assert!(own.contains("Bf16"), "{own}");
 }
 
 #[test]

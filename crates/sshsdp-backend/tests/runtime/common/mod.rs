@@ -3,8 +3,6 @@
 //! burn-nn models with their data, plain Burn's gradients for the reference step, the runtime
 //! formats' rounding (from `sshsdp_mx` and `half`), and this rank's fp32 masters by parameter.
 
-#![allow(dead_code)]
-
 pub mod models;
 
 use std::ops::Range;
@@ -12,9 +10,9 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
 use half::bf16;
 use sshsdp_backend::{named_params, shard, Hsdp, HsdpConfig, HsdpError, HsdpRuntime, NamedParam};
 use sshsdp_comm::threads::{ThreadComm, ThreadsConfig, ThreadsWorld};
@@ -114,40 +112,6 @@ pub fn gathered(runtime: &Runtime) -> Vec<NamedParam> {
             values: runtime.param_values(&p.spec.path).expect("param_values"),
         })
         .collect()
-}
-
-/// `module` with every float parameter set to `values` (module order, shapes checked), its
-/// `require_grad` kept. Under Burn's RNG lock: reading a lazy parameter draws it.
-pub fn set_values<Bk: Backend, M: Module<Bk>>(module: M, values: &[NamedParam]) -> M {
-    struct Setter<'a> {
-        values: &'a [NamedParam],
-        next: usize,
-    }
-    impl<Bk: Backend> ModuleMapper<Bk> for Setter<'_> {
-        fn map_float<const D: usize>(
-            &mut self,
-            param: Param<Tensor<Bk, D>>,
-        ) -> Param<Tensor<Bk, D>> {
-            let (id, tensor, mapper) = param.consume();
-            let value = &self.values[self.next];
-            self.next += 1;
-            assert_eq!(tensor.dims().to_vec(), value.shape, "{}", value.path);
-            let fresh = Tensor::<Bk, D>::from_data(
-                TensorData::new(value.values.clone(), value.shape.clone()),
-                &tensor.device(),
-            );
-            let fresh = if tensor.is_require_grad() {
-                fresh.require_grad()
-            } else {
-                fresh
-            };
-            Param::from_mapped_value(id, fresh, mapper)
-        }
-    }
-    let mut setter = Setter { values, next: 0 };
-    let module = sshsdp_backend::with_burn_rng(|| module.map(&mut setter));
-    assert_eq!(setter.next, values.len(), "every value used");
-    module
 }
 
 /// What one plain-Burn SGD step on `model` with `loss`'s gradient gives.

@@ -1,5 +1,6 @@
-//! Small burn-nn models (widths ≤ 32) and their deterministic data, generic over the backend so
-//! that the sharded model and plain Burn's run the same code.
+//! Small burn-nn models (widths ≤ 32) and their deterministic data (no draw from Burn's RNG
+//! but the seeded initial weights, under its lock). The sharded model and the unsharded
+//! reference are clones of one module drawn once.
 
 use std::ops::Range;
 
