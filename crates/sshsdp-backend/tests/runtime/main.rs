@@ -8,3 +8,4 @@ mod gather;
 mod placement;
 mod rederive;
 mod reduce;
+mod update_step;
