@@ -42,7 +42,7 @@ use burn_backend::distributed::DistributedParamId;
 use burn_backend::{read_sync, Backend};
 use sshsdp_plan::Plan;
 
-pub use pieces::{HostMaster, Piece, PieceValues, UpdateGroup, Views};
+pub use pieces::{Piece, UpdateGroup, Views};
 pub use update::UpdateStep;
 
 use crate::config::{HsdpConfig, NonFinitePolicy, Placement};

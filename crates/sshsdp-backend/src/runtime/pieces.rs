@@ -2,11 +2,10 @@
 //! gradients, on the host or the device) and the update group it may exchange with (Muon's
 //! whole matrices).
 
-use std::ops::{Deref, DerefMut, Range};
-
-use burn_backend::{Backend, TensorMetadata};
+use burn_backend::Backend;
 
 use crate::lanes::Worker;
+use crate::storage::PieceValues;
 use crate::timeline::{Timeline, Track};
 use crate::HsdpError;
 
@@ -22,48 +21,6 @@ pub enum Views {
     /// step and back after it (counted in [`crate::Counters::staged_bytes`]), for code written
     /// over host slices (distributed Muon's exchange, checkpoints).
     Host,
-}
-
-/// A piece's fp32 master weights and world-averaged gradient, where they live, held by the
-/// update step (moved out of the runtime for it).
-pub enum PieceValues<B: Backend> {
-    /// Host memory.
-    Host {
-        /// Master elements (padding elements included), updated in place (a `[f32]`).
-        master: HostMaster,
-        /// Their gradient (empty when handing out masters only).
-        grad: Vec<f32>,
-    },
-    /// Tensors on the decorated backend's device (1-D, the piece's element count).
-    Device {
-        /// Master elements; the optimizer replaces the tensor with the updated one.
-        master: B::FloatTensorPrimitive,
-        /// Their gradient.
-        grad: B::FloatTensorPrimitive,
-    },
-}
-
-/// A piece's fp32 master elements on the host during an update step: dereferences to the
-/// piece's `[f32]`. (In the f32 runtime format with host masters they are the runtime shard's
-/// own elements, which the step holds whole.)
-pub struct HostMaster {
-    pub(super) elements: Vec<f32>,
-    pub(super) slot: Range<usize>,
-    /// Whether `elements` is the runtime shard (see above).
-    pub(super) in_shard: bool,
-}
-
-impl Deref for HostMaster {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        &self.elements[self.slot.clone()]
-    }
-}
-
-impl DerefMut for HostMaster {
-    fn deref_mut(&mut self) -> &mut [f32] {
-        &mut self.elements[self.slot.clone()]
-    }
 }
 
 /// One bucket's piece on this rank during an update.
@@ -83,27 +40,23 @@ pub struct Piece<B: Backend> {
 impl<B: Backend> Piece<B> {
     /// Number of elements (padding included).
     pub fn len(&self) -> usize {
-        match &self.values {
-            PieceValues::Host { master, .. } => master.len(),
-            PieceValues::Device { master, .. } => master.shape().num_elements(),
-        }
+        self.values.len()
     }
 
     /// Whether the piece has no elements.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.values.is_empty()
     }
 
     /// The host master and gradient slices; an error for device values (ask the update for
     /// [`Views::Host`] to get host slices in every placement).
     pub fn host(&mut self) -> Result<(&mut [f32], &[f32]), HsdpError> {
-        match &mut self.values {
-            PieceValues::Host { master, grad } => Ok((&mut **master, &**grad)),
-            PieceValues::Device { .. } => Err(HsdpError::Failed(format!(
-                "bucket {}'s piece is on the device: request host views (Views::Host)",
-                self.bucket
-            ))),
-        }
+        let bucket = self.bucket;
+        self.values.host().ok_or_else(|| {
+            HsdpError::Failed(format!(
+                "bucket {bucket}'s piece is on the device: request host views (Views::Host)"
+            ))
+        })
     }
 }
 

@@ -12,9 +12,8 @@
 use burn_backend::Backend;
 
 use super::{Runtime, State};
-use crate::storage::{download, F32Buf};
+use crate::storage::F32Buf;
 use crate::timeline::Track;
-use crate::traffic::Purpose;
 use crate::HsdpError;
 
 /// Bytes each rank sends: its sum of squares and one bit per parameter.
@@ -31,26 +30,8 @@ pub(super) fn global_grad_norm<B: Backend>(
     st: &mut State<B>,
     grads: &[(usize, F32Buf<B>)],
 ) -> Result<(f64, Vec<bool>), HsdpError> {
-    let mut local = 0f64;
-    let mut on_device = Vec::new();
-    for (_, g) in grads {
-        match g {
-            F32Buf::Host(g) => local += g.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>(),
-            F32Buf::Device(g) => on_device.push(B::float_sum(B::float_mul(g.clone(), g.clone()))),
-        }
-    }
-    if !on_device.is_empty() {
-        // Device pieces: their sums of squares on the device in f32 (Burn's sum), one scalar
-        // read back for all. An f32 sum can overflow to infinity where f64 would not, which
-        // only makes a gradient of norm beyond 1.8e19 count as non-finite.
-        let sum = download::<B>(
-            B::float_sum(B::float_cat(on_device, 0)),
-            &rt.ctx.traffic,
-            Purpose::Data,
-        )
+    let local = F32Buf::sum_of_squares(grads.iter().map(|(_, g)| g), &rt.ctx.traffic)
         .inspect_err(|e| rt.record_failure(st, e.to_string()))?;
-        local += f64::from(sum[0]);
-    }
     let params = rt.plan.params().len();
     let mut message = local.to_le_bytes().to_vec();
     let fresh = vec![false; params];

@@ -15,8 +15,7 @@
 
 use burn_backend::Backend;
 
-use super::bucket::TakenMaster;
-use super::pieces::{HostMaster, Piece, PieceValues, UpdateGroup, Views};
+use super::pieces::{Piece, UpdateGroup, Views};
 use super::step_agreement::{global_grad_norm, norm_message_len};
 use super::{Runtime, State};
 use crate::config::{NonFinitePolicy, Placement};
@@ -207,39 +206,11 @@ impl<B: Backend> Runtime<B> {
             let piece = st.buckets[b]
                 .take_master(placement, ctx)
                 .and_then(|master| {
-                    let at = match &master {
-                        TakenMaster::Apart(m) => m.placement(),
-                        TakenMaster::InShard { .. } => Placement::Host,
-                    };
-                    let grad = grad.to(at, &ctx.device, &ctx.traffic);
-                    let values = match (master, grad) {
-                        (TakenMaster::Apart(F32Buf::Device(master)), Ok(F32Buf::Device(grad))) => {
-                            PieceValues::Device { master, grad }
-                        }
-                        (TakenMaster::Apart(F32Buf::Host(elements)), Ok(F32Buf::Host(grad))) => {
-                            let slot = 0..elements.len();
-                            let master = HostMaster {
-                                elements,
-                                slot,
-                                in_shard: false,
-                            };
-                            PieceValues::Host { master, grad }
-                        }
-                        (TakenMaster::InShard { elements, slot }, Ok(F32Buf::Host(grad))) => {
-                            let master = HostMaster {
-                                elements,
-                                slot,
-                                in_shard: true,
-                            };
-                            PieceValues::Host { master, grad }
-                        }
-                        (master, grad) => {
+                    let values = match master.with_grad(grad, &ctx.device, &ctx.traffic) {
+                        Ok(values) => values,
+                        Err((master, e)) => {
                             st.buckets[b].restore_master(master, ctx)?;
-                            return Err(grad.err().unwrap_or_else(|| {
-                                HsdpError::Failed(format!(
-                                    "bucket {b}: a gradient apart from its master"
-                                ))
-                            }));
+                            return Err(e);
                         }
                     };
                     Ok(Piece {
@@ -264,23 +235,11 @@ impl<B: Backend> Runtime<B> {
     fn restore_pieces(&self, st: &mut State<B>, pieces: Vec<Piece<B>>) {
         for piece in pieces {
             let b = piece.bucket;
-            if let Err(e) = st.buckets[b].restore_master(taken(piece), &self.ctx) {
+            if let Err(e) = st.buckets[b].restore_master(piece.values.into_master(), &self.ctx) {
                 self.record_failure(st, format!("bucket {b}: restoring its master: {e}"));
             }
         }
         st.updating = false;
-    }
-}
-
-/// A piece's master, as the bucket takes it back.
-fn taken<B: Backend>(piece: Piece<B>) -> TakenMaster<B> {
-    match piece.values {
-        PieceValues::Device { master, .. } => TakenMaster::Apart(F32Buf::Device(master)),
-        PieceValues::Host { master, .. } if master.in_shard => TakenMaster::InShard {
-            elements: master.elements,
-            slot: master.slot,
-        },
-        PieceValues::Host { master, .. } => TakenMaster::Apart(F32Buf::Host(master.elements)),
     }
 }
 
@@ -369,7 +328,7 @@ impl<'r, B: Backend> UpdateStep<'r, B> {
         let mut pieces = pieces.into_iter();
         for piece in pieces.by_ref() {
             let b = piece.bucket;
-            match st.buckets[b].rederive(&rt.ctx, taken(piece)) {
+            match st.buckets[b].rederive(&rt.ctx, piece.values.into_master()) {
                 Ok(rebuild) => rebuilds.push((b, rebuild)),
                 Err(e) => {
                     // Recorded first: that aborts the engine, so peers already waiting in

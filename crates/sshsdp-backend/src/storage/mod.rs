@@ -50,15 +50,20 @@ pub(crate) mod compute;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) mod cube;
 pub(crate) mod host;
+pub(crate) mod rebuild;
 pub(crate) mod roles;
+pub(crate) mod step_values;
 
 pub(crate) use codec::BucketCodec;
 pub(crate) use compute::{ComputeBuf, Member};
 pub(crate) use host::views::with_f32_values;
+pub(crate) use rebuild::ShardRebuild;
 #[cfg(test)]
 pub(crate) use roles::upload;
 pub use roles::DeviceMemory;
 pub(crate) use roles::{download, F32Buf, GradSource, SendUnits, ShardBuf};
+pub(crate) use step_values::TakenMaster;
+pub use step_values::{HostMaster, PieceValues};
 
 /// The memory of `device` if `B` is a CubeCL backend this build supports (`None` otherwise,
 /// and when the device cannot say).

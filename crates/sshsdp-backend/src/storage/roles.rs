@@ -7,8 +7,12 @@ use std::sync::Arc;
 
 use burn_backend::{read_sync, Backend, TensorData, TensorMetadata};
 
+use sshsdp_comm::CommError;
+
 use crate::config::Placement;
+use crate::lanes::ShardPart;
 use crate::runtime_units::{DeviceUnits, Elems};
+use crate::storage::BucketCodec;
 use crate::traffic::{Purpose, Traffic};
 use crate::HsdpError;
 
@@ -99,6 +103,67 @@ impl<B: Backend> F32Buf<B> {
         }
     }
 
+    /// The tensor of device values (`None` on the host).
+    pub fn device_tensor(&self) -> Option<&B::FloatTensorPrimitive> {
+        match self {
+            F32Buf::Device(t) => Some(t),
+            F32Buf::Host(_) => None,
+        }
+    }
+
+    /// Encodes these values — piece `piece`'s updated fp32 master — into slot `slot` of the
+    /// host shard `units` with `codec`: host values by the host codec; device values by the
+    /// device kernels where `B` has them (only the encoded bytes read back), else read back and
+    /// encoded on the host (staging, charged to `traffic`).
+    pub fn encode_piece_into(
+        &self,
+        codec: &BucketCodec,
+        units: &mut Elems,
+        (slot, piece): (usize, usize),
+        traffic: &Traffic,
+    ) -> Result<(), HsdpError> {
+        match self {
+            F32Buf::Host(values) => codec.rederive(units, slot, piece, values),
+            F32Buf::Device(t) => match super::encode_on_device::<B>(codec, piece, t, traffic) {
+                Some(bytes) => codec.store_piece(units, slot, &bytes?),
+                None => {
+                    let values = download::<B>(t.clone(), traffic, Purpose::Stage)?;
+                    codec.rederive(units, slot, piece, &values)
+                }
+            },
+        }
+    }
+
+    /// The sum of the squares of every value of `bufs`, in f64: host values summed on the host
+    /// in f64, device values on the device in f32 (Burn's sum; one scalar read back for all,
+    /// charged to `traffic`). An f32 sum can overflow to infinity where f64 would not, which
+    /// only makes values of norm beyond 1.8e19 count as non-finite.
+    pub fn sum_of_squares<'a>(
+        bufs: impl IntoIterator<Item = &'a Self>,
+        traffic: &Traffic,
+    ) -> Result<f64, HsdpError>
+    where
+        B: 'a,
+    {
+        let mut sum = 0f64;
+        let mut on_device = Vec::new();
+        for buf in bufs {
+            match buf {
+                F32Buf::Host(v) => {
+                    sum += v.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
+                }
+                F32Buf::Device(t) => {
+                    on_device.push(B::float_sum(B::float_mul(t.clone(), t.clone())))
+                }
+            }
+        }
+        if !on_device.is_empty() {
+            let total = B::float_sum(B::float_cat(on_device, 0));
+            sum += f64::from(download::<B>(total, traffic, Purpose::Data)?[0]);
+        }
+        Ok(sum)
+    }
+
     /// Bytes held on the host.
     pub fn host_bytes(&self) -> u64 {
         match self {
@@ -180,6 +245,46 @@ impl ShardBuf {
     /// Whether the shard is in device memory.
     pub fn on_device(&self) -> bool {
         matches!(self, ShardBuf::Device(_))
+    }
+
+    /// What this rank sends of units `range` in an all-gather on device memory (a host shard's
+    /// part is uploaded by the lane).
+    pub fn send_units(&self, range: Range<usize>) -> SendUnits<'_> {
+        match self {
+            ShardBuf::Host(shard) => SendUnits::Host(shard, range),
+            ShardBuf::Device(shard) => SendUnits::Device(shard, range),
+        }
+    }
+
+    /// What this rank contributes of units `range` to an all-gather on host memory: a host
+    /// shard itself, or a copy of it where `copy_in` (FSDP2-style; its bytes are returned), or
+    /// a reader of a device shard's part run on the lane (staging, charged to `traffic`).
+    pub fn gather_part(
+        &self,
+        range: Range<usize>,
+        copy_in: bool,
+        traffic: &Arc<Traffic>,
+    ) -> Result<(ShardPart, u64), CommError> {
+        Ok(match self {
+            ShardBuf::Host(shard) if copy_in => (
+                ShardPart::Host(Arc::new((**shard).clone()), range),
+                shard.bytes(),
+            ),
+            ShardBuf::Host(shard) => (ShardPart::Host(shard.clone(), range), 0),
+            ShardBuf::Device(shard) => (super::device_part(shard, range, traffic)?, 0),
+        })
+    }
+
+    /// A host shard's units, taken out (the shard holds no units until it is replaced; a copy
+    /// where a gather still shares them); `None` for a device shard.
+    pub fn take_host_units(&mut self) -> Option<Elems> {
+        match self {
+            ShardBuf::Host(shard) => {
+                let shard = std::mem::replace(shard, Arc::new(shard.zeros_like(0)));
+                Some(Arc::try_unwrap(shard).unwrap_or_else(|shared| (*shared).clone()))
+            }
+            ShardBuf::Device(_) => None,
+        }
     }
 }
 

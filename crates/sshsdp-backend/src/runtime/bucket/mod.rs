@@ -30,7 +30,7 @@ use sshsdp_plan::Sharding;
 use crate::config::{CopyMode, Placement, Precision};
 use crate::lanes::Worker;
 use crate::runtime_units::Elems;
-use crate::storage::{upload_shard, BucketCodec, F32Buf, ShardBuf};
+use crate::storage::{upload_shard, BucketCodec, F32Buf, ShardBuf, TakenMaster};
 use crate::timeline::Timeline;
 use crate::traffic::Traffic;
 use crate::HsdpError;
@@ -184,8 +184,8 @@ impl<B: Backend> Bucket<B> {
 
     /// Moves the runtime shard into device memory (at `shard`, where the placement says so).
     pub fn shard_to_device(&mut self, ctx: &BucketContext<B>) -> Result<(), HsdpError> {
-        if let ShardBuf::Host(shard) = &self.shard {
-            self.shard = ShardBuf::Device(upload_shard::<B>(&ctx.device, shard, &ctx.traffic)?);
+        if let Some(units) = self.shard.take_host_units() {
+            self.shard = ShardBuf::Device(upload_shard::<B>(&ctx.device, &units, &ctx.traffic)?);
         }
         Ok(())
     }
@@ -217,19 +217,17 @@ impl<B: Backend> Bucket<B> {
         }
         let pe = self.codec.piece_elems();
         let slot = ctx.piece_in_shard * pe..(ctx.piece_in_shard + 1) * pe;
-        let ShardBuf::Host(shard) = &mut self.shard else {
-            return Err(HsdpError::Failed(format!(
-                "bucket {}: a device shard without a separate master",
-                self.index
-            )));
-        };
-        let shard = std::mem::replace(shard, Arc::new(Elems::F32(Vec::new())));
-        // A gather still reading the shard shares it: then the step works on a copy.
-        match Arc::try_unwrap(shard).unwrap_or_else(|shared| (*shared).clone()) {
-            Elems::F32(elements) => Ok(TakenMaster::InShard { elements, slot }),
+        match self.shard.take_host_units() {
+            Some(Elems::F32(elements)) => Ok(TakenMaster::InShard { elements, slot }),
             other => {
-                self.shard = ShardBuf::Host(Arc::new(other));
-                Err(HsdpError::Failed("no fp32 master elements".into()))
+                if let Some(units) = other {
+                    self.shard = ShardBuf::Host(Arc::new(units));
+                }
+                Err(HsdpError::Failed(format!(
+                    "bucket {}: no fp32 master elements (neither a separate master nor an f32 \
+                     host shard)",
+                    self.index
+                )))
             }
         }
     }
@@ -251,17 +249,4 @@ impl<B: Backend> Bucket<B> {
         }
         Ok(())
     }
-}
-
-/// A piece's fp32 master while an update step holds it.
-pub(crate) enum TakenMaster<B: Backend> {
-    /// The separate master, where the step wants it.
-    Apart(F32Buf<B>),
-    /// The runtime shard's fp32 elements (f32 format, host masters): the piece is `slot`.
-    InShard {
-        /// The shard's elements.
-        elements: Vec<f32>,
-        /// The piece's elements among them.
-        slot: Range<usize>,
-    },
 }

@@ -4,19 +4,14 @@
 //! [`Bucket::start_gather`] (→ `Gathering`), [`Bucket::install`] once the gather completed
 //! (→ `Unsharded`) and [`Bucket::release`] (→ `Sharded`).
 
-use std::sync::Arc;
-
 use burn_backend::Backend;
 
 use super::{Bucket, BucketContext};
 use crate::config::{CopyMode, Precision};
 use crate::counters::Counters;
-use crate::lanes::{Reply, ShardPart};
+use crate::lanes::Reply;
 use crate::runtime_units::{Elems, Gathered};
-use crate::storage::{
-    bucket_views, device_gather, device_part, device_views, stager, ComputeBuf, Member, SendUnits,
-    ShardBuf,
-};
+use crate::storage::{bucket_views, device_gather, device_views, stager, ComputeBuf, Member};
 use crate::traffic::Purpose;
 use crate::HsdpError;
 
@@ -98,30 +93,21 @@ impl<B: Backend> Bucket<B> {
         let units = self.codec.gathered_units();
         let zero_copy = ctx.copy_mode == CopyMode::ZeroCopy;
         if ctx.engine_on_device && zero_copy {
-            let send = match &self.shard {
-                ShardBuf::Host(shard) => SendUnits::Host(shard, range),
-                ShardBuf::Device(shard) => SendUnits::Device(shard, range),
-            };
+            let send = self.shard.send_units(range);
             return match device_gather::<B>(&ctx.device, send, units, &ctx.traffic) {
                 Ok(job) => ctx.worker.gather_on_device(self.index, job),
                 Err(e) => Reply::failed(sshsdp_comm::CommError::Engine(e.to_string())),
             };
         }
         // Gather straight into a fresh buffer that then becomes the tensor's storage: the
-        // collective writes every byte (our own shard included), nothing is copied around it.
-        let source = match (&self.shard, ctx.copy_mode) {
-            (ShardBuf::Host(shard), CopyMode::ZeroCopy) => ShardPart::Host(shard.clone(), range),
-            (ShardBuf::Host(shard), CopyMode::Fsdp2Style) => {
-                // Copy-in: the local shard is staged into the all-gather input.
-                counters.param_bytes_copied += shard.bytes();
-                ShardPart::Host(Arc::new((**shard).clone()), range)
-            }
-            // This rank's part, read back on the lane (zero-copy only: `HsdpConfig::validate`).
-            (ShardBuf::Device(shard), _) => match device_part(shard, range, &ctx.traffic) {
-                Ok(source) => source,
-                Err(e) => return Reply::failed(e),
-            },
+        // collective writes every byte (our own shard included), nothing is copied around it
+        // (the FSDP2-style baseline copies its shard in; a device shard's part is read back on
+        // the lane: zero-copy only, `HsdpConfig::validate`).
+        let (source, copied) = match self.shard.gather_part(range, !zero_copy, &ctx.traffic) {
+            Ok(part) => part,
+            Err(e) => return Reply::failed(e),
         };
+        counters.param_bytes_copied += copied;
         // Where parameters are views of a CubeCL buffer, the lane uploads the gathered units.
         let stage = zero_copy
             .then(|| stager::<B>(&ctx.device, ctx.compute, &ctx.traffic))
