@@ -11,8 +11,8 @@ use burn_backend::distributed::DistributedParamId;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::BackendTypes;
 
+use crate::backend::Hsdp;
 use crate::tensor::{HsdpFloat, LeafRearm};
-use crate::Hsdp;
 
 /// A backend whose float primitive is (or wraps) `Hsdp`'s.
 pub trait ShardableBackend: Backend {

@@ -2,7 +2,7 @@
 
 use sshsdp_plan::{Mesh, PlanConfig, RuntimeFormat, Sharding};
 
-use crate::HsdpError;
+use crate::error::HsdpError;
 
 /// Where the buffers of a storage role live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -7,9 +7,10 @@ use burn::tensor::backend::Backend;
 use sshsdp_plan::Plan;
 
 use crate::counters::Counters;
+use crate::error::HsdpError;
 use crate::model::buffers::{read_buffers, write_buffers, BufferSpec};
+use crate::model::paths::NamedParam;
 use crate::runtime::{Piece, Runtime, UpdateGroup, UpdateStep, Views};
-use crate::{HsdpError, NamedParam};
 
 /// One rank's handle on its sharded parameters: the plan, the update step and the counters.
 pub struct HsdpRuntime<B: Backend> {
@@ -208,7 +209,7 @@ impl<B: Backend> HsdpRuntime<B> {
     /// The step timeline's spans since the last call: every collective the communication lanes
     /// ran and every wait of the model thread on one (empty unless
     /// [`crate::HsdpConfig::with_trace`]). Write them with [`crate::chrome_trace`].
-    pub fn take_trace(&self) -> Vec<crate::Span> {
+    pub fn take_trace(&self) -> Vec<crate::timeline::Span> {
         self.runtime.take_trace()
     }
 
@@ -256,7 +257,7 @@ impl<B: Backend> HsdpRuntime<B> {
     /// (in use against reserved by the pools), on CubeCL backends (`Hsdp<CubeBackend<…>>` with
     /// the `wgpu` or `cuda` feature); `None` elsewhere. The device is shared: ranks driving the
     /// same device see the same figures.
-    pub fn device_memory(&self) -> Option<crate::DeviceMemory> {
+    pub fn device_memory(&self) -> Option<crate::storage::DeviceMemory> {
         self.runtime.device_memory()
     }
 

@@ -15,7 +15,7 @@
 
 use half::bf16;
 
-use crate::HsdpError;
+use crate::error::HsdpError;
 
 /// Runtime units in a device buffer of the decorated backend (a CubeCL buffer: written by the
 /// engine itself, `storage/cube/gather.rs`, or uploaded by the shard lane after a host gather,

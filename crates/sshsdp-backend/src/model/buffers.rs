@@ -26,7 +26,7 @@ use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use super::paths::{map_at, visit_at, MapAt, NamedParam, VisitAt};
-use crate::HsdpError;
+use crate::error::HsdpError;
 
 /// A module buffer every rank agreed on at `shard`: its module path and shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -7,8 +7,8 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::paths::{visit_at, VisitAt};
 use crate::backend_ext::ShardableBackend;
+use crate::error::HsdpError;
 use crate::tensor::HsdpFloat;
-use crate::HsdpError;
 
 /// A fresh autodiff leaf around `primitive`; a parameter handle that requires a gradient is
 /// marked so its gradient reaches the runtime.

@@ -7,7 +7,7 @@ use sshsdp_plan::{DType, ParamSpec};
 
 use super::buffers::{buffer_specs, BufferSpec};
 use super::paths::{visit_at, NamedParam, VisitAt};
-use crate::HsdpError;
+use crate::error::HsdpError;
 
 /// Collects each float parameter's path, shape and values, in module order.
 struct Collector {

@@ -15,7 +15,7 @@ mod transaction;
 /// Everything the generated files refer to.
 pub(crate) mod prelude {
     pub use super::convert::*;
-    pub use crate::Hsdp;
+    pub use crate::backend::Hsdp;
     pub use burn_backend::ops::*;
     pub use burn_backend::quantization::*;
     pub use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor, QuantizedTensor};
@@ -33,8 +33,8 @@ pub(crate) mod convert {
     use burn_backend::quantization::QuantizationParametersPrimitive;
     use burn_backend::{Backend, TensorPrimitive};
 
+    use crate::backend::Hsdp;
     use crate::tensor::HsdpFloat;
-    use crate::Hsdp;
 
     /// An argument: a parameter handle becomes a view of its gathered bucket.
     pub fn float_in<B: Backend>(t: HsdpFloat<B>) -> B::FloatTensorPrimitive {

@@ -297,7 +297,7 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// The memory of [`Self::device`] as its allocator reports it (CubeCL backends only).
-    pub fn device_memory(&self) -> Option<crate::DeviceMemory> {
+    pub fn device_memory(&self) -> Option<crate::storage::DeviceMemory> {
         crate::storage::device_memory::<B>(&self.ctx.device)
     }
 

@@ -4,10 +4,10 @@
 
 use burn_backend::Backend;
 
+use crate::error::HsdpError;
 use crate::lanes::Worker;
 use crate::storage::PieceValues;
 use crate::timeline::{Timeline, Track};
-use crate::HsdpError;
 
 /// How an update hands this rank's pieces to its caller.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -12,9 +12,9 @@
 use burn_backend::Backend;
 
 use super::{Runtime, State};
+use crate::error::HsdpError;
 use crate::storage::F32Buf;
 use crate::timeline::Track;
-use crate::HsdpError;
 
 /// Bytes each rank sends: its sum of squares and one bit per parameter.
 pub(super) fn norm_message_len<B: Backend>(rt: &Runtime<B>) -> usize {

@@ -19,8 +19,8 @@ use super::pieces::{Piece, UpdateGroup, Views};
 use super::step_agreement::{global_grad_norm, norm_message_len};
 use super::{Runtime, State};
 use crate::config::{NonFinitePolicy, Placement};
+use crate::error::HsdpError;
 use crate::storage::F32Buf;
-use crate::HsdpError;
 
 /// This rank's pieces moved out of the runtime for one update (see the module docs): step
 /// them through [`Self::pieces_mut`] (or [`Self::parts`], with the update group's collectives),

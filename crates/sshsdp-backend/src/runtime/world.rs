@@ -4,8 +4,8 @@
 use burn_backend::Backend;
 
 use super::{Runtime, State};
+use crate::error::HsdpError;
 use crate::timeline::Track;
-use crate::HsdpError;
 
 impl<B: Backend> Runtime<B> {
     /// Every rank's `bytes` (all the same length), in rank order: an all-gather over the world

@@ -42,8 +42,11 @@ use plan_agreement::agree_on_plan;
 mod plan_agreement;
 mod source;
 
+use crate::config::HsdpConfig;
+use crate::error::HsdpError;
+use crate::hsdp_runtime::HsdpRuntime;
+use crate::registry;
 use crate::tensor::{HsdpFloat, ParamHandle};
-use crate::{registry, HsdpConfig, HsdpError, HsdpRuntime};
 pub use source::ParamSource;
 use source::{buffers_from_source, check_source, read_shard};
 

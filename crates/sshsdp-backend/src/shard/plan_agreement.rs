@@ -7,9 +7,9 @@ use std::hash::{Hash, Hasher};
 
 use sshsdp_plan::Plan;
 
+use crate::error::HsdpError;
 use crate::lanes::comm::MeshComm;
 use crate::model::buffers::BufferSpec;
-use crate::HsdpError;
 
 /// A rank's parameters or buffers: each one's path and shape, in module order.
 type ParamList = Vec<(String, Vec<usize>)>;

@@ -6,7 +6,8 @@ use burn::module::Module;
 use sshsdp_plan::Plan;
 
 use crate::backend_ext::ShardableBackend;
-use crate::{HsdpError, HsdpRuntime};
+use crate::error::HsdpError;
+use crate::hsdp_runtime::HsdpRuntime;
 
 /// Initial values for [`crate::Shard::from_source`] read straight into each rank's shards instead of
 /// from the module (e.g. a safetensors file, `sshsdp_checkpoint::SafetensorsSource`): each rank asks only

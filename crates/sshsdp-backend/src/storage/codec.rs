@@ -20,8 +20,8 @@
 use sshsdp_mx::{ElemFormat, MxShape, ScaleRule};
 use sshsdp_plan::{Encoding, Plan, RuntimeFormat, Span, UpdateView};
 
+use crate::error::HsdpError;
 use crate::runtime_units::Elems;
-use crate::HsdpError;
 
 /// The MXFP8 element format and scale rule of runtime parameters (E4M3, RCEIL as in cuBLAS and
 /// Transformer Engine).

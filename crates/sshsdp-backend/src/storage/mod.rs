@@ -40,10 +40,10 @@ use sshsdp_comm::CommError;
 use sshsdp_plan::Sharding;
 
 use crate::config::Precision;
+use crate::error::HsdpError;
 use crate::lanes::{DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits};
 use crate::runtime_units::{DeviceUnits, Elems};
 use crate::traffic::{Purpose, Traffic};
-use crate::HsdpError;
 
 pub(crate) mod codec;
 pub(crate) mod compute;
@@ -140,6 +140,27 @@ pub(crate) fn bucket_views<B: Backend>(
             B::float_reshape(flat, Shape::from(m.shape.clone()))
         })
         .collect()
+}
+
+/// Each member of the bucket buffer `full` copied into a tensor of its own (the FSDP2-style
+/// baseline's copy-out; the uploads charged to `traffic`), and the bytes copied.
+pub(crate) fn member_copies<B: Backend>(
+    full: &ComputeBuf,
+    members: &[Member],
+    device: &B::Device,
+    traffic: &Traffic,
+) -> (Vec<B::FloatTensorPrimitive>, u64) {
+    let mut copied = 0;
+    let params = members
+        .iter()
+        .map(|m| {
+            let data = full.member_data(m);
+            copied += data.bytes.len() as u64;
+            traffic.upload(data.bytes.len() as u64, Purpose::Data);
+            B::float_from_data(data, device)
+        })
+        .collect();
+    (params, copied)
 }
 
 /// What uploads a host gather's units on the lane (charging `traffic`), where parameters are

@@ -7,11 +7,11 @@ use burn_backend::Backend;
 
 use super::roles::ShardBuf;
 use super::upload_shard;
+use crate::error::HsdpError;
 use crate::lanes::Reply;
 use crate::runtime_units::{DeviceUnits, Elems};
 use crate::timeline::{Timeline, Track};
 use crate::traffic::Traffic;
-use crate::HsdpError;
 
 /// A runtime shard's rebuild on its way.
 pub(crate) enum ShardRebuild {

@@ -10,11 +10,11 @@ use burn_backend::{read_sync, Backend, TensorData, TensorMetadata};
 use sshsdp_comm::CommError;
 
 use crate::config::Placement;
+use crate::error::HsdpError;
 use crate::lanes::ShardPart;
 use crate::runtime_units::{DeviceUnits, Elems};
 use crate::storage::BucketCodec;
 use crate::traffic::{Purpose, Traffic};
-use crate::HsdpError;
 
 /// Memory of the decorated backend's device as its allocator reports it (CubeCL's
 /// `memory_usage`): what tensors use against what the memory pools hold. Shared by every user

@@ -9,8 +9,8 @@ use burn_backend::{Backend, TensorMetadata};
 
 use super::roles::F32Buf;
 use crate::config::Placement;
+use crate::error::HsdpError;
 use crate::traffic::Traffic;
-use crate::HsdpError;
 
 /// A piece's fp32 master weights and world-averaged gradient, where they live, held by the
 /// update step (moved out of the runtime for it).

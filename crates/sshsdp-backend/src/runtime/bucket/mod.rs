@@ -28,12 +28,12 @@ use burn_backend::Backend;
 use sshsdp_plan::Sharding;
 
 use crate::config::{CopyMode, Placement, Precision};
+use crate::error::HsdpError;
 use crate::lanes::Worker;
 use crate::runtime_units::Elems;
 use crate::storage::{upload_shard, BucketCodec, F32Buf, ShardBuf, TakenMaster};
 use crate::timeline::Timeline;
 use crate::traffic::Traffic;
-use crate::HsdpError;
 use grads::BucketGrads;
 use unshard::Residency;
 

@@ -7,11 +7,11 @@
 use burn_backend::Backend;
 
 use super::{Bucket, BucketContext};
+use crate::error::HsdpError;
 use crate::runtime_units::Elems;
 use crate::storage::{
     device_gather, encode_units_on_device, read_device_units, SendUnits, ShardRebuild, TakenMaster,
 };
-use crate::HsdpError;
 
 impl<B: Backend> Bucket<B> {
     /// Re-derives the runtime units of this rank's piece from its updated `master` (as the

@@ -9,11 +9,12 @@ use burn_backend::Backend;
 use super::{Bucket, BucketContext};
 use crate::config::{CopyMode, Precision};
 use crate::counters::Counters;
+use crate::error::HsdpError;
 use crate::lanes::Reply;
 use crate::runtime_units::{Elems, Gathered};
-use crate::storage::{bucket_views, device_gather, device_views, stager, ComputeBuf, Member};
-use crate::traffic::Purpose;
-use crate::HsdpError;
+use crate::storage::{
+    bucket_views, device_gather, device_views, member_copies, stager, ComputeBuf, Member,
+};
 
 /// A gathered bucket: each parameter's tensor — a view into the decoded buffer (zero-copy
 /// mode) or a copy of its part of it (FSDP2-style). The views keep the buffer alive.
@@ -191,16 +192,13 @@ impl<B: Backend> Bucket<B> {
             // The compute buffer becomes the bucket's storage (a move, not a copy); each
             // parameter is a view into it.
             CopyMode::ZeroCopy => bucket_views::<B>(compute, &members, &ctx.device, &ctx.traffic),
-            CopyMode::Fsdp2Style => members
-                .iter()
-                // Copy-out: each parameter gets a tensor of its own.
-                .map(|m| {
-                    let data = compute.member_data(m);
-                    counters.param_bytes_copied += data.bytes.len() as u64;
-                    ctx.traffic.upload(data.bytes.len() as u64, Purpose::Data);
-                    B::float_from_data(data, &ctx.device)
-                })
-                .collect(),
+            // Copy-out: each parameter gets a tensor of its own.
+            CopyMode::Fsdp2Style => {
+                let (params, copied) =
+                    member_copies::<B>(&compute, &members, &ctx.device, &ctx.traffic);
+                counters.param_bytes_copied += copied;
+                params
+            }
         };
         Ok(Resident { params, bytes })
     }

@@ -28,12 +28,12 @@ use super::{
     client_of, cube_device, for_each_runtime, is_cube, lane_client, lane_upload, padded_to_words,
 };
 use crate::config::Precision;
+use crate::error::HsdpError;
 use crate::lanes::StageUnits;
 use crate::runtime_units::{DeviceUnits, Elems};
 use crate::storage::codec::{BucketCodec, CodecOp, MX_FORMAT};
 use crate::storage::compute::{ComputeBuf, Member};
 use crate::traffic::{Purpose, Traffic};
-use crate::HsdpError;
 use std::sync::Arc;
 
 /// Uploads gathered host units into a CubeCL buffer of `device` on the shard lane, if `B` is a

@@ -44,12 +44,12 @@ use super::{
     client_of, for_each_runtime, is_cube, lane_client, lane_upload, padded_to_words,
     word_buffer_len,
 };
+use crate::error::HsdpError;
 use crate::lanes::comm::DeviceBuffers;
 use crate::lanes::DeviceGatherJob;
 use crate::runtime_units::{DeviceUnits, Elems};
 use crate::storage::roles::SendUnits;
 use crate::traffic::{Purpose, Traffic};
-use crate::HsdpError;
 use std::sync::Arc;
 
 /// The CUDA ordinal of `device` if `B` is `CubeBackend<CudaRuntime, …>` or fusion over it (`None`

@@ -29,12 +29,12 @@ use super::codec::{cube_tensor, CubeUnits};
 use super::exchange::{CubeBuffers, Span};
 use super::{for_each_runtime, is_cube, lane_client, lane_upload, stream_mark, word_buffer_len};
 use crate::config::Precision;
+use crate::error::HsdpError;
 use crate::lanes::comm::MeshComm;
 use crate::lanes::DeviceReduceJob;
 use crate::runtime_units::{DeviceUnits, Elems};
 use crate::storage::roles::GradSource;
 use crate::traffic::{Purpose, Traffic};
-use crate::HsdpError;
 use std::sync::Arc;
 
 /// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in

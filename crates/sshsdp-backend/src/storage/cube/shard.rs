@@ -13,10 +13,10 @@ use sshsdp_comm::{CommError, CommResult};
 
 use super::codec::CubeUnits;
 use super::{client_of, for_each_runtime, is_cube};
+use crate::error::HsdpError;
 use crate::lanes::ReadUnits;
 use crate::runtime_units::{DeviceUnits, Elems};
 use crate::traffic::{Purpose, Traffic};
-use crate::HsdpError;
 use std::sync::Arc;
 
 /// `units` in a new CubeCL buffer of `device`, if `B` is a CubeCL backend this build supports

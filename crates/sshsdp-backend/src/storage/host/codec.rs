@@ -7,9 +7,9 @@ use half::bf16;
 
 use sshsdp_plan::RuntimeFormat;
 
+use crate::error::HsdpError;
 use crate::runtime_units::Elems;
 use crate::storage::codec::{BucketCodec, CodecOp, MX_FORMAT};
-use crate::HsdpError;
 
 impl BucketCodec {
     /// Encodes the element space of consecutive pieces `first..` (`values`, whole pieces) into
