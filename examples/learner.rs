@@ -49,7 +49,7 @@ use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::kernels::FusedOps;
 use sshsdp::models::{Gpt, GptConfig};
-use sshsdp::optim::ShardedOptimizer;
+use sshsdp::optim::{ShardedOptimizer, ShardedStep};
 use sshsdp::plan::Mesh;
 
 type Inner = NdArray<f32>;

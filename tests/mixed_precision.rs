@@ -104,7 +104,7 @@ fn run(case: Case, steps: usize) -> Run {
     let ranks = ThreadsWorld::run(world, config, |comm| {
         let device = Default::default();
         let rank = comm.rank();
-        let model: Gpt<A> = common::loaded(&device, &record, |d| CONFIG.init(d));
+        let model: Gpt<A> = common::loaded(&device, record, |d| CONFIG.init(d));
         let config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
             .with_format(case.format)
             .with_reshard_after_forward(case.reshard)

@@ -1,7 +1,7 @@
 //! E4M3 elements and E8M0 scales as bit operations on `u32` (no fp8 types, no denormal
 //! behaviour of the device involved), so the results equal the CPU reference `sshsdp-mx` bit
 //! for bit on every runtime, WGSL included: exact integer encode/decode, plus a float encoder
-//! ([`encode_e4m3_fast`]) used only for the scales where it is provably exact.
+//! ([`encode_e4m3_fast`](fn@encode_e4m3_fast)) used only for the scales where it is provably exact.
 //!
 //! Also the `bf16` rounding ([`round_bf16()`]) of [`crate::narrow_bf16`] and of the exchange
 //! kernels' bf16 stores (and of the lab's bf16-storage Newton–Schulz iteration).
@@ -136,15 +136,15 @@ pub fn decode_e4m3(b: u32, s: u32) -> u32 {
     bits
 }
 
-/// Smallest scale byte for which [`decode_e4m3_fast`] is exact on every device: from it on
+/// Smallest scale byte for which [`decode_e4m3_fast`](fn@decode_e4m3_fast) is exact on every device: from it on
 /// every nonzero product is a normal `f32` (`2^-9 · 2^(s - 127) >= 2^-126`).
 pub const FAST_DECODE_MIN: u32 = 10;
-/// Largest scale byte for which [`decode_e4m3_fast`] is exact: every product is finite
+/// Largest scale byte for which [`decode_e4m3_fast`](fn@decode_e4m3_fast) is exact: every product is finite
 /// (`448 · 2^(s - 127) < 2^128`).
 pub const FAST_DECODE_MAX: u32 = 246;
 
-/// [`decode_e4m3`] with one float product (about half the operations), for scale bytes
-/// `FAST_DECODE_MIN..=FAST_DECODE_MAX`; NaN elements as in [`decode_e4m3`].
+/// [`decode_e4m3`](fn@decode_e4m3) with one float product (about half the operations), for scale bytes
+/// `FAST_DECODE_MIN..=FAST_DECODE_MAX`; NaN elements as in [`decode_e4m3`](fn@decode_e4m3).
 #[cube]
 pub fn decode_e4m3_fast(b: u32, s: u32) -> u32 {
     let sign = (b & 0x80) << 24;
@@ -161,8 +161,8 @@ pub fn decode_e4m3_fast(b: u32, s: u32) -> u32 {
     bits
 }
 
-/// Decodes the E4M3 byte `b` with scale byte `s` to `f32` bits: [`decode_e4m3_fast`] where it is
-/// exact, [`decode_e4m3`] elsewhere.
+/// Decodes the E4M3 byte `b` with scale byte `s` to `f32` bits: [`decode_e4m3_fast`](fn@decode_e4m3_fast) where it is
+/// exact, [`decode_e4m3`](fn@decode_e4m3) elsewhere.
 #[cube]
 #[allow(clippy::manual_range_contains)]
 pub fn decode_byte(b: u32, s: u32) -> u32 {
@@ -174,11 +174,11 @@ pub fn decode_byte(b: u32, s: u32) -> u32 {
     }
 }
 
-/// Smallest scale byte for which [`encode_e4m3_fast`] is exact on every device: below it an
+/// Smallest scale byte for which [`encode_e4m3_fast`](fn@encode_e4m3_fast) is exact on every device: below it an
 /// `f32` subnormal input could encode to a nonzero byte, and devices may flush subnormals.
 pub const FAST_MIN_SCALE: u32 = 12;
 
-/// [`encode_e4m3`] with float arithmetic (about a third of the operations), exact for scale
+/// [`encode_e4m3`](fn@encode_e4m3) with float arithmetic (about a third of the operations), exact for scale
 /// bytes `FAST_MIN_SCALE..254` with `inv = 2^(127 - s)`: the power-of-two product is exact
 /// whenever it is a normal `f32`, smaller products encode to zero, and the subnormal E4M3
 /// range is rounded by the `2^14` addition (correctly rounded in CUDA and WGSL alike) as on

@@ -154,7 +154,7 @@ fn parameter_views_queued_before_an_update_read_the_values_before_it() {
         ThreadsWorld::run(1, config, |comm| {
             let device = Default::default();
             let record = initial_record();
-            let model: Gpt<A> = crate::common::loaded(&device, &record, |d| CONFIG.init(d));
+            let model: Gpt<A> = crate::common::loaded(&device, record, |d| CONFIG.init(d));
             let mut config = HsdpConfig::new(Mesh::new(1, 1).unwrap())
                 .with_format(format)
                 .with_master_placement(storage)

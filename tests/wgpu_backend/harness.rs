@@ -166,7 +166,7 @@ pub(crate) fn plain_burn<I: FusedOps + DistributedBackend>(
 ) -> (Vec<f32>, Weights) {
     use burn::optim::{GradientsParams, Optimizer};
     let record = initial_record();
-    let mut model: Gpt<Autodiff<I>> = crate::common::loaded(&device, &record, |d| CONFIG.init(d));
+    let mut model: Gpt<Autodiff<I>> = crate::common::loaded(&device, record, |d| CONFIG.init(d));
     let mut optim = AdamWConfig::new().init::<Autodiff<I>, Gpt<Autodiff<I>>>();
     let mut losses = Vec::new();
     for step in 0..steps {
@@ -234,7 +234,7 @@ where
     let ranks = ThreadsWorld::run(world, config, |comm| {
         type A<I> = Autodiff<Hsdp<I>>;
         let rank = comm.rank();
-        let model: Gpt<A<I>> = crate::common::loaded(&device, &record, |d| CONFIG.init(d));
+        let model: Gpt<A<I>> = crate::common::loaded(&device, record, |d| CONFIG.init(d));
         let (masters, grads) = case.placement;
         let mut config = HsdpConfig::new(Mesh::new(case.mesh.0, case.mesh.1).unwrap())
             .with_format(case.format)

@@ -136,7 +136,7 @@ fn device_runtime_shards_without_device_masters_or_a_cubecl_backend_are_refused(
         let errors = ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
             let device = I::Device::default();
             let model: Gpt<Autodiff<Hsdp<I>>> =
-                crate::common::loaded(&device, &record, |d| CONFIG.init(d));
+                crate::common::loaded(&device, record, |d| CONFIG.init(d));
             let config = HsdpConfig::new(Mesh::flat(1).unwrap())
                 .with_master_placement(masters)
                 .with_shard_placement(Placement::Device);

@@ -9,7 +9,7 @@
 //!   gradients, optimizers, checkpoints, projection) — each bucket's buffer cut into equal
 //!   **pieces**, one per rank of the update group, with the exact bytes each piece stores and
 //!   gathers: f32/bf16 elements linearly, square-block MXFP8 as runs of 32×32 tiles cut at tile
-//!   edges (see [`format`], [`tiles`] and [`Bucket`]); a runtime shard is a run of consecutive
+//!   edges (see [`format`](mod@format), [`tiles`] and [`Bucket`]); a runtime shard is a run of consecutive
 //!   pieces (all-gathered over the shard group);
 //! * the **update layout** — each piece owns the fp32 master elements whose runtime bytes it
 //!   holds ([`UpdateView`]: a row-major run of one parameter, or whole tiles of a matrix), so

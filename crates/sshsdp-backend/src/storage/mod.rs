@@ -58,7 +58,7 @@ pub(crate) use codec::BucketCodec;
 pub(crate) use compute::{ComputeBuf, Member};
 pub(crate) use host::views::with_f32_values;
 pub(crate) use rebuild::ShardRebuild;
-#[cfg(test)]
+#[cfg(all(test, feature = "wgpu"))]
 pub(crate) use roles::upload;
 pub use roles::DeviceMemory;
 pub(crate) use roles::{download, F32Buf, GradSource, SendUnits, ShardBuf};

@@ -85,7 +85,7 @@ impl<B: Backend> F32Buf<B> {
             (F32Buf::Device(a), F32Buf::Device(b)) => F32Buf::Device(B::float_add(a, b)),
             (a, b) => {
                 let (F32Buf::Host(mut a), F32Buf::Host(b)) =
-                    (a.to_host(traffic)?, b.to_host(traffic)?)
+                    (a.into_host(traffic)?, b.into_host(traffic)?)
                 else {
                     unreachable!("moved to the host")
                 };
@@ -96,7 +96,7 @@ impl<B: Backend> F32Buf<B> {
     }
 
     /// The values on the host (device ones read back: staging, charged to `traffic`).
-    fn to_host(self, traffic: &Traffic) -> Result<Self, HsdpError> {
+    fn into_host(self, traffic: &Traffic) -> Result<Self, HsdpError> {
         match self {
             F32Buf::Device(t) => Ok(F32Buf::Host(download::<B>(t, traffic, Purpose::Stage)?)),
             host => Ok(host),
