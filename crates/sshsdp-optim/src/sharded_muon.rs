@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, UpdateGroup, UpdateStep, Views};
+use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, UpdateGroup, UpdateStep};
 
 use crate::{step_slice, GradClip, Slice};
 pub use sshsdp_plan::projection::MuonExchange;
@@ -375,21 +375,9 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpErr
         .map_err(|e| HsdpError::Failed(format!("reading optimizer values: {e:?}")))
 }
 
+/// Host slices in every case (the trait's defaults): Muon's exchange and Newton–Schulz read whole
+/// matrices on the host.
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedMuon<B, O> {
-    /// Host slices: Muon's exchange and Newton–Schulz read whole matrices on the host.
-    fn views(&self) -> Views {
-        Views::Host
-    }
-
-    fn step_update(
-        &mut self,
-        lr: f64,
-        runtime: &HsdpRuntime<B>,
-        update: &mut UpdateStep<'_, B>,
-    ) -> Result<(), HsdpError> {
-        self.step_host_update(lr, runtime, update)
-    }
-
     fn step_host_update<R: Backend>(
         &mut self,
         lr: f64,

@@ -10,17 +10,22 @@ use sshsdp_backend::{
 
 /// An optimizer over a sharded model's update pieces whose own state lives on `B`.
 pub trait ShardedStep<B: Backend> {
-    /// How [`Self::step`] asks the runtime for the pieces (on the optimizer's own backend).
-    fn views(&self) -> Views;
+    /// How [`Self::step`] asks the runtime for the pieces (on the optimizer's own backend):
+    /// host slices unless the optimizer steps device pieces where they are.
+    fn views(&self) -> Views {
+        Views::Host
+    }
 
     /// Steps the open update's pieces, handed as [`Self::views`], of `runtime` (on the
-    /// optimizer's own backend).
+    /// optimizer's own backend); by default as host slices ([`Self::step_host_update`]).
     fn step_update(
         &mut self,
         lr: f64,
         runtime: &HsdpRuntime<B>,
         update: &mut UpdateStep<'_, B>,
-    ) -> Result<(), HsdpError>;
+    ) -> Result<(), HsdpError> {
+        self.step_host_update(lr, runtime, update)
+    }
 
     /// Steps the open update's pieces of `runtime` on any backend, handed as host slices.
     fn step_host_update<R: Backend>(
