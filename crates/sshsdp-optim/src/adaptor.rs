@@ -17,7 +17,7 @@ use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, PieceValues, UpdateGroup, UpdateStep, Views};
+use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, PieceValues, UpdateGroup, Views};
 
 use crate::clip::GradClip;
 use crate::step::ShardedStep;
@@ -71,23 +71,6 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     /// The global gradient norm (before clipping) at the last step.
     pub fn last_grad_norm(&self) -> Option<f64> {
         self.clip.last_norm
-    }
-
-    /// Steps host slices of `pieces`.
-    fn step_host_pieces<R: Backend>(
-        &mut self,
-        lr: f64,
-        runtime: &HsdpRuntime<R>,
-        pieces: &mut [Piece<R>],
-        group: &UpdateGroup<'_>,
-    ) -> Result<(), HsdpError> {
-        let scale = self.clip.factor(group);
-        let units = stepped_units(runtime, pieces, group)?;
-        for unit in &units {
-            let (master, grad) = pieces[unit.piece].host()?;
-            self.step_host_unit(lr, scale, unit, master, grad)?;
-        }
-        Ok(())
     }
 
     /// One step on the units `units` (in piece order) of a device-resident piece: each unit's
@@ -167,13 +150,13 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         Views::AsStored
     }
 
-    fn step_update(
+    fn step_pieces(
         &mut self,
         lr: f64,
         runtime: &HsdpRuntime<B>,
-        update: &mut UpdateStep<'_, B>,
+        pieces: &mut [Piece<B>],
+        group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError> {
-        let (pieces, group) = update.parts();
         let scale = self.clip.factor(group);
         let units = stepped_units(runtime, pieces, group)?;
         for (p, piece) in pieces.iter_mut().enumerate() {
@@ -193,14 +176,20 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         Ok(())
     }
 
-    fn step_host_update<R: Backend>(
+    fn step_host_pieces<R: Backend>(
         &mut self,
         lr: f64,
         runtime: &HsdpRuntime<R>,
-        update: &mut UpdateStep<'_, R>,
+        pieces: &mut [Piece<R>],
+        group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError> {
-        let (pieces, group) = update.parts();
-        self.step_host_pieces(lr, runtime, pieces, group)
+        let scale = self.clip.factor(group);
+        let units = stepped_units(runtime, pieces, group)?;
+        for unit in &units {
+            let (master, grad) = pieces[unit.piece].host()?;
+            self.step_host_unit(lr, scale, unit, master, grad)?;
+        }
+        Ok(())
     }
 }
 

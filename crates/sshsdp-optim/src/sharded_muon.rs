@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, UpdateGroup, UpdateStep};
+use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, UpdateGroup};
 
 use crate::{step_slice, GradClip, Slice};
 pub use sshsdp_plan::projection::MuonExchange;
@@ -163,87 +163,6 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         }
     }
 
-    /// One step on `runtime`'s pieces, as host views, whatever its backend.
-    fn step_pieces<R: Backend>(
-        &mut self,
-        lr: f64,
-        runtime: &HsdpRuntime<R>,
-        pieces: &mut [Piece<R>],
-        group: &UpdateGroup<'_>,
-    ) -> Result<(), HsdpError> {
-        let mut units = runtime
-            .plan()
-            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?;
-        // A parameter without a gradient in this step (on any rank) is not stepped, its
-        // momentum and state left alone, as Burn's optimizers do; every rank agrees.
-        units.retain(|u| group.received_gradient(u.param));
-        // Host slices (device masters are staged by the runtime for `Views::Host`).
-        let mut pieces: Vec<HostPiece<'_>> = pieces
-            .iter_mut()
-            .map(|p| p.host().map(|(master, grad)| HostPiece { master, grad }))
-            .collect::<Result<_, _>>()?;
-        let plan = runtime.plan();
-        let mut stats = MuonStepStats::default();
-        let scale = self.clip.factor(group) as f32;
-        let scaled: Vec<Option<Vec<f32>>> = pieces
-            .iter()
-            .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
-            .collect();
-        let mut split_updates = Vec::new();
-        let mut owned_updates = Vec::new();
-        for unit in &units {
-            let piece = &mut pieces[unit.piece];
-            let grad = match &scaled[unit.piece] {
-                Some(g) => &g[unit.in_piece.clone()],
-                None => &piece.grad[unit.in_piece.clone()],
-            };
-            match unit.role {
-                Role::Elementwise => {
-                    let master = &mut piece.master[unit.in_piece.clone()];
-                    self.step_elementwise(lr, unit.param, master, grad)?;
-                }
-                Role::Matrix => {
-                    let u = self.momentum_update(unit, grad);
-                    if plan.params()[unit.param].split {
-                        split_updates.push((unit.clone(), u));
-                    } else {
-                        owned_updates.push((unit.clone(), u));
-                    }
-                }
-            }
-        }
-        // Split matrices go to their owners (in plan order); every matrix this rank owns —
-        // whole in its pieces or assembled — is orthogonalised here, same shapes together.
-        split_updates.sort_by_key(|(unit, _)| unit.param);
-        let assembled = self.send_to_owners(runtime, group, &split_updates, &mut stats)?;
-        let whole = owned_updates.len();
-        let (owned_units, owned_u): (Vec<UpdateUnit>, Vec<Vec<f32>>) =
-            owned_updates.into_iter().unzip();
-        let matrices: Vec<(usize, Vec<f32>)> = owned_units
-            .iter()
-            .map(|unit| unit.param)
-            .zip(owned_u)
-            .chain(assembled)
-            .collect();
-        stats.ns_local += matrices.len() as u64;
-        stats.ns_split += (matrices.len() - whole) as u64;
-        let mut orthogonal = self.orthogonalize_all(runtime, matrices)?;
-        let split_results: Vec<(usize, Vec<f32>)> = orthogonal.split_off(whole);
-        for (unit, (_, o)) in owned_units.iter().zip(orthogonal) {
-            let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
-            self.apply(lr, runtime, unit.param, master, &o);
-        }
-        // Each holder's rows of the results back.
-        let rows =
-            self.return_to_holders(runtime, group, &split_updates, split_results, &mut stats)?;
-        for ((unit, _), o) in split_updates.iter().zip(rows) {
-            let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
-            self.apply(lr, runtime, unit.param, master, &o);
-        }
-        self.last = stats;
-        Ok(())
-    }
-
     /// Newton–Schulz of whole matrices' updates `(param, values)`, in order: same-shape
     /// matrices in one batched Newton–Schulz each ([`Self::with_megabatches`]), or one by one.
     fn orthogonalize_all<R: Backend>(
@@ -378,13 +297,84 @@ fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpErr
 /// Host slices in every case (the trait's defaults): Muon's exchange and Newton–Schulz read whole
 /// matrices on the host.
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedMuon<B, O> {
-    fn step_host_update<R: Backend>(
+    /// One step on `runtime`'s pieces, as host views, whatever its backend.
+    fn step_host_pieces<R: Backend>(
         &mut self,
         lr: f64,
         runtime: &HsdpRuntime<R>,
-        update: &mut UpdateStep<'_, R>,
+        pieces: &mut [Piece<R>],
+        group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError> {
-        let (pieces, group) = update.parts();
-        self.step_pieces(lr, runtime, pieces, group)
+        let mut units = runtime
+            .plan()
+            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?;
+        // A parameter without a gradient in this step (on any rank) is not stepped, its
+        // momentum and state left alone, as Burn's optimizers do; every rank agrees.
+        units.retain(|u| group.received_gradient(u.param));
+        // Host slices (device masters are staged by the runtime for `Views::Host`).
+        let mut pieces: Vec<HostPiece<'_>> = pieces
+            .iter_mut()
+            .map(|p| p.host().map(|(master, grad)| HostPiece { master, grad }))
+            .collect::<Result<_, _>>()?;
+        let plan = runtime.plan();
+        let mut stats = MuonStepStats::default();
+        let scale = self.clip.factor(group) as f32;
+        let scaled: Vec<Option<Vec<f32>>> = pieces
+            .iter()
+            .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
+            .collect();
+        let mut split_updates = Vec::new();
+        let mut owned_updates = Vec::new();
+        for unit in &units {
+            let piece = &mut pieces[unit.piece];
+            let grad = match &scaled[unit.piece] {
+                Some(g) => &g[unit.in_piece.clone()],
+                None => &piece.grad[unit.in_piece.clone()],
+            };
+            match unit.role {
+                Role::Elementwise => {
+                    let master = &mut piece.master[unit.in_piece.clone()];
+                    self.step_elementwise(lr, unit.param, master, grad)?;
+                }
+                Role::Matrix => {
+                    let u = self.momentum_update(unit, grad);
+                    if plan.params()[unit.param].split {
+                        split_updates.push((unit.clone(), u));
+                    } else {
+                        owned_updates.push((unit.clone(), u));
+                    }
+                }
+            }
+        }
+        // Split matrices go to their owners (in plan order); every matrix this rank owns —
+        // whole in its pieces or assembled — is orthogonalised here, same shapes together.
+        split_updates.sort_by_key(|(unit, _)| unit.param);
+        let assembled = self.send_to_owners(runtime, group, &split_updates, &mut stats)?;
+        let whole = owned_updates.len();
+        let (owned_units, owned_u): (Vec<UpdateUnit>, Vec<Vec<f32>>) =
+            owned_updates.into_iter().unzip();
+        let matrices: Vec<(usize, Vec<f32>)> = owned_units
+            .iter()
+            .map(|unit| unit.param)
+            .zip(owned_u)
+            .chain(assembled)
+            .collect();
+        stats.ns_local += matrices.len() as u64;
+        stats.ns_split += (matrices.len() - whole) as u64;
+        let mut orthogonal = self.orthogonalize_all(runtime, matrices)?;
+        let split_results: Vec<(usize, Vec<f32>)> = orthogonal.split_off(whole);
+        for (unit, (_, o)) in owned_units.iter().zip(orthogonal) {
+            let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
+            self.apply(lr, runtime, unit.param, master, &o);
+        }
+        // Each holder's rows of the results back.
+        let rows =
+            self.return_to_holders(runtime, group, &split_updates, split_results, &mut stats)?;
+        for ((unit, _), o) in split_updates.iter().zip(rows) {
+            let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
+            self.apply(lr, runtime, unit.param, master, &o);
+        }
+        self.last = stats;
+        Ok(())
     }
 }

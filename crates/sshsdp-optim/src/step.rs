@@ -5,7 +5,7 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use sshsdp_backend::{
-    check_gradient_leaves, HsdpError, HsdpRuntime, ShardableBackend, UpdateStep, Views,
+    check_gradient_leaves, HsdpError, HsdpRuntime, Piece, ShardableBackend, UpdateGroup, Views,
 };
 
 /// An optimizer over a sharded model's update pieces whose own state lives on `B`.
@@ -16,23 +16,26 @@ pub trait ShardedStep<B: Backend> {
         Views::Host
     }
 
-    /// Steps the open update's pieces, handed as [`Self::views`], of `runtime` (on the
-    /// optimizer's own backend); by default as host slices ([`Self::step_host_update`]).
-    fn step_update(
+    /// Steps this rank's `pieces` of `runtime` (on the optimizer's own backend), handed as
+    /// [`Self::views`], with the update `group`'s collectives; by default as host slices
+    /// ([`Self::step_host_pieces`]).
+    fn step_pieces(
         &mut self,
         lr: f64,
         runtime: &HsdpRuntime<B>,
-        update: &mut UpdateStep<'_, B>,
+        pieces: &mut [Piece<B>],
+        group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError> {
-        self.step_host_update(lr, runtime, update)
+        self.step_host_pieces(lr, runtime, pieces, group)
     }
 
-    /// Steps the open update's pieces of `runtime` on any backend, handed as host slices.
-    fn step_host_update<R: Backend>(
+    /// Steps this rank's `pieces` of `runtime` on any backend, handed as host slices.
+    fn step_host_pieces<R: Backend>(
         &mut self,
         lr: f64,
         runtime: &HsdpRuntime<R>,
-        update: &mut UpdateStep<'_, R>,
+        pieces: &mut [Piece<R>],
+        group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError>;
 
     /// One step with learning rate `lr` on every parameter of `runtime`'s pieces that received
@@ -48,7 +51,8 @@ pub trait ShardedStep<B: Backend> {
     {
         let leaves = check_gradient_leaves(&module);
         if let Some(mut update) = runtime.begin_update(self.views())? {
-            match self.step_update(lr, runtime, &mut update) {
+            let (pieces, group) = update.parts();
+            match self.step_pieces(lr, runtime, pieces, group) {
                 Ok(()) => update.commit()?,
                 Err(e) => return Err(update.abandon(e)),
             }
@@ -74,7 +78,8 @@ pub trait ShardedStep<B: Backend> {
     {
         let leaves = check_gradient_leaves(&module);
         if let Some(mut update) = runtime.begin_update(Views::Host)? {
-            match self.step_host_update(lr, runtime, &mut update) {
+            let (pieces, group) = update.parts();
+            match self.step_host_pieces(lr, runtime, pieces, group) {
                 Ok(()) => update.commit()?,
                 Err(e) => return Err(update.abandon(e)),
             }
