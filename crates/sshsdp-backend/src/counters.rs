@@ -36,6 +36,10 @@ pub struct Counters {
     /// Bytes copied from the decorated backend's tensors to the host: gradients (unless read in
     /// place, as on burn-ndarray) and staging. On a GPU backend, device→host traffic.
     pub downloaded_bytes: u64,
+    /// Reads of device memory by the host (each a wait for the device, unless issued ahead of
+    /// its use, as a deferred step verdict is): gradients, staging, the gradient norm. 0 on
+    /// backends whose tensors are host memory read in place (burn-ndarray).
+    pub host_reads: u64,
     /// Updates skipped because the gradient was not finite
     /// ([`crate::NonFinitePolicy::SkipStep`]).
     pub skipped_steps: u64,

@@ -10,7 +10,7 @@ use crate::counters::Counters;
 use crate::error::HsdpError;
 use crate::model::buffers::{read_buffers, write_buffers, BufferSpec};
 use crate::model::paths::NamedParam;
-use crate::runtime::{Piece, Runtime, UpdateGroup, UpdateStep, Views};
+use crate::runtime::{Piece, Runtime, UpdateGroup, UpdateStep, Verdict, Views};
 
 /// One rank's handle on its sharded parameters: the plan, the update step and the counters.
 pub struct HsdpRuntime<B: Backend> {
@@ -167,6 +167,18 @@ impl<B: Backend> HsdpRuntime<B> {
     /// more and fails the runtime on every rank (see [`UpdateStep`]). A collective call.
     pub fn begin_update(&self, views: Views) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
         self.runtime.begin_update(views)
+    }
+
+    /// [`Self::begin_update`], the non-finite verdict read as `verdict` asks: with
+    /// [`Verdict::AtCommit`] (world 1, device masters and gradients) the optimizer's kernels are
+    /// issued before the verdict's read completes, and `commit`'s [`crate::StepOutcome`] says
+    /// whether the step applied. A collective call.
+    pub fn begin_update_with(
+        &self,
+        views: Views,
+        verdict: Verdict,
+    ) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
+        self.runtime.begin_update_with(views, verdict)
     }
 
     /// Opens an update of every bucket's piece as host slices with empty gradients, for

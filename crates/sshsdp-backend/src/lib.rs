@@ -58,7 +58,7 @@ pub use model::leaves::{check_gradient_leaves, refresh_leaves};
 pub use model::params::{named_params, param_shapes};
 pub use model::paths::NamedParam;
 pub use rng::{init_seeded, initialise_in_module_order, with_burn_rng, ConcurrentDrawer};
-pub use runtime::{Piece, UpdateGroup, UpdateStep, Views};
+pub use runtime::{Piece, StepOutcome, UpdateGroup, UpdateStep, Verdict, Views};
 #[allow(deprecated)]
 pub use shard::{shard, shard_from, shard_with, shard_with_source, ParamSource, Shard};
 pub use storage::{DeviceMemory, HostMaster, PieceValues};

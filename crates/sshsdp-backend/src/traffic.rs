@@ -1,5 +1,5 @@
-//! Host↔device bytes, charged by the function that moves them ([`Traffic`]), on whichever
-//! thread it runs: the model thread's staging and the lanes' uploads alike.
+//! Host↔device bytes and host reads, charged by the function that moves them ([`Traffic`]), on
+//! whichever thread it runs: the model thread's staging and the lanes' uploads alike.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -14,12 +14,27 @@ pub(crate) enum Purpose {
     Stage,
 }
 
-/// Host↔device bytes moved since the last [`Traffic::take`].
+/// Host↔device bytes moved since the last [`Traffic::take`], and the reads that moved the
+/// downloaded ones.
 #[derive(Debug, Default)]
 pub(crate) struct Traffic {
     uploaded: AtomicU64,
     downloaded: AtomicU64,
     staged: AtomicU64,
+    reads: AtomicU64,
+}
+
+/// What [`Traffic::take`] returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Moved {
+    /// Bytes copied host → device.
+    pub uploaded: u64,
+    /// Bytes copied device → host.
+    pub downloaded: u64,
+    /// Of both, bytes moved only for staging.
+    pub staged: u64,
+    /// Device → host reads (each one a host wait for the device, unless issued ahead).
+    pub reads: u64,
 }
 
 impl Traffic {
@@ -29,9 +44,10 @@ impl Traffic {
         self.stage(bytes, purpose);
     }
 
-    /// `bytes` read back from device memory to the host.
+    /// `bytes` read back from device memory to the host, in one read.
     pub fn download(&self, bytes: u64, purpose: Purpose) {
         self.downloaded.fetch_add(bytes, Ordering::Relaxed);
+        self.reads.fetch_add(1, Ordering::Relaxed);
         self.stage(bytes, purpose);
     }
 
@@ -41,12 +57,13 @@ impl Traffic {
         }
     }
 
-    /// (uploaded, downloaded, staged) bytes since the last call, reset to zero.
-    pub fn take(&self) -> (u64, u64, u64) {
-        (
-            self.uploaded.swap(0, Ordering::Relaxed),
-            self.downloaded.swap(0, Ordering::Relaxed),
-            self.staged.swap(0, Ordering::Relaxed),
-        )
+    /// What moved since the last call, reset to zero.
+    pub fn take(&self) -> Moved {
+        Moved {
+            uploaded: self.uploaded.swap(0, Ordering::Relaxed),
+            downloaded: self.downloaded.swap(0, Ordering::Relaxed),
+            staged: self.staged.swap(0, Ordering::Relaxed),
+            reads: self.reads.swap(0, Ordering::Relaxed),
+        }
     }
 }

@@ -64,7 +64,8 @@
 //!   [`save_model`] / [`load_model`] / [`export_model`] also take the module, for models with
 //!   module buffers (BatchNorm's running statistics: rank 0's saved as [`BUFFER`] arrays,
 //!   restored on every rank); the calls without the module refuse such models.
-//! * [`encode_state`] / [`decode_state`]: a Burn optimizer state record (any element-wise
+//! * [`encode_state`] / [`decode_state`] (from `sshsdp-optim`, which splits and joins its
+//!   optimizer states with them): a Burn optimizer state record (any element-wise
 //!   `SimpleOptimizer::State<1>`, e.g. `SgdState`, `AdamState`, `AdamWState`) to named `f32`
 //!   arrays plus scalars and back, so that state can be sliced and re-sharded like weights.
 
@@ -84,7 +85,6 @@ mod piece_state;
 mod reshard;
 mod runtime_io;
 mod shard_dir;
-mod state_codec;
 
 use std::path::PathBuf;
 
@@ -101,7 +101,9 @@ pub use reshard::{
 };
 pub use runtime_io::{UnitState, WeightsOnly, STEP};
 pub use shard_dir::{checkpoint_dir_files, read_all, shard_file_name};
-pub use state_codec::{decode_state, encode_state, strip_prefix, with_prefix, EncodedState};
+pub use sshsdp_optim::state_codec::{
+    decode_state, encode_state, strip_prefix, with_prefix, CodecError, EncodedState,
+};
 
 /// Why a checkpoint could not be written, read or re-assembled.
 #[derive(Debug, thiserror::Error)]
@@ -223,4 +225,10 @@ fn describe(failures: &[(usize, String)]) -> String {
         .map(|(rank, reason)| format!("rank {rank} ({reason})"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+impl From<CodecError> for CheckpointError {
+    fn from(e: CodecError) -> Self {
+        CheckpointError::Codec(e.0)
+    }
 }

@@ -31,8 +31,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> UnitState for PieceStates<'_, B, O> {
     }
 
     fn export_unit(&self, unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError> {
-        match self.optimizer.param_state(unit.param) {
-            Some(state) => Ok(Some(encode_state::<B, _>(state.clone())?)),
+        match self.optimizer.param_state(unit.param)? {
+            Some(state) => Ok(Some(encode_state::<B, _>(state)?)),
             None => Ok(None),
         }
     }
@@ -52,7 +52,6 @@ impl<B: Backend, O: SimpleOptimizer<B>> UnitState for PieceStates<'_, B, O> {
                 )?)
             }
         };
-        self.optimizer.set_param_state(unit.param, state);
-        Ok(())
+        Ok(self.optimizer.set_param_state(unit.param, state)?)
     }
 }

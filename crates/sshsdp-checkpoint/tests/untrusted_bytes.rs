@@ -21,8 +21,8 @@ use safetensors::SafeTensors;
 use serde_json::{json, Value};
 use sshsdp_checkpoint::{
     agreed_scalars, decode_state, encode_state, export_full, load, read_all, read_checkpoint, save,
-    shard_file_name, CheckpointError, Coverage, Manifest, ShardFile, SliceEntry, MANIFEST_FILE,
-    MASTER,
+    shard_file_name, CheckpointError, CodecError, Coverage, Manifest, ShardFile, SliceEntry,
+    MANIFEST_FILE, MASTER,
 };
 
 use common::sharded::{on_ranks, set_masters, TestState};
@@ -108,18 +108,10 @@ fn deeply_nested_state_names_are_refused() {
     let deep = format!("{}x", "a.".repeat(1_000_000));
     let scalars = Scalars::from([(deep.clone(), 1.0)]);
     let result = decode_state::<B, AdamState<B, 1>>(&Arrays::new(), &scalars, 3, &device);
-    assert!(
-        matches!(result, Err(CheckpointError::Codec(_))),
-        "{:?}",
-        result.err()
-    );
+    assert!(matches!(result, Err(CodecError(_))), "{:?}", result.err());
     let arrays = Arrays::from([(deep, vec![0.0; 3])]);
     let result = decode_state::<B, AdamState<B, 1>>(&arrays, &Scalars::new(), 3, &device);
-    assert!(
-        matches!(result, Err(CheckpointError::Codec(_))),
-        "{:?}",
-        result.err()
-    );
+    assert!(matches!(result, Err(CodecError(_))), "{:?}", result.err());
 }
 
 /// A real Adam state after three steps, encoded.

@@ -1,13 +1,16 @@
 //! [`ShardedOptimizer`]: any Burn `SimpleOptimizer` (SGD, Adam, AdamW, …) stepping this rank's
-//! pieces — flat fp32 shards of whole buckets — unit by unit: each parameter's part of a piece
-//! ([`UpdateUnit`]) is stepped with its own optimizer state, as Burn's optimizer adaptor steps
-//! each parameter with its own record.
+//! pieces — flat fp32 shards of whole buckets — a few tensor operations per piece: the units
+//! ([`UpdateUnit`], a parameter's part of a piece) that step together share one state record
+//! (a *segment*, `segments.rs`), so a piece whose units all step is one optimizer step on the
+//! whole piece — on the device, one chain of element-wise operations that fusion merges into a
+//! few kernels, with no slice and no concatenation.
 //!
-//! Element-wise optimizers are indifferent to how elements are grouped, so stepping the units
-//! equals stepping every parameter whole. Per parameter rather than per piece, because a
-//! parameter that received no gradient in a step (frozen, or unused by every rank's graph) is
-//! not stepped and its state — AdamW's moments and step count — is left alone, exactly as plain
-//! Burn leaves it ([`UpdateGroup::received_gradient`]). (Matrix optimizers such as Muon need
+//! Element-wise optimizers are indifferent to how elements are grouped, so stepping segments
+//! equals stepping every parameter whole. A parameter that received no gradient in a step
+//! (frozen, or unused by every rank's graph) is not stepped and its state — AdamW's moments and
+//! step count — is left alone, exactly as plain Burn leaves it
+//! ([`UpdateGroup::received_gradient`]): its segment is split first. Checkpoints read and write
+//! the state per unit ([`ShardedOptimizer::param_state`]). (Matrix optimizers such as Muon need
 //! whole matrices: [`crate::ShardedMuon`].)
 
 use std::collections::HashMap;
@@ -17,16 +20,23 @@ use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, PieceValues, UpdateGroup, Views};
+use sshsdp_backend::{
+    HsdpError, HsdpRuntime, Piece, PieceValues, StepOutcome, UpdateGroup, Verdict, Views,
+};
 
 use crate::clip::GradClip;
+use crate::segments::{Block, Member, SegmentStates};
+use crate::state_codec::CodecError;
 use crate::step::ShardedStep;
 use sshsdp_plan::UpdateUnit;
 
 /// A Burn element-wise optimizer over sharded pieces.
 pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
     optimizer: O,
-    states: HashMap<usize, O::State<1>>,
+    states: SegmentStates<O::State<1>>,
+    /// The states before a step whose verdict is read at commit (tensor handles, no copy),
+    /// put back when it does not apply.
+    before: Option<SegmentStates<O::State<1>>>,
     device: B::Device,
     clip: GradClip,
 }
@@ -36,7 +46,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     pub fn new(optimizer: O, device: B::Device) -> Self {
         Self {
             optimizer,
-            states: HashMap::new(),
+            states: SegmentStates::default(),
+            before: None,
             device,
             clip: GradClip::default(),
         }
@@ -49,18 +60,28 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
     }
 
     /// The optimizer state of parameter `param`'s part of this rank's piece (`None` before its
-    /// first step), for checkpoints. A rank's piece holds at most one part of a parameter.
-    pub fn param_state(&self, param: usize) -> Option<&O::State<1>> {
-        self.states.get(&param)
+    /// first step), for checkpoints. A rank's piece holds at most one part of a parameter. A
+    /// unit sharing a segment with others gets its slice of the joint state (read through the
+    /// host).
+    pub fn param_state(&self, param: usize) -> Result<Option<O::State<1>>, CodecError> {
+        self.states.unit_state::<B>(param, &self.device)
     }
 
     /// Replaces the state of parameter `param`'s part of this rank's piece (`None`: no state
-    /// yet), for checkpoints.
-    pub fn set_param_state(&mut self, param: usize, state: Option<O::State<1>>) {
-        match state {
-            Some(state) => self.states.insert(param, state),
-            None => self.states.remove(&param),
-        };
+    /// yet), for checkpoints. Units whose states agree are stepped as one again from their
+    /// next step.
+    pub fn set_param_state(
+        &mut self,
+        param: usize,
+        state: Option<O::State<1>>,
+    ) -> Result<(), CodecError> {
+        self.states.set_unit_state::<B>(param, state, &self.device)
+    }
+
+    /// Number of joint optimizer states held: one per piece whose units all step, in a steady
+    /// run (more after a frozen or unused parameter split a piece's state).
+    pub fn segments(&self) -> usize {
+        self.states.segments()
     }
 
     /// The device the optimizer state lives on.
@@ -73,19 +94,46 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         self.clip.last_norm
     }
 
-    /// One step on the units `units` (in piece order) of a device-resident piece: each unit's
-    /// part of the master is stepped on the device and the master tensor is replaced by the
-    /// pieces put back together; the state stays on the same device; nothing crosses to the
-    /// host.
+    /// The blocks of `units` (every unit of bucket `bucket`'s piece of `len` elements) to step
+    /// now: those whose parameter received a gradient, their states taken out.
+    fn take_blocks(
+        &mut self,
+        bucket: usize,
+        len: usize,
+        units: &[&UpdateUnit],
+        group: &UpdateGroup<'_>,
+    ) -> Result<Vec<Block<O::State<1>>>, HsdpError> {
+        let members: Vec<Member> = units
+            .iter()
+            .map(|u| Member {
+                param: u.param,
+                range: u.in_piece.clone(),
+            })
+            .collect();
+        self.states
+            .take_blocks::<B>(
+                bucket,
+                len,
+                &members,
+                |p| group.received_gradient(p),
+                &self.device,
+            )
+            .map_err(|e| HsdpError::Failed(format!("splitting optimizer state: {}", e.0)))
+    }
+
+    /// One step on the blocks of a device-resident piece: each block's range of the master
+    /// (the whole tensor when one block covers the piece) is stepped on the device and the
+    /// master replaced by the result (put together with the untouched ranges when the blocks
+    /// do not cover it); the state stays on the same device; nothing crosses to the host.
     fn step_device_piece(
         &mut self,
         lr: f64,
         grad_scale: f64,
-        units: &[&UpdateUnit],
+        (bucket, blocks): (usize, Vec<Block<O::State<1>>>),
         master: &mut B::FloatTensorPrimitive,
         grad: B::FloatTensorPrimitive,
     ) {
-        if units.is_empty() {
+        if blocks.is_empty() {
             return;
         }
         let whole = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(master.clone()));
@@ -95,52 +143,62 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             grad = grad.mul_scalar(grad_scale as f32);
         }
         let len = whole.dims()[0];
-        let mut parts = Vec::with_capacity(2 * units.len() + 1);
+        let range_of = |t: &Tensor<B, 1>, range: &std::ops::Range<usize>| {
+            if *range == (0..len) {
+                t.clone()
+            } else {
+                t.clone().slice(range.clone())
+            }
+        };
+        let mut parts = Vec::with_capacity(2 * blocks.len() + 1);
         let mut at = 0;
-        for unit in units {
-            let range = unit.in_piece.clone();
+        for mut block in blocks {
+            let range = block.range.clone();
             if at < range.start {
                 parts.push(whole.clone().slice(at..range.start));
             }
-            let param = whole.clone().slice(range.clone());
-            let state = self.states.remove(&unit.param);
-            let (param, state) =
-                self.optimizer
-                    .step(lr, param, grad.clone().slice(range.clone()), state);
-            if let Some(state) = state {
-                self.states.insert(unit.param, state);
-            }
+            let (param, state) = self.optimizer.step(
+                lr,
+                range_of(&whole, &range),
+                range_of(&grad, &range),
+                block.state.take(),
+            );
+            block.state = state;
+            self.states.put(bucket, block);
             parts.push(param);
             at = range.end;
         }
         if at < len {
             parts.push(whole.slice(at..len));
         }
-        *master = Tensor::cat(parts, 0).into_primitive().tensor();
+        *master = match parts.len() {
+            1 => parts.pop().expect("one part"),
+            _ => Tensor::cat(parts, 0),
+        }
+        .into_primitive()
+        .tensor();
     }
 
-    /// One step on `unit`'s part of a host piece.
-    fn step_host_unit(
+    /// One step on the blocks of a host piece.
+    fn step_host_piece(
         &mut self,
         lr: f64,
         grad_scale: f64,
-        unit: &UpdateUnit,
+        (bucket, blocks): (usize, Vec<Block<O::State<1>>>),
         master: &mut [f32],
         grad: &[f32],
     ) -> Result<(), HsdpError> {
-        let slice = Slice {
-            master: &mut master[unit.in_piece.clone()],
-            grad: &grad[unit.in_piece.clone()],
-            grad_scale: grad_scale as f32,
-        };
-        step_slice(
-            &self.optimizer,
-            &mut self.states,
-            unit.param,
-            lr,
-            slice,
-            &self.device,
-        )
+        for mut block in blocks {
+            let slice = Slice {
+                master: &mut master[block.range.clone()],
+                grad: &grad[block.range.clone()],
+                grad_scale: grad_scale as f32,
+            };
+            block.state =
+                step_with_state(&self.optimizer, block.state.take(), lr, slice, &self.device)?;
+            self.states.put(bucket, block);
+        }
+        Ok(())
     }
 }
 
@@ -150,6 +208,32 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         Views::AsStored
     }
 
+    /// At commit unless clipping (which needs the norm first): the step's new states replace
+    /// the old ones only when it applied ([`Self::settle`]).
+    fn verdict(&self) -> Verdict {
+        self.clip.verdict()
+    }
+
+    fn settle(&mut self, outcome: Option<&StepOutcome>) {
+        let before = self.before.take();
+        match outcome {
+            Some(outcome) => {
+                if let Some(norm) = outcome.grad_norm {
+                    self.clip.last_norm = Some(norm);
+                }
+                if let (false, Some(before)) = (outcome.applied, before) {
+                    self.states = before;
+                }
+            }
+            // The step failed: the runtime has failed too; the states go back as they were.
+            None => {
+                if let Some(before) = before {
+                    self.states = before;
+                }
+            }
+        }
+    }
+
     fn step_pieces(
         &mut self,
         lr: f64,
@@ -157,19 +241,23 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         pieces: &mut [Piece<B>],
         group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError> {
-        let scale = self.clip.factor(group);
-        let units = stepped_units(runtime, pieces, group)?;
+        if group.grad_norm().is_none() {
+            self.before = Some(self.states.clone());
+        }
+        let scale = self.clip.factor(group)?;
+        let units = all_units(runtime, pieces)?;
         for (p, piece) in pieces.iter_mut().enumerate() {
-            let mine = units.iter().filter(|u| u.piece == p);
+            let mine: Vec<&UpdateUnit> = units.iter().filter(|u| u.piece == p).collect();
+            let blocks = (
+                piece.bucket,
+                self.take_blocks(piece.bucket, piece.len(), &mine, group)?,
+            );
             match &mut piece.values {
                 PieceValues::Host { master, grad } => {
-                    for unit in mine {
-                        self.step_host_unit(lr, scale, unit, master, grad)?;
-                    }
+                    self.step_host_piece(lr, scale, blocks, master, grad)?
                 }
                 PieceValues::Device { master, grad } => {
-                    let mine: Vec<&UpdateUnit> = mine.collect();
-                    self.step_device_piece(lr, scale, &mine, master, grad.clone());
+                    self.step_device_piece(lr, scale, blocks, master, grad.clone())
                 }
             }
         }
@@ -183,27 +271,29 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         pieces: &mut [Piece<R>],
         group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError> {
-        let scale = self.clip.factor(group);
-        let units = stepped_units(runtime, pieces, group)?;
-        for unit in &units {
-            let (master, grad) = pieces[unit.piece].host()?;
-            self.step_host_unit(lr, scale, unit, master, grad)?;
+        let scale = self.clip.factor(group)?;
+        let units = all_units(runtime, pieces)?;
+        for (p, piece) in pieces.iter_mut().enumerate() {
+            let mine: Vec<&UpdateUnit> = units.iter().filter(|u| u.piece == p).collect();
+            let blocks = (
+                piece.bucket,
+                self.take_blocks(piece.bucket, piece.len(), &mine, group)?,
+            );
+            let (master, grad) = piece.host()?;
+            self.step_host_piece(lr, scale, blocks, master, grad)?;
         }
         Ok(())
     }
 }
 
-/// The units of `pieces` whose parameter received a gradient in this step, in piece order.
-fn stepped_units<B: Backend>(
+/// Every unit of `pieces`, in piece order.
+fn all_units<B: Backend>(
     runtime: &HsdpRuntime<B>,
     pieces: &[Piece<B>],
-    group: &UpdateGroup<'_>,
 ) -> Result<Vec<UpdateUnit>, HsdpError> {
-    let mut units = runtime
+    Ok(runtime
         .plan()
-        .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?;
-    units.retain(|u| group.received_gradient(u.param));
-    Ok(units)
+        .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?)
 }
 
 /// A flat run of fp32 master elements with its gradient, for [`step_slice`].
@@ -226,6 +316,21 @@ pub fn step_slice<B: Backend, O: SimpleOptimizer<B>, K: Eq + Hash>(
     slice: Slice<'_>,
     device: &B::Device,
 ) -> Result<(), HsdpError> {
+    let state = step_with_state(optimizer, states.remove(&key), lr, slice, device)?;
+    if let Some(state) = state {
+        states.insert(key, state);
+    }
+    Ok(())
+}
+
+/// One step of `optimizer` on `slice` from `state`; returns the new state.
+fn step_with_state<B: Backend, O: SimpleOptimizer<B>>(
+    optimizer: &O,
+    state: Option<O::State<1>>,
+    lr: f64,
+    slice: Slice<'_>,
+    device: &B::Device,
+) -> Result<Option<O::State<1>>, HsdpError> {
     let n = slice.master.len();
     let grad: Vec<f32> = if slice.grad_scale == 1.0 {
         slice.grad.to_vec()
@@ -234,16 +339,12 @@ pub fn step_slice<B: Backend, O: SimpleOptimizer<B>, K: Eq + Hash>(
     };
     let param = Tensor::<B, 1>::from_data(TensorData::new(slice.master.to_vec(), [n]), device);
     let grad = Tensor::<B, 1>::from_data(TensorData::new(grad, [n]), device);
-    let state = states.remove(&key);
     let (param, state) = optimizer.step(lr, param, grad, state);
-    if let Some(state) = state {
-        states.insert(key, state);
-    }
     let values = param
         .into_data()
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| HsdpError::Failed(format!("reading updated optimizer values: {e:?}")))?;
     slice.master.copy_from_slice(&values);
-    Ok(())
+    Ok(state)
 }

@@ -33,7 +33,9 @@ mod clip;
 mod hybrid;
 mod muon;
 mod newton_schulz;
+mod segments;
 mod sharded_muon;
+pub mod state_codec;
 mod step;
 
 pub use adaptor::{step_slice, ShardedOptimizer, Slice};

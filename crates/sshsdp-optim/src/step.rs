@@ -5,7 +5,8 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use sshsdp_backend::{
-    check_gradient_leaves, HsdpError, HsdpRuntime, Piece, ShardableBackend, UpdateGroup, Views,
+    check_gradient_leaves, HsdpError, HsdpRuntime, Piece, ShardableBackend, StepOutcome,
+    UpdateGroup, Verdict, Views,
 };
 
 /// An optimizer over a sharded model's update pieces whose own state lives on `B`.
@@ -14,6 +15,21 @@ pub trait ShardedStep<B: Backend> {
     /// host slices unless the optimizer steps device pieces where they are.
     fn views(&self) -> Views {
         Views::Host
+    }
+
+    /// When [`Self::step`] reads the step's non-finite verdict: before the step by default; an
+    /// optimizer that can undo its own state ([`Self::settle`]) and needs no norm before the
+    /// step may take it at commit, so no host read stalls the device between backward and its
+    /// kernels (honoured at world 1 with device masters and gradients).
+    fn verdict(&self) -> Verdict {
+        Verdict::BeforeStep
+    }
+
+    /// Called by [`Self::step`] once the step is settled: `outcome` is what the commit said, or
+    /// `None` when the step did not complete (an error). An optimizer that stepped before a
+    /// verdict read at commit keeps its new state only when `outcome` says the step applied.
+    fn settle(&mut self, outcome: Option<&StepOutcome>) {
+        let _ = outcome;
     }
 
     /// Steps this rank's `pieces` of `runtime` (on the optimizer's own backend), handed as
@@ -50,12 +66,14 @@ pub trait ShardedStep<B: Backend> {
         M: Module<AB>,
     {
         let leaves = check_gradient_leaves(&module);
-        if let Some(mut update) = runtime.begin_update(self.views())? {
+        if let Some(mut update) = runtime.begin_update_with(self.views(), self.verdict())? {
             let (pieces, group) = update.parts();
-            match self.step_pieces(lr, runtime, pieces, group) {
-                Ok(()) => update.commit()?,
-                Err(e) => return Err(update.abandon(e)),
-            }
+            let committed = match self.step_pieces(lr, runtime, pieces, group) {
+                Ok(()) => update.commit(),
+                Err(e) => Err(update.abandon(e)),
+            };
+            self.settle(committed.as_ref().ok());
+            committed?;
         }
         leaves.map(|()| module)
     }
@@ -79,10 +97,12 @@ pub trait ShardedStep<B: Backend> {
         let leaves = check_gradient_leaves(&module);
         if let Some(mut update) = runtime.begin_update(Views::Host)? {
             let (pieces, group) = update.parts();
-            match self.step_host_pieces(lr, runtime, pieces, group) {
-                Ok(()) => update.commit()?,
-                Err(e) => return Err(update.abandon(e)),
-            }
+            let committed = match self.step_host_pieces(lr, runtime, pieces, group) {
+                Ok(()) => update.commit(),
+                Err(e) => Err(update.abandon(e)),
+            };
+            self.settle(committed.as_ref().ok());
+            committed?;
         }
         leaves.map(|()| module)
     }

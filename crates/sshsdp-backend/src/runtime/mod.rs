@@ -43,7 +43,7 @@ use burn_backend::{read_sync, Backend};
 use sshsdp_plan::Plan;
 
 pub use pieces::{Piece, UpdateGroup, Views};
-pub use update::UpdateStep;
+pub use update::{StepOutcome, UpdateStep, Verdict};
 
 use crate::config::{HsdpConfig, NonFinitePolicy, Placement};
 use crate::counters::Counters;
@@ -229,11 +229,11 @@ impl<B: Backend> Runtime<B> {
     pub fn take_counters(&self) -> Counters {
         let mut counters = std::mem::take(&mut self.lock().counters);
         (counters.comm_wait_ns, counters.comm_busy_ns) = self.ctx.timeline.take_times();
-        (
-            counters.uploaded_bytes,
-            counters.downloaded_bytes,
-            counters.staged_bytes,
-        ) = self.ctx.traffic.take();
+        let moved = self.ctx.traffic.take();
+        counters.uploaded_bytes = moved.uploaded;
+        counters.downloaded_bytes = moved.downloaded;
+        counters.staged_bytes = moved.staged;
+        counters.host_reads = moved.reads;
         counters
     }
 

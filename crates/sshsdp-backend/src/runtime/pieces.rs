@@ -69,7 +69,7 @@ pub struct UpdateGroup<'a> {
     pub(super) piece: usize,
     /// The update-group rank holding each piece.
     pub(super) piece_ranks: Vec<usize>,
-    pub(super) grad_norm: f64,
+    pub(super) grad_norm: Option<f64>,
     /// Per parameter, whether it received a gradient on some rank in this step.
     pub(super) received: Vec<bool>,
 }
@@ -152,9 +152,11 @@ impl UpdateGroup<'_> {
     }
 
     /// The L2 norm of the whole model's world-averaged gradient (every piece of the update
-    /// group, summed in f64; the same on every rank). Always finite here: a non-finite gradient
-    /// never reaches an optimizer (see [`crate::NonFinitePolicy`]). 0 when handing out masters only.
-    pub fn grad_norm(&self) -> f64 {
+    /// group, summed in f64; the same on every rank). Finite here: a non-finite gradient never
+    /// reaches an optimizer whose step applies (see [`crate::NonFinitePolicy`]). 0 when handing
+    /// out masters only; `None` when the verdict is read at commit
+    /// ([`super::Verdict::AtCommit`]: the commit's [`super::StepOutcome`] carries the norm).
+    pub fn grad_norm(&self) -> Option<f64> {
         self.grad_norm
     }
 

@@ -6,6 +6,15 @@
 //! step succeeded, re-derives each piece's runtime bytes from its master, rebuilds the runtime
 //! shards across replicas and ends the step.
 //!
+//! **When the verdict is read.** By default every rank agrees on the step's gradient norm before
+//! the pieces are handed out ([`Verdict::BeforeStep`]): the norm's read drains the device queue
+//! between backward and the optimizer. With [`Verdict::AtCommit`] — honoured at world 1 with
+//! masters and gradients on the device — the norm is summed on the device and its 4-byte read
+//! queued right behind it; the optimizer's kernels are issued at once behind the read, and
+//! [`UpdateStep::commit`] waits for it: a non-finite step puts back the masters as they were
+//! handed out (the optimizer wrote new tensors, never into them) and re-derives nothing, and
+//! the caller learns from the [`StepOutcome`] that its own state must not advance.
+//!
 //! A step that is not committed — [`UpdateStep::abandon`]ed with the optimizer's error, or
 //! dropped (an early return, a panic) — applies nothing more: the masters go back as the
 //! optimizer left them, the runtime shards are not re-derived, and this rank's runtime records
@@ -20,7 +29,41 @@ use super::step_agreement::{global_grad_norm, norm_message_len};
 use super::{Runtime, State};
 use crate::config::{NonFinitePolicy, Placement};
 use crate::error::HsdpError;
-use crate::storage::F32Buf;
+use crate::storage::{device_sum_of_squares, F32Buf, PendingRead};
+
+/// When an update reads the step's non-finite verdict (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Verdict {
+    /// Before the pieces are handed out: a step skipped for a non-finite gradient hands out
+    /// none ([`Runtime::begin_update`] gives `None`), and the optimizer steps only what
+    /// applies.
+    #[default]
+    BeforeStep,
+    /// At [`UpdateStep::commit`], where the runtime can (world 1, masters and gradients on the
+    /// device; elsewhere as [`Verdict::BeforeStep`]): the optimizer steps before the verdict is
+    /// known, writing new tensors (never into the masters it was handed), and the commit's
+    /// [`StepOutcome`] says whether the step applied; when it did not, the caller restores its
+    /// own state. No gradient norm is known while stepping ([`UpdateGroup::grad_norm`] is
+    /// `None`), so an optimizer that clips cannot ask for it.
+    AtCommit,
+}
+
+/// What a committed update did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutcome {
+    /// Whether the step applied: false when a verdict read at commit found a non-finite
+    /// gradient under [`NonFinitePolicy::SkipStep`] (masters and runtime shards unchanged; the
+    /// caller's own state must not advance either).
+    pub applied: bool,
+    /// The step's global gradient norm (`None` for a masters-only update).
+    pub grad_norm: Option<f64>,
+}
+
+/// A verdict read at commit: the norm's read in flight, and the masters as handed out.
+struct DeferredVerdict<B: Backend> {
+    norm_squared: PendingRead,
+    handed_out: Vec<B::FloatTensorPrimitive>,
+}
 
 /// This rank's pieces moved out of the runtime for one update (see the module docs): step
 /// them through [`Self::pieces_mut`] (or [`Self::parts`], with the update group's collectives),
@@ -29,6 +72,8 @@ pub struct UpdateStep<'r, B: Backend> {
     runtime: &'r Runtime<B>,
     pieces: Vec<Piece<B>>,
     group: UpdateGroup<'r>,
+    /// The verdict still to read at commit ([`Verdict::AtCommit`]).
+    deferred: Option<DeferredVerdict<B>>,
     /// Every bucket's piece with empty gradients (checkpoints), not a training step.
     masters_only: bool,
     /// Whether the pieces went back (committed or abandoned).
@@ -41,7 +86,18 @@ impl<B: Backend> Runtime<B> {
     /// non-finite gradient under [`NonFinitePolicy::SkipStep`]: nothing to step, nothing
     /// changed). A collective call: every rank calls it, then commits.
     pub fn begin_update(&self, views: Views) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
-        self.begin(false, views)
+        self.begin(false, views, Verdict::BeforeStep)
+    }
+
+    /// [`Self::begin_update`], reading the non-finite verdict as `verdict` asks (see the module
+    /// docs): with [`Verdict::AtCommit`], `Ok(None)` only when the verdict was read first after
+    /// all, and otherwise [`UpdateStep::commit`]'s [`StepOutcome`] says whether the step applied.
+    pub fn begin_update_with(
+        &self,
+        views: Views,
+        verdict: Verdict,
+    ) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
+        self.begin(false, views, verdict)
     }
 
     /// Opens an update of every bucket's piece as host slices with empty gradients (device
@@ -50,7 +106,7 @@ impl<B: Backend> Runtime<B> {
     /// update. A collective call.
     pub fn begin_masters(&self) -> Result<UpdateStep<'_, B>, HsdpError> {
         Ok(self
-            .begin(true, Views::Host)?
+            .begin(true, Views::Host, Verdict::BeforeStep)?
             .expect("a masters-only update is never skipped"))
     }
 
@@ -79,8 +135,9 @@ impl<B: Backend> Runtime<B> {
         &self,
         masters_only: bool,
         views: Views,
+        verdict: Verdict,
     ) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
-        let update = self.open(masters_only, views)?;
+        let update = self.open(masters_only, views, verdict)?;
         // (A fault injected here fails the step as an optimizer's error would.)
         match (
             update,
@@ -96,6 +153,7 @@ impl<B: Backend> Runtime<B> {
         &self,
         masters_only: bool,
         views: Views,
+        verdict: Verdict,
     ) -> Result<Option<UpdateStep<'_, B>>, HsdpError> {
         let st = &mut *self.lock();
         if st.updating {
@@ -146,8 +204,19 @@ impl<B: Backend> Runtime<B> {
                 .filter_map(|b| st.buckets[b].take_grad().map(|g| (b, g)))
                 .collect()
         };
+        let defer = verdict == Verdict::AtCommit
+            && !masters_only
+            && views == Views::AsStored
+            && self.ctx.masters == Placement::Device
+            && self.plan.mesh().world_size() == 1
+            && !grads.is_empty();
         let (grad_norm, received) = if masters_only {
-            (0.0, Vec::new())
+            (Some(0.0), Vec::new())
+        } else if defer {
+            // World 1: this rank's received bits are the world's, and the norm is its own,
+            // summed on the device once the gradients are there (below).
+            let fresh = vec![false; self.plan.params().len()];
+            (None, std::mem::replace(&mut st.received, fresh))
         } else {
             let (norm, received) = global_grad_norm(self, st, &grads)?;
             st.last_grad_norm = Some(norm);
@@ -164,11 +233,20 @@ impl<B: Backend> Runtime<B> {
                     }
                 };
             }
-            (norm, received)
+            (Some(norm), received)
         };
         let pieces = self
             .take_pieces(st, grads, views)
             .inspect_err(|e| self.record_failure(st, e.to_string()))?;
+        let deferred = defer.then(|| DeferredVerdict {
+            norm_squared: PendingRead::issue::<B>(device_sum_of_squares::<B>(
+                pieces.iter().filter_map(|p| p.values.device_grad()),
+            )),
+            handed_out: pieces
+                .iter()
+                .filter_map(|p| p.values.device_master().cloned())
+                .collect(),
+        });
         st.updating = true;
         let group = UpdateGroup {
             worker: &self.ctx.worker,
@@ -182,6 +260,7 @@ impl<B: Backend> Runtime<B> {
             runtime: self,
             pieces,
             group,
+            deferred,
             masters_only,
             closed: false,
         }))
@@ -269,17 +348,20 @@ impl<'r, B: Backend> UpdateStep<'r, B> {
     ) -> Result<(), HsdpError> {
         let (pieces, group) = self.parts();
         match step(pieces, group) {
-            Ok(()) => self.commit(),
+            Ok(()) => self.commit().map(|_| ()),
             Err(e) => Err(self.abandon(e)),
         }
     }
 
-    /// Applies the step: every rank learns whether every rank's step succeeded (one byte each,
-    /// over the world, so a failure in one update group is an error on every rank in this same
-    /// call and no rank re-derives and rebuilds alone); then each piece's runtime units are
-    /// re-derived from its master, the runtime shards rebuilt across replicas, and every
-    /// gathered bucket released, so the next forward gathers the new values.
-    pub fn commit(mut self) -> Result<(), HsdpError> {
+    /// Applies the step: a verdict deferred to now ([`Verdict::AtCommit`]) is read first (a
+    /// non-finite gradient puts the masters back as handed out: `applied` false under
+    /// [`NonFinitePolicy::SkipStep`], [`HsdpError::NonFiniteGradient`] under `Error`); every
+    /// rank learns whether every rank's step succeeded (one byte each, over the world, so a
+    /// failure in one update group is an error on every rank in this same call and no rank
+    /// re-derives and rebuilds alone); then each piece's runtime units are re-derived from its
+    /// master, the runtime shards rebuilt across replicas, and every gathered bucket released,
+    /// so the next forward gathers the new values.
+    pub fn commit(mut self) -> Result<StepOutcome, HsdpError> {
         self.close(None)
     }
 
@@ -291,11 +373,44 @@ impl<'r, B: Backend> UpdateStep<'r, B> {
     }
 
     /// Commits (`failure` `None`) or abandons the step.
-    fn close(&mut self, failure: Option<String>) -> Result<(), HsdpError> {
+    fn close(&mut self, failure: Option<String>) -> Result<StepOutcome, HsdpError> {
         self.closed = true;
         let rt = self.runtime;
         let st = &mut *rt.lock();
-        let pieces = std::mem::take(&mut self.pieces);
+        let mut pieces = std::mem::take(&mut self.pieces);
+        let mut outcome = StepOutcome {
+            applied: true,
+            grad_norm: self.group.grad_norm,
+        };
+        if let (None, Some(deferred)) = (&failure, self.deferred.take()) {
+            let norm = match deferred.norm_squared.wait(&rt.ctx.traffic) {
+                Ok(sum) => f64::from(sum[0]).sqrt(),
+                Err(e) => {
+                    rt.record_failure(st, e.to_string());
+                    rt.restore_pieces(st, pieces);
+                    return Err(e);
+                }
+            };
+            st.last_grad_norm = Some(norm);
+            outcome.grad_norm = Some(norm);
+            if !norm.is_finite() {
+                // Nothing applies: the masters go back as they were handed out (the optimizer
+                // replaced the tensors, never wrote into them), nothing is re-derived.
+                for (piece, master) in pieces.iter_mut().zip(deferred.handed_out) {
+                    piece.values.set_device_master(master);
+                }
+                rt.restore_pieces(st, pieces);
+                rt.end_step(st)?;
+                return match rt.non_finite {
+                    NonFinitePolicy::Error => Err(HsdpError::NonFiniteGradient { norm }),
+                    NonFinitePolicy::SkipStep => {
+                        st.counters.skipped_steps += 1;
+                        outcome.applied = false;
+                        Ok(outcome)
+                    }
+                };
+            }
+        }
         // A failed step is recorded first: that aborts the engine, so a peer of the update
         // group still inside one of the step's collectives fails at once.
         if let Some(failure) = &failure {
@@ -351,7 +466,7 @@ impl<'r, B: Backend> UpdateStep<'r, B> {
             // compiled its kernels, so engines with a start-up bound tighten their waits now.
             rt.lanes.startup_done();
         }
-        Ok(())
+        Ok(outcome)
     }
 }
 

@@ -61,7 +61,9 @@ pub(crate) use rebuild::ShardRebuild;
 #[cfg(all(test, feature = "wgpu"))]
 pub(crate) use roles::upload;
 pub use roles::DeviceMemory;
-pub(crate) use roles::{download, F32Buf, GradSource, SendUnits, ShardBuf};
+pub(crate) use roles::{
+    device_sum_of_squares, download, F32Buf, GradSource, PendingRead, SendUnits, ShardBuf,
+};
 pub(crate) use step_values::TakenMaster;
 pub use step_values::{HostMaster, PieceValues};
 

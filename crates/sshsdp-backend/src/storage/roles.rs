@@ -2,10 +2,13 @@
 //! ([`F32Buf`]), runtime shards ([`ShardBuf`]), moves between host and device, and the
 //! device allocator's report ([`DeviceMemory`]).
 
+use std::future::Future;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 
-use burn_backend::{read_sync, Backend, TensorData, TensorMetadata};
+use burn_backend::{read_sync, Backend, ExecutionError, TensorData, TensorMetadata};
 
 use sshsdp_comm::CommError;
 
@@ -135,30 +138,29 @@ impl<B: Backend> F32Buf<B> {
     }
 
     /// The sum of the squares of every value of `bufs`, in f64: host values summed on the host
-    /// in f64, device values on the device in f32 (Burn's sum; one scalar read back for all,
-    /// charged to `traffic`). An f32 sum can overflow to infinity where f64 would not, which
-    /// only makes values of norm beyond 1.8e19 count as non-finite.
+    /// in f64, device values on the device in f32 ([`device_sum_of_squares`]; one scalar
+    /// read back for all, charged to `traffic`). An f32 sum can overflow to infinity where f64
+    /// would not, which only makes values of norm beyond 1.8e19 count as non-finite.
     pub fn sum_of_squares<'a>(
-        bufs: impl IntoIterator<Item = &'a Self>,
+        bufs: impl IntoIterator<Item = &'a Self> + Clone,
         traffic: &Traffic,
     ) -> Result<f64, HsdpError>
     where
         B: 'a,
     {
         let mut sum = 0f64;
-        let mut on_device = Vec::new();
-        for buf in bufs {
-            match buf {
-                F32Buf::Host(v) => {
-                    sum += v.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
-                }
-                F32Buf::Device(t) => {
-                    on_device.push(B::float_sum(B::float_mul(t.clone(), t.clone())))
-                }
+        for buf in bufs.clone() {
+            if let F32Buf::Host(v) = buf {
+                sum += v.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
             }
         }
-        if !on_device.is_empty() {
-            let total = B::float_sum(B::float_cat(on_device, 0));
+        if bufs
+            .clone()
+            .into_iter()
+            .any(|b| b.device_tensor().is_some())
+        {
+            let device = bufs.into_iter().filter_map(|b| b.device_tensor());
+            let total = device_sum_of_squares::<B>(device);
             sum += f64::from(download::<B>(total, traffic, Purpose::Data)?[0]);
         }
         Ok(sum)
@@ -207,6 +209,66 @@ pub(crate) fn download<B: Backend>(
         .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))?;
     traffic.download(4 * values.len() as u64, purpose);
     Ok(values)
+}
+
+/// The sum of the squares of the values of `tensors` (at least one), left on the device: a
+/// 1-element tensor (Burn's f32 sums: one per tensor, then of those).
+pub(crate) fn device_sum_of_squares<'a, B: Backend>(
+    tensors: impl IntoIterator<Item = &'a B::FloatTensorPrimitive>,
+) -> B::FloatTensorPrimitive {
+    let sums: Vec<_> = tensors
+        .into_iter()
+        .map(|t| B::float_sum(B::float_mul(t.clone(), t.clone())))
+        .collect();
+    B::float_sum(B::float_cat(sums, 0))
+}
+
+/// A read of a device tensor issued now and awaited later: the copy is queued behind the work
+/// that produces the tensor, and the host waits for the device only in [`PendingRead::wait`] —
+/// by which time the work queued after the read (an optimizer step) keeps the device busy.
+///
+/// Issued by polling Burn's read once: burn-cubecl's `into_data` queues the copy before its
+/// first suspension point (CubeCL's `read_async` submits it), and burn-fusion's first drains
+/// the lazy stream into the device queue and does the same; a backend that reads at once
+/// (host memory) is done after that poll.
+pub(crate) struct PendingRead {
+    state: PendingState,
+}
+
+type ReadFuture = Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>>;
+
+enum PendingState {
+    InFlight(ReadFuture),
+    Done(Result<TensorData, ExecutionError>),
+}
+
+impl PendingRead {
+    /// Issues the read of `tensor`.
+    pub fn issue<B: Backend>(tensor: B::FloatTensorPrimitive) -> Self {
+        let mut future: ReadFuture = Box::pin(B::float_into_data(tensor));
+        let mut cx = Context::from_waker(Waker::noop());
+        let state = match future.as_mut().poll(&mut cx) {
+            Poll::Ready(data) => PendingState::Done(data),
+            Poll::Pending => PendingState::InFlight(future),
+        };
+        Self { state }
+    }
+
+    /// The values, once the device has produced them (a host wait until then), charged to
+    /// `traffic` as one read.
+    pub fn wait(self, traffic: &Traffic) -> Result<Vec<f32>, HsdpError> {
+        let data = match self.state {
+            PendingState::Done(data) => data,
+            PendingState::InFlight(future) => read_sync(future),
+        };
+        let values = data
+            .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))?
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| HsdpError::Failed(format!("reading a device buffer: {e:?}")))?;
+        traffic.download(4 * values.len() as u64, Purpose::Data);
+        Ok(values)
+    }
 }
 
 /// A bucket's runtime shard on this rank, where its [`Placement`] put it.

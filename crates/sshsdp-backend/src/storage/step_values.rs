@@ -126,6 +126,30 @@ impl<B: Backend> PieceValues<B> {
         }
     }
 
+    /// The device master, as it is now (`None` on the host): what a deferred verdict puts back
+    /// when the step must not apply.
+    pub(crate) fn device_master(&self) -> Option<&B::FloatTensorPrimitive> {
+        match self {
+            PieceValues::Device { master, .. } => Some(master),
+            PieceValues::Host { .. } => None,
+        }
+    }
+
+    /// The device gradient (`None` on the host).
+    pub(crate) fn device_grad(&self) -> Option<&B::FloatTensorPrimitive> {
+        match self {
+            PieceValues::Device { grad, .. } => Some(grad),
+            PieceValues::Host { .. } => None,
+        }
+    }
+
+    /// Replaces the device master with `master` (nothing on the host).
+    pub(crate) fn set_device_master(&mut self, master: B::FloatTensorPrimitive) {
+        if let PieceValues::Device { master: m, .. } = self {
+            *m = master;
+        }
+    }
+
     /// Number of elements (padding included).
     pub fn len(&self) -> usize {
         match self {

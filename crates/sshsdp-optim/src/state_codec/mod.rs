@@ -18,16 +18,16 @@ use burn::record::{FullPrecisionSettings, Record};
 use burn::tensor::backend::Backend;
 use serde::{de as serde_de, ser as serde_ser, Deserialize, Serialize};
 
-use crate::CheckpointError;
 use de::{insert, DNode};
 use ser::{flatten, shown, NodeSer};
 
 /// Integers up to this magnitude are exact in an `f64`.
 const MAX_EXACT: u64 = 1 << 53;
 
-/// A serde error carrying a message.
-#[derive(Debug)]
-struct CodecError(String);
+/// Why an optimizer state record could not be encoded or decoded (a record this codec does not
+/// support, or arrays and scalars that do not make one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CodecError(pub String);
 
 impl fmt::Display for CodecError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -49,12 +49,6 @@ impl serde_de::Error for CodecError {
     }
 }
 
-impl From<CodecError> for CheckpointError {
-    fn from(e: CodecError) -> Self {
-        CheckpointError::Codec(e.0)
-    }
-}
-
 fn codec<T>(msg: impl Into<String>) -> Result<T, CodecError> {
     Err(CodecError(msg.into()))
 }
@@ -69,11 +63,11 @@ pub type EncodedState = (BTreeMap<String, Vec<f32>>, BTreeMap<String, f64>);
 ///
 /// Supported: structs, options, tuples, vectors and `[T; N]` arrays of 1-D float tensors
 /// and numbers: every element-wise `SimpleOptimizer::State<1>` in Burn (`SgdState`,
-/// `AdamState`, `AdamWState`, ...). Not supported (a [`CheckpointError::Codec`] error):
+/// `AdamState`, `AdamWState`, ...). Not supported (a [`CodecError`]):
 /// tensors of rank other than 1, int, bool or quantized tensors, strings, enums with data,
 /// integers beyond 2^53 (not exact in `f64`). Empty vectors and unit fields encode to
 /// nothing, so [`decode_state`] cannot rebuild them.
-pub fn encode_state<B: Backend, R: Record<B>>(record: R) -> Result<EncodedState, CheckpointError> {
+pub fn encode_state<B: Backend, R: Record<B>>(record: R) -> Result<EncodedState, CodecError> {
     let item = record.into_item::<FullPrecisionSettings>();
     let tree = item.serialize(NodeSer)?;
     let (mut arrays, mut scalars) = (BTreeMap::new(), BTreeMap::new());
@@ -85,17 +79,17 @@ pub fn encode_state<B: Backend, R: Record<B>>(record: R) -> Result<EncodedState,
 /// the parameter): every array must have `len` values (the slice length). Names the
 /// record's item does not know are ignored; a missing `Option` becomes `None`. The input is
 /// untrusted: names of more than 64 dotted components and integer fields beyond 2^53 (which
-/// [`encode_state`] never writes) are [`CheckpointError::Codec`] errors.
+/// [`encode_state`] never writes) are [`CodecError`]s.
 pub fn decode_state<B: Backend, R: Record<B>>(
     arrays: &BTreeMap<String, Vec<f32>>,
     scalars: &BTreeMap<String, f64>,
     len: usize,
     device: &B::Device,
-) -> Result<R, CheckpointError> {
+) -> Result<R, CodecError> {
     let mut root = DNode::Map(BTreeMap::new());
     for (name, values) in arrays {
         if values.len() != len {
-            return Err(CheckpointError::Codec(format!(
+            return Err(CodecError(format!(
                 "array '{}' has {} values, expected {len}",
                 shown(name),
                 values.len()
@@ -111,7 +105,7 @@ pub fn decode_state<B: Backend, R: Record<B>>(
 }
 
 /// `map` with `prefix` put before every name (e.g. `"state."` to store optimizer state
-/// arrays next to `"master"` in a [`SliceEntry`](super::SliceEntry)).
+/// arrays next to `"master"` in a checkpoint's slice entry).
 pub fn with_prefix<V>(map: BTreeMap<String, V>, prefix: &str) -> BTreeMap<String, V> {
     map.into_iter()
         .map(|(k, v)| (format!("{prefix}{k}"), v))
