@@ -10,6 +10,7 @@
 mod args;
 mod data;
 mod launch;
+mod launch_count;
 mod metrics;
 mod optim;
 pub mod plot;
@@ -20,6 +21,7 @@ mod unsharded;
 pub use args::*;
 pub use data::*;
 pub use launch::*;
+pub use launch_count::*;
 pub use metrics::*;
 use optim::*;
 pub use task::*;

@@ -120,8 +120,12 @@ pub struct Report {
     /// Largest gathered (resident) bucket bytes of rank 0 in any step.
     pub peak_gathered: u64,
     /// On CubeCL backends: the device's bytes in use and reserved (the most seen after a step,
-    /// all ranks on the device), and rank 0's host↔device bytes (up, down) of the last step.
-    pub device: Option<(u64, u64, (u64, u64))>,
+    /// all ranks on the device), and rank 0's host↔device bytes (up, down) and its runtime's
+    /// host reads of the device, in the last step.
+    pub device: Option<(u64, u64, (u64, u64), u64)>,
+    /// Kernel launches per step, from CubeCL's profiling log when the run was made for it
+    /// ([`super::launch_count`]).
+    pub launches: Option<super::LaunchCount>,
     /// Whether rank 0's engine gathered and reduced device memory itself (NCCL on the
     /// backend's GPU).
     pub collectives_on_device: bool,
@@ -246,7 +250,7 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
         mib(report.master_bytes),
         mib(report.peak_gathered)
     );
-    if let Some((in_use, reserved, (up, down))) = report.device {
+    if let Some((in_use, reserved, (up, down), reads)) = report.device {
         println!(
             "device      {:.0} MiB in use / {:.0} MiB reserved (most seen after a step); \
              host<->device per step {:.2} MiB up, {:.2} MiB down (rank 0); collectives {}; \
@@ -266,6 +270,18 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
                 "host"
             }
         );
+        println!("host reads  {reads} per step (rank 0's runtime reading device memory)");
+        match report.launches {
+            Some(c) => println!(
+                "launches    {} per step, {} in the update (all ranks; CubeCL's profiling log)",
+                c.per_step, c.update
+            ),
+            None => println!(
+                "launches    not counted: run with CUBECL_DEBUG_OPTION=profile-full \
+                 CUBECL_DEBUG_LOG=<file> SSHSDP_LAUNCH_MARKS=1 (profiling synchronises: not \
+                 for timing; scripts/count_launches)"
+            ),
+        }
     }
     let dir = report.csv.parent().unwrap_or(Path::new("."));
     let mut files: Vec<String> = std::fs::read_dir(dir)

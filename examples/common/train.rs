@@ -259,11 +259,12 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
         }
         peak_gathered = peak_gathered.max(counters.peak_resident_bytes);
         if let Some(m) = runtime.device_memory() {
-            let (in_use, reserved, _) = device.unwrap_or((0, 0, (0, 0)));
+            let (in_use, reserved, _, _) = device.unwrap_or((0, 0, (0, 0), 0));
             device = Some((
                 m.in_use.max(in_use),
                 m.reserved.max(reserved),
                 (counters.uploaded_bytes, counters.downloaded_bytes),
+                counters.host_reads,
             ));
         }
         if let (Some(metrics), Some(bar)) = (metrics.as_mut(), progress.as_ref()) {
@@ -394,6 +395,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
         master_bytes,
         peak_gathered,
         device,
+        launches: device.and(launch_count(world)),
         collectives_on_device: runtime.collectives_on_device(),
         shards_on_device: runtime.shards_on_device(),
         csv,

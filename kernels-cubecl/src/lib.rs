@@ -24,6 +24,10 @@
 //! - [`check`] — the device check behind the `gpu_check` (CUDA) and `gpu_check_wgpu`
 //!   binaries: the square-block codec and AdamW always, the lab kernels with `experimental`.
 //!
+//! - [`launch_mark`] (`marks.rs`) — two one-element kernels that mark an update's start and end
+//!   in CubeCL's profiling log, for counting launches (`scripts/count_launches`); launched by
+//!   `storage/cube/mod.rs` only under `SSHSDP_LAUNCH_MARKS=1`.
+//!
 //! Also always built, though no training path calls it yet: [`adamw_step`] (`adamw.rs`) —
 //! fused AdamW over flat `f32` shards with burn-optim 0.21's semantics, kept outside the lab
 //! because the device optimizer step is to be built from it.
@@ -81,6 +85,7 @@ mod common;
 pub mod e4m3;
 mod error;
 mod exchange;
+mod marks;
 mod square;
 
 #[cfg(feature = "experimental")]
@@ -105,6 +110,7 @@ pub use common::InputDType;
 pub use e4m3::round_bf16;
 pub use error::KernelError;
 pub use exchange::{accumulate_units, copy_units, store_units, SumDType};
+pub use marks::{launch_mark, LaunchMark};
 pub use square::{dequantize_square, quantize_square, SquareAt};
 pub use sshsdp_mx::ScaleRule;
 

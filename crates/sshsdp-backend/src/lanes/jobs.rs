@@ -73,6 +73,13 @@ impl<T> Reply<T> {
         Reply(rx)
     }
 
+    /// A reply that is already `value` (a collective with nothing to do: this rank alone).
+    pub fn ready(value: T) -> Self {
+        let (tx, rx) = channel();
+        let _ = tx.send(Ok(value));
+        Reply(rx)
+    }
+
     /// Blocks until the collective is done.
     pub fn wait(self) -> CommResult<T> {
         self.0.recv().unwrap_or_else(|_| {

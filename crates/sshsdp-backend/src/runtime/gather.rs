@@ -89,6 +89,33 @@ impl<B: Backend> Runtime<B> {
         }
     }
 
+    /// Queues the gather of the bucket the next forward needs first, at the end of a step, so
+    /// that it overlaps what the host does until then (the update's tail, the data loader).
+    /// Dropped unused by the next update's start ([`Self::drop_prefetches`]).
+    pub(super) fn prefetch_first(&self, st: &mut State<B>) {
+        let Some(first) = st.schedule.first_forward() else {
+            return;
+        };
+        if st.failure.is_none() && st.buckets[first].is_sharded() {
+            let reply = self.start_gather(st, first);
+            st.buckets[first].set_gathering(reply);
+        }
+    }
+
+    /// Completes and drops the gathers queued for a use that did not come (they ran on every
+    /// rank): an update is about to change the shards they read.
+    pub(super) fn drop_prefetches(&self, st: &mut State<B>) -> Result<(), crate::HsdpError> {
+        for b in 0..st.buckets.len() {
+            if let Some(reply) = st.buckets[b].take_gather() {
+                if let Err(e) = self.wait(b, "wait unused prefetch", reply) {
+                    self.record_failure(st, e.to_string());
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Queues the all-gather of bucket `b`'s runtime shards.
     pub(super) fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply<Gathered> {
         let State {

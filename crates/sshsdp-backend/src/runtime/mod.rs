@@ -132,6 +132,7 @@ impl<B: Backend> Runtime<B> {
             grads: config.grads,
             engine_on_device,
             sharding: plan.config().sharding,
+            alone: plan.mesh().world_size() == 1,
             runtime_shards: plan.runtime_shards(),
             pieces_per_shard: plan.pieces_per_shard(),
             piece: plan.piece_of(rank)?,
@@ -205,14 +206,9 @@ impl<B: Backend> Runtime<B> {
     /// come, releases every gathered bucket (the next forward gathers the current values) and
     /// keeps this step's order of use for the next step's prefetch.
     fn end_step(&self, st: &mut State<B>) -> Result<(), HsdpError> {
+        // A prefetch this step did not use still completed on every rank: drop its result.
+        self.drop_prefetches(st)?;
         for b in 0..st.buckets.len() {
-            // A prefetch this step did not use still completed on every rank: drop its result.
-            if let Some(reply) = st.buckets[b].take_gather() {
-                if let Err(e) = self.wait(b, "wait unused prefetch", reply) {
-                    self.record_failure(st, e.to_string());
-                    return Err(e.into());
-                }
-            }
             st.release(b);
         }
         st.schedule.end_step();

@@ -79,6 +79,12 @@ impl Schedule {
         }
     }
 
+    /// The first bucket the last finished step's forward used (what the next forward needs
+    /// first).
+    pub fn first_forward(&self) -> Option<usize> {
+        self.recorded.first().copied()
+    }
+
     /// The last bucket forward used (the first backward needs).
     pub fn last_forward(&self) -> Option<usize> {
         self.order.last().copied()

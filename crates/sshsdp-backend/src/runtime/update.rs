@@ -29,7 +29,7 @@ use super::step_agreement::{global_grad_norm, norm_message_len};
 use super::{Runtime, State};
 use crate::config::{NonFinitePolicy, Placement};
 use crate::error::HsdpError;
-use crate::storage::{device_sum_of_squares, F32Buf, PendingRead};
+use crate::storage::{device_sum_of_squares, mark_update, F32Buf, PendingRead};
 
 /// When an update reads the step's non-finite verdict (see the module docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -161,6 +161,10 @@ impl<B: Backend> Runtime<B> {
             self.record_failure(st, failure.clone());
             return Err(HsdpError::Failed(failure));
         }
+        // A gather prefetched at the end of the last step for a forward that did not come (two
+        // updates in a row: a checkpoint's `master_pieces`, a load) would read the shards this
+        // update replaces. (A failure is recorded, and met below with the others.)
+        let _ = self.drop_prefetches(st);
         if let Some((b, pending)) = st
             .buckets
             .iter()
@@ -247,6 +251,11 @@ impl<B: Backend> Runtime<B> {
                 .filter_map(|p| p.values.device_master().cloned())
                 .collect(),
         });
+        if !masters_only {
+            // After the norm's read was issued (on fusion that flushed the lazy stream): the
+            // optimizer's kernels come next.
+            mark_update::<B>(&self.ctx.device, true);
+        }
         st.updating = true;
         let group = UpdateGroup {
             worker: &self.ctx.worker,
@@ -460,11 +469,15 @@ impl<'r, B: Backend> UpdateStep<'r, B> {
                 return Err(e);
             }
         }
+        if !self.masters_only {
+            mark_update::<B>(&rt.ctx.device, false);
+        }
         rt.end_step(st)?;
         if !self.masters_only {
             // A whole step (forward, backward, update, rebuild) ran on every rank: each
             // compiled its kernels, so engines with a start-up bound tighten their waits now.
             rt.lanes.startup_done();
+            rt.prefetch_first(st);
         }
         Ok(outcome)
     }

@@ -283,6 +283,9 @@ impl BucketCodec {
                 }
             }
         }
+        if self.format == RuntimeFormat::Bf16 {
+            ops = coalesce_bf16(ops);
+        }
         Ok(ops)
     }
 
@@ -290,6 +293,36 @@ impl BucketCodec {
     pub fn compute_elems(&self) -> usize {
         self.compute_elems
     }
+}
+
+/// A linear bf16 bucket's decode ops as one run wherever they lie on the same line (element `e`
+/// of the compute buffer at byte `2e + c` of the gathered buffer, for one `c`): what the plan's
+/// linear layout gives every view of a bucket (its compute offsets are its element offsets), so
+/// the whole bucket is one kernel launch instead of one per view. The run also widens the
+/// padding between views, which no member reads (in a linear bucket only bf16 runs write the
+/// compute buffer).
+fn coalesce_bf16(ops: Vec<CodecOp>) -> Vec<CodecOp> {
+    let mut out: Vec<CodecOp> = Vec::with_capacity(ops.len());
+    for op in ops {
+        if let (
+            Some(CodecOp::Bf16 { bytes, n, values }),
+            CodecOp::Bf16 {
+                bytes: next_bytes,
+                n: next_n,
+                values: next_values,
+            },
+        ) = (out.last_mut(), op)
+        {
+            let same_line = next_bytes as i128 - 2 * next_values as i128
+                == *bytes as i128 - 2 * *values as i128;
+            if same_line && next_values >= *values + *n {
+                *n = next_values + next_n - *values;
+                continue;
+            }
+        }
+        out.push(op);
+    }
+    out
 }
 
 /// One step of a piece's encode or of a gathered bucket's decode: an MXFP8 rectangle or a bf16 run
@@ -369,6 +402,39 @@ mod tests {
             }
         }
         out
+    }
+
+    /// A linear bf16 bucket decodes in one run (one kernel launch on the device) at every world
+    /// size, and every member gets its bf16-rounded values as a decode view by view gives them.
+    #[test]
+    fn linear_bf16_buckets_decode_in_one_run() {
+        for world in [1, 2, 3] {
+            let plan = plan(world, RuntimeFormat::Bf16);
+            for b in 0..plan.buckets().len() {
+                let codec = BucketCodec::new(&plan, b);
+                let gathered = 2 * codec.gathered_units();
+                let ops = codec.decode_ops(gathered).unwrap();
+                assert_eq!(ops.len(), 1, "world {world}, bucket {b}: {ops:?}");
+                let mut space = vec![0f32; codec.bucket_elems()];
+                let members = &plan.params()[plan.buckets()[b].params.clone()];
+                for (k, p) in members.iter().enumerate() {
+                    codec.place(k, &values(p.spec.numel() as usize, k as u32), &mut space);
+                }
+                let Elems::Bf16(units) = codec.encode(0, space).unwrap() else {
+                    panic!("bf16 buckets hold bf16")
+                };
+                let bytes: Vec<u8> = units.iter().flat_map(|u| u.to_le_bytes()).collect();
+                let compute = codec.decode(&bytes).unwrap();
+                for (k, p) in members.iter().enumerate() {
+                    let at = codec.compute_start(k);
+                    let want: Vec<f32> = values(p.spec.numel() as usize, k as u32)
+                        .iter()
+                        .map(|&v| bf16::from_f32(v).to_f32())
+                        .collect();
+                    assert_eq!(compute[at..at + want.len()], want[..], "world {world}");
+                }
+            }
+        }
     }
 
     #[test]

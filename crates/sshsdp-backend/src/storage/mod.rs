@@ -217,6 +217,47 @@ pub(crate) fn device_part(
     }
 }
 
+/// Another handle on the device buffer of `units` (no copy), where the backend is a CubeCL
+/// backend this build supports.
+pub(crate) fn share_device_units(units: &DeviceUnits) -> Option<DeviceUnits> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if let Some(shared) = cube::codec::share_units(units) {
+        return Some(shared);
+    }
+    let _ = units;
+    None
+}
+
+/// Whether launch marks are on (`SSHSDP_LAUNCH_MARKS=1`, read once): a diagnostic for
+/// counting kernel launches with CubeCL's profiling log (`scripts/count_launches`).
+pub(crate) fn launch_marks_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SSHSDP_LAUNCH_MARKS").is_ok_and(|v| v == "1"))
+}
+
+/// Marks the start (`begin`) or end of an update in `device`'s queue when launch marks are on
+/// ([`launch_marks_on`]) and `B` is a CubeCL backend: one 1-element kernel whose name the
+/// profiling log shows. The end mark first flushes the backend's lazy work (fusion holds the
+/// optimizer's element-wise chains until something reads them), so that the update's kernels
+/// run inside its marks: marking runs count launches, they time nothing. Nothing otherwise.
+pub(crate) fn mark_update<B: Backend>(device: &B::Device, begin: bool) {
+    if !launch_marks_on() {
+        return;
+    }
+    if !begin {
+        let _ = B::sync(device);
+    }
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    cube::launch_mark::<B>(
+        device,
+        match begin {
+            true => sshsdp_kernels::LaunchMark::UpdateBegin,
+            false => sshsdp_kernels::LaunchMark::UpdateEnd,
+        },
+    );
+    let _ = (device, begin);
+}
+
 /// Piece `piece`'s runtime bytes encoded on the device from its device master `master`, where
 /// the decorated backend is a CubeCL backend this build supports and the format has an encoding
 /// (`None` otherwise: the master is read back and encoded on the host). The bytes read back

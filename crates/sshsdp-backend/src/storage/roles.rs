@@ -318,6 +318,15 @@ impl ShardBuf {
         }
     }
 
+    /// The gathered bucket of a rank alone in the world: a device shard's own buffer, shared
+    /// (no copy: a shard is never rewritten, an update replaces it). `None` for a host shard.
+    pub fn alone_gathered(&self) -> Option<DeviceUnits> {
+        match self {
+            ShardBuf::Device(shard) => super::share_device_units(shard),
+            ShardBuf::Host(_) => None,
+        }
+    }
+
     /// What this rank contributes of units `range` to an all-gather on host memory: a host
     /// shard itself, or a copy of it where `copy_in` (FSDP2-style; its bytes are returned), or
     /// a reader of a device shard's part run on the lane (staging, charged to `traffic`).

@@ -199,8 +199,9 @@ fn a_steps_counters_are_the_plans_sizes() {
                     assert_eq!(c.backward_gathers, 0, "{what}");
                     assert_eq!(c.gathered_bytes, gathered, "{what}");
                     // The first step has no recorded order to prefetch by; from the second on,
-                    // every bucket after the first is gathered ahead of use.
-                    let prefetched = if step == 0 { 0 } else { buckets - 1 };
+                    // every bucket is gathered ahead of use (the first at the end of the step
+                    // before).
+                    let prefetched = if step == 0 { 0 } else { buckets };
                     assert_eq!(c.prefetched, prefetched, "{what}");
                     assert_eq!(c.param_bytes_copied, 0, "{what}: zero-copy");
                     assert_eq!(c.reduced_bytes, reduced, "{what}");
@@ -223,8 +224,10 @@ fn a_steps_counters_are_the_plans_sizes() {
 fn fsdp2_style_copies_each_shard_in_and_each_parameter_out() {
     for world in [2, 3] {
         let base = config(flat(world), Sharding::Hierarchical, RuntimeFormat::F32);
-        let (zero, _) = step_counters(&base, 1);
-        let (fsdp2, plan) = step_counters(&base.clone().with_copy_mode(CopyMode::Fsdp2Style), 1);
+        // The second step: a steady one (each step copies in the next step's first bucket,
+        // prefetched at its end).
+        let (zero, _) = step_counters(&base, 2);
+        let (fsdp2, plan) = step_counters(&base.clone().with_copy_mode(CopyMode::Fsdp2Style), 2);
         // Copy-in: this rank's shard; copy-out: every parameter's f32 values.
         let copied: u64 = (0..plan.buckets().len())
             .map(|b| {
@@ -237,10 +240,10 @@ fn fsdp2_style_copies_each_shard_in_and_each_parameter_out() {
             })
             .sum();
         for (z, f) in zero.iter().zip(&fsdp2) {
-            assert_eq!(f[0].param_bytes_copied, copied, "world {world}: {:?}", f[0]);
-            assert_eq!(z[0].param_bytes_copied, 0);
+            assert_eq!(f[1].param_bytes_copied, copied, "world {world}: {:?}", f[1]);
+            assert_eq!(z[1].param_bytes_copied, 0);
             assert_eq!(
-                f[0].gathered_bytes, z[0].gathered_bytes,
+                f[1].gathered_bytes, z[1].gathered_bytes,
                 "the same collectives"
             );
             assert_eq!(f[0].gathers, z[0].gathers);

@@ -36,7 +36,7 @@ pub(crate) struct BucketGrads<B: Backend> {
     /// Gradients still expected in this backward.
     pending: usize,
     /// Reductions queued on the communication lanes.
-    reductions: Vec<Reduction>,
+    reductions: Vec<Reduction<B>>,
     /// This rank's reduced piece, summed over the micro-batches collected so far (`None`: no
     /// gradient yet).
     piece: Option<F32Buf<B>>,
@@ -55,9 +55,11 @@ impl<B: Backend> Default for BucketGrads<B> {
 }
 
 /// A reduction on its way: to a host piece, or to a piece in device memory.
-enum Reduction {
+enum Reduction<B: Backend> {
     Host(Reply),
     Device(Reply<DeviceUnits>),
+    /// Already reduced: this rank alone (world 1), its device gradient is the piece.
+    Alone(F32Buf<B>),
 }
 
 impl<B: Backend> Bucket<B> {
@@ -120,6 +122,23 @@ impl<B: Backend> Bucket<B> {
             .filter_map(|(k, t)| t.map(|t| (k, t)))
             .collect();
         if !members.is_empty() && grads.full.is_empty() && reduces_on_device::<B>() {
+            if ctx.alone && ctx.engine_on_device {
+                // World 1: the reduction of one rank's gradient is that gradient in the
+                // reduction dtype (a bf16 reduction rounds it, as the engine would): no copy
+                // into a send buffer, no lane job, no host wait.
+                let full = full_on_device::<B>(codec, &members);
+                let piece = match reduce {
+                    Precision::Bf16 => {
+                        B::float_cast(B::float_cast(full, FloatDType::BF16), FloatDType::F32)
+                    }
+                    _ => full,
+                };
+                let bytes = reduce.bytes() * codec.bucket_elems() as u64;
+                grads
+                    .reductions
+                    .push(Reduction::Alone(F32Buf::Device(piece)));
+                return Ok((bytes, 0));
+            }
             let source = if ctx.engine_on_device {
                 let full = full_on_device::<B>(codec, &members);
                 GradSource::Full(match reduce {
@@ -187,6 +206,7 @@ impl<B: Backend> Bucket<B> {
                                     .map_err(|e| e.to_string())
                             })
                         }
+                        Reduction::Alone(piece) => Ok(piece),
                     },
                 );
             let summed = arrived.and_then(|piece| match self.grads.piece.take() {

@@ -94,6 +94,12 @@ impl<B: Backend> Bucket<B> {
         let units = self.codec.gathered_units();
         let zero_copy = ctx.copy_mode == CopyMode::ZeroCopy;
         if ctx.engine_on_device && zero_copy {
+            // World 1: the shard is the whole bucket; its buffer is the gathered bucket.
+            if ctx.alone && range.len() == units {
+                if let Some(gathered) = self.shard.alone_gathered() {
+                    return Reply::ready(Gathered::Device(gathered));
+                }
+            }
             let send = self.shard.send_units(range);
             return match device_gather::<B>(&ctx.device, send, units, &ctx.traffic) {
                 Ok(job) => ctx.worker.gather_on_device(self.index, job),

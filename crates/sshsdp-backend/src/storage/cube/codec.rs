@@ -135,6 +135,27 @@ impl<R: CubeRuntime> CubeUnits<R> {
     }
 }
 
+/// Another handle on `units`' buffer (no copy), its write mark with it; `None` for a buffer of
+/// no runtime this build supports.
+pub(crate) fn share_units(units: &DeviceUnits) -> Option<DeviceUnits> {
+    for_each_runtime!(R => {
+        if let Some(cube) = units.buffer.downcast_ref::<CubeUnits<R>>() {
+            let shared = CubeUnits::<R> {
+                client: cube.client.clone(),
+                handle: cube.handle.clone(),
+                written: cube.written.clone(),
+            };
+            return Some(DeviceUnits {
+                buffer: Box::new(shared),
+                len: units.len,
+                kind: units.kind.zeros_like(0),
+                narrowed: units.narrowed,
+            });
+        }
+    });
+    None
+}
+
 /// The f32 compute buffer of the gathered runtime bytes in `units` (`len` of them).
 fn decode_buffer<B: Backend, R: CubeRuntime>(
     codec: &BucketCodec,

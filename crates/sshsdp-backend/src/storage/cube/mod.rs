@@ -189,3 +189,16 @@ pub(crate) fn is_cube_backend<B: Backend>() -> bool {
     });
     false
 }
+
+/// Launches `mark` on the calling thread's stream of `device`, if `B` is a CubeCL backend this
+/// build supports (see [`crate::storage::launch_mark`]).
+pub(crate) fn launch_mark<B: Backend>(device: &B::Device, mark: sshsdp_kernels::LaunchMark) {
+    for_each_runtime!(R => {
+        if is_cube::<B, R>() {
+            let client = client_of::<B, R>(device);
+            let scratch = client.empty(4);
+            sshsdp_kernels::launch_mark::<R>(&client, &scratch, mark);
+            return;
+        }
+    });
+}
