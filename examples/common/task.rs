@@ -78,6 +78,25 @@ impl<T> OnCuda for T {}
 pub trait Tasks: Task<Flex> + OnWgpu + OnCuda {}
 impl<T: Task<Flex> + OnWgpu + OnCuda> Tasks for T {}
 
+/// A device run's memory and traffic: the device's bytes in use and reserved (the most seen
+/// after a step, all ranks on the device), and rank 0's host↔device bytes, its runtime's host
+/// reads of the device and host waits for it, in the last step.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceReport {
+    /// Bytes in use, most seen after a step.
+    pub in_use: u64,
+    /// Bytes reserved by the pools, most seen after a step.
+    pub reserved: u64,
+    /// Host → device bytes of the last step (rank 0).
+    pub up: u64,
+    /// Device → host bytes of the last step (rank 0).
+    pub down: u64,
+    /// Host reads of device memory in the last step (rank 0's runtime).
+    pub reads: u64,
+    /// Host waits for the device around device collectives in the last step (rank 0).
+    pub syncs: u64,
+}
+
 /// What a run measured (on rank 0), and how it was set up.
 #[derive(Clone, Debug)]
 pub struct Report {
@@ -119,10 +138,8 @@ pub struct Report {
     pub master_bytes: u64,
     /// Largest gathered (resident) bucket bytes of rank 0 in any step.
     pub peak_gathered: u64,
-    /// On CubeCL backends: the device's bytes in use and reserved (the most seen after a step,
-    /// all ranks on the device), and rank 0's host↔device bytes (up, down) and its runtime's
-    /// host reads of the device, in the last step.
-    pub device: Option<(u64, u64, (u64, u64), u64)>,
+    /// On CubeCL backends: the device's memory and rank 0's traffic ([`DeviceReport`]).
+    pub device: Option<DeviceReport>,
     /// Kernel launches per step, from CubeCL's profiling log when the run was made for it
     /// ([`super::launch_count`]).
     pub launches: Option<super::LaunchCount>,
@@ -250,7 +267,15 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
         mib(report.master_bytes),
         mib(report.peak_gathered)
     );
-    if let Some((in_use, reserved, (up, down), reads)) = report.device {
+    if let Some(DeviceReport {
+        in_use,
+        reserved,
+        up,
+        down,
+        reads,
+        syncs,
+    }) = report.device
+    {
         println!(
             "device      {:.0} MiB in use / {:.0} MiB reserved (most seen after a step); \
              host<->device per step {:.2} MiB up, {:.2} MiB down (rank 0); collectives {}; \
@@ -270,7 +295,10 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
                 "host"
             }
         );
-        println!("host reads  {reads} per step (rank 0's runtime reading device memory)");
+        println!(
+            "host reads  {reads} per step (rank 0's runtime reading device memory); host syncs \
+             {syncs} per step (waits for the device around device collectives)"
+        );
         match report.launches {
             Some(c) => println!(
                 "launches    {} per step, {} in the update (all ranks; CubeCL's profiling log)",

@@ -259,13 +259,15 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
         }
         peak_gathered = peak_gathered.max(counters.peak_resident_bytes);
         if let Some(m) = runtime.device_memory() {
-            let (in_use, reserved, _, _) = device.unwrap_or((0, 0, (0, 0), 0));
-            device = Some((
-                m.in_use.max(in_use),
-                m.reserved.max(reserved),
-                (counters.uploaded_bytes, counters.downloaded_bytes),
-                counters.host_reads,
-            ));
+            let seen: DeviceReport = device.unwrap_or_default();
+            device = Some(DeviceReport {
+                in_use: m.in_use.max(seen.in_use),
+                reserved: m.reserved.max(seen.reserved),
+                up: counters.uploaded_bytes,
+                down: counters.downloaded_bytes,
+                reads: counters.host_reads,
+                syncs: counters.host_syncs,
+            });
         }
         if let (Some(metrics), Some(bar)) = (metrics.as_mut(), progress.as_ref()) {
             let rss = rss_bytes().unwrap_or(0);

@@ -40,6 +40,11 @@ pub struct Counters {
     /// its use, as a deferred step verdict is): gradients, staging, the gradient norm. 0 on
     /// backends whose tensors are host memory read in place (burn-ndarray).
     pub host_reads: u64,
+    /// Host waits for a device queue to drain around device collectives (the peers engine:
+    /// one when the buffers are readied, one before leaving, one more between reads and writes
+    /// of a call in place; NCCL: one before each call, as CubeCL 0.10 gives no event to order
+    /// its streams with NCCL's). 0 at world 1, which makes no collective.
+    pub host_syncs: u64,
     /// Updates skipped because the gradient was not finite
     /// ([`crate::NonFinitePolicy::SkipStep`]).
     pub skipped_steps: u64,

@@ -22,6 +22,7 @@ pub(crate) struct Traffic {
     downloaded: AtomicU64,
     staged: AtomicU64,
     reads: AtomicU64,
+    syncs: AtomicU64,
 }
 
 /// What [`Traffic::take`] returns.
@@ -35,6 +36,8 @@ pub(crate) struct Moved {
     pub staged: u64,
     /// Device → host reads (each one a host wait for the device, unless issued ahead).
     pub reads: u64,
+    /// Host waits for a device queue to drain (a device collective's ordering).
+    pub syncs: u64,
 }
 
 impl Traffic {
@@ -51,6 +54,12 @@ impl Traffic {
         self.stage(bytes, purpose);
     }
 
+    /// A host wait for a device queue to drain (device collectives: CubeCL backends only).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub fn sync(&self) {
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn stage(&self, bytes: u64, purpose: Purpose) {
         if purpose == Purpose::Stage {
             self.staged.fetch_add(bytes, Ordering::Relaxed);
@@ -64,6 +73,7 @@ impl Traffic {
             downloaded: self.downloaded.swap(0, Ordering::Relaxed),
             staged: self.staged.swap(0, Ordering::Relaxed),
             reads: self.reads.swap(0, Ordering::Relaxed),
+            syncs: self.syncs.swap(0, Ordering::Relaxed),
         }
     }
 }

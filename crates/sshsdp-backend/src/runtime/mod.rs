@@ -230,6 +230,7 @@ impl<B: Backend> Runtime<B> {
         counters.downloaded_bytes = moved.downloaded;
         counters.staged_bytes = moved.staged;
         counters.host_reads = moved.reads;
+        counters.host_syncs = moved.syncs;
         counters
     }
 

@@ -250,3 +250,38 @@ fn reading_a_parameter_while_a_step_is_open_is_an_error() {
     );
     assert_failed_fast("the commit after it", commit);
 }
+
+/// A committed step prefetches the next forward's first bucket; masters rewritten before that
+/// forward (`master_pieces`, what a checkpoint load does) drop the prefetch, so the forward
+/// reads the new values, not the shards the prefetch gathered (checked by mutation: with the
+/// prefetch kept, bucket 0 reads the stepped values).
+#[test]
+fn masters_rewritten_after_a_step_are_what_the_next_forward_reads() {
+    for world in [1, 2] {
+        let out = on_ranks(world, |comm| {
+            let rank = comm.rank();
+            let (model, runtime) = stepped_once(comm, world, RuntimeFormat::F32);
+            sgd_pieces(&runtime).unwrap();
+            // Every master element set to 0.5: each parameter must read 0.5 everywhere.
+            runtime
+                .master_pieces(|pieces, _| {
+                    for p in pieces.iter_mut() {
+                        p.host()?.0.iter_mut().for_each(|m| *m = 0.5);
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            let _ = model.loss(0, my_rows(rank, world, GLOBAL)).backward();
+            gathered(&runtime)
+        });
+        for params in out {
+            for p in params {
+                assert!(
+                    p.values.iter().all(|&v| v == 0.5),
+                    "world {world}: {}",
+                    p.path
+                );
+            }
+        }
+    }
+}

@@ -42,6 +42,8 @@
 
 use std::sync::Arc;
 
+use crate::traffic::Traffic;
+
 use burn_cubecl::CubeRuntime;
 use cubecl::client::ComputeClient;
 use cubecl::server::Handle;
@@ -83,6 +85,8 @@ pub(crate) struct CubeBuffers<R: CubeRuntime> {
     written: Vec<Handle>,
     /// NCCL's path: the device resources pinned while it works.
     resources: Vec<Box<dyn Send>>,
+    /// Charged with each host wait for the device.
+    traffic: Option<Arc<Traffic>>,
 }
 
 impl<R: CubeRuntime> CubeBuffers<R> {
@@ -96,6 +100,20 @@ impl<R: CubeRuntime> CubeBuffers<R> {
             in_place: false,
             written: Vec::new(),
             resources: Vec::new(),
+            traffic: None,
+        }
+    }
+
+    /// Charges each host wait for the device to `traffic`.
+    pub fn charging(mut self, traffic: &Arc<Traffic>) -> Self {
+        self.traffic = Some(traffic.clone());
+        self
+    }
+
+    /// Counts one host wait for the device.
+    fn charge_sync(&self) {
+        if let Some(t) = &self.traffic {
+            t.sync();
         }
     }
 
@@ -129,6 +147,7 @@ impl<R: CubeRuntime> CubeBuffers<R> {
     }
 
     fn sync(&self) -> CommResult<()> {
+        self.charge_sync();
         cubecl::future::block_on(self.client.sync()).map_err(engine)
     }
 
@@ -245,6 +264,7 @@ impl<R: CubeRuntime> CubeBuffers<R> {
             self.recv.handle.clone().offset_start(self.recv.byte),
         ];
         handles.extend(self.written.iter().cloned());
+        self.charge_sync();
         let at = ready(&self.client, &handles, &mut self.resources)?;
         let (send, recv, kind) = (at[0], at[1], self.kind);
         let same_place = !self.in_place || matches!(op, PeerOp::AllReduce);

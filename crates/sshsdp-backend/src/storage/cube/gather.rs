@@ -175,8 +175,9 @@ impl<R: CubeRuntime> DeviceGatherJob for CubeGatherJob<R> {
             Outgoing::Device { send, written } => (send.clone(), written.clone()),
         };
         self.recv = Some(recv.clone());
-        let buffers =
-            CubeBuffers::apart(self.client.clone(), self.kind, send, Span::of(recv)).after(written);
+        let buffers = CubeBuffers::apart(self.client.clone(), self.kind, send, Span::of(recv))
+            .after(written)
+            .charging(&self.traffic);
         Ok(self.buffers.insert(buffers))
     }
 

@@ -196,7 +196,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
     /// The buffers of a stage from `send` into `recv` (in place where they are one buffer).
     fn stage(&self, send: &Handle, recv: &Handle, in_place: bool) -> CubeBuffers<R> {
         let client = self.client.clone();
-        if in_place {
+        let buffers = if in_place {
             CubeBuffers::in_place(client, self.kind, Span::of(recv.clone()))
         } else {
             CubeBuffers::apart(
@@ -205,7 +205,8 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
                 Span::of(send.clone()),
                 Span::of(recv.clone()),
             )
-        }
+        };
+        buffers.charging(&self.traffic)
     }
 
     /// Engine path, after both stages: the piece holds the world's *sum* (the device
