@@ -28,6 +28,8 @@
 //!   and on plain Burn (unsharded, Burn's own AdamW) give the same losses and weights within
 //!   stated tolerances; views share one allocation; a checkpoint of a fused run resumes on the
 //!   unfused backend and on NdArray.
+//! * **The world-1 device step** (`verdict.rs`): the verdict read at commit; a non-finite step
+//!   applies nothing (bitwise the run without that batch), fused and not.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -35,3 +37,4 @@ mod device_path;
 mod fusion;
 mod harness;
 mod storage;
+mod verdict;

@@ -116,6 +116,20 @@ impl<B: Backend> Runtime<B> {
         Ok(())
     }
 
+    /// Waits for the gathers in flight and keeps their results (ready) for their use. (Not a
+    /// wait of the step: not on the timeline.)
+    pub(super) fn settle_prefetches(&self, st: &mut State<B>) {
+        for b in 0..st.buckets.len() {
+            if let Some(reply) = st.buckets[b].take_gather() {
+                let settled = match reply.wait() {
+                    Ok(gathered) => Reply::ready(gathered),
+                    Err(e) => Reply::failed(e),
+                };
+                st.buckets[b].set_gathering(settled);
+            }
+        }
+    }
+
     /// Queues the all-gather of bucket `b`'s runtime shards.
     pub(super) fn start_gather(&self, st: &mut State<B>, b: usize) -> Reply<Gathered> {
         let State {

@@ -223,7 +223,12 @@ impl<B: Backend> Runtime<B> {
 
     /// The counters since the last call, reset to zero.
     pub fn take_counters(&self) -> Counters {
-        let mut counters = std::mem::take(&mut self.lock().counters);
+        let st = &mut *self.lock();
+        // A gather prefetched at the end of the last step may still be moving bytes on a
+        // lane: let it land, so that its bytes count in this call (the step that queued it)
+        // and never in whichever call happens to follow it.
+        self.settle_prefetches(st);
+        let mut counters = std::mem::take(&mut st.counters);
         (counters.comm_wait_ns, counters.comm_busy_ns) = self.ctx.timeline.take_times();
         let moved = self.ctx.traffic.take();
         counters.uploaded_bytes = moved.uploaded;

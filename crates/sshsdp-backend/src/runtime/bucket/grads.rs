@@ -254,47 +254,30 @@ fn members_cat<B: Backend>(
 }
 
 /// The full-bucket gradient (f32, the bucket's element space) of the device gradients
-/// `members` (member index, flattened gradient), assembled on their device: each member's runs
-/// at their places, zeros between (one concatenation).
+/// `members` (member index, flattened gradient), assembled on their device: one zero-filled
+/// buffer, each member's runs written at their places (one launch per run; a concatenation
+/// would add a zero-fill and a copy per gap).
 fn full_on_device<B: Backend>(
     codec: &BucketCodec,
     members: &[(usize, B::FloatTensorPrimitive)],
 ) -> B::FloatTensorPrimitive {
     use burn_backend::Slice;
     let device = B::float_device(&members[0].1);
-    let zeros = |n: usize| B::float_zeros([n].into(), &device, FloatDType::F32);
-    // Every run of every member, by its place in the bucket.
-    let mut runs: Vec<(usize, usize, usize, usize)> = members
-        .iter()
-        .enumerate()
-        .flat_map(|(i, (k, _))| {
-            codec
-                .segments(*k)
-                .map(move |(at, from, len)| (at, i, from, len))
-        })
-        .collect();
-    runs.sort_unstable();
-    let mut parts = Vec::with_capacity(2 * runs.len() + 1);
-    let mut next = 0;
-    for (at, i, from, len) in runs {
-        if at > next {
-            parts.push(zeros(at - next));
+    let range =
+        |from: usize, len: usize| [Slice::new(from as isize, Some((from + len) as isize), 1)];
+    let mut full = B::float_zeros([codec.bucket_elems()].into(), &device, FloatDType::F32);
+    for (k, grad) in members {
+        for (at, from, len) in codec.segments(*k) {
+            let whole = from == 0 && len == grad.shape().num_elements();
+            let part = if whole {
+                grad.clone()
+            } else {
+                B::float_slice(grad.clone(), &range(from, len))
+            };
+            full = B::float_slice_assign(full, &range(at, len), part);
         }
-        let grad = &members[i].1;
-        let whole = from == 0 && len == grad.shape().num_elements();
-        parts.push(if whole {
-            grad.clone()
-        } else {
-            let slice = Slice::new(from as isize, Some((from + len) as isize), 1);
-            B::float_slice(grad.clone(), &[slice])
-        });
-        next = at + len;
     }
-    let total = codec.bucket_elems();
-    if total > next {
-        parts.push(zeros(total - next));
-    }
-    B::float_cat(parts, 0)
+    full
 }
 
 #[cfg(all(test, feature = "wgpu"))]
