@@ -241,6 +241,8 @@ impl<B: Backend> Runtime<B> {
 
     /// The timeline's spans since the last call (empty unless `HsdpConfig::with_trace`).
     pub fn take_trace(&self) -> Vec<Span> {
+        // As in `take_counters`: a prefetch in flight lands in this call.
+        self.settle_prefetches(&mut self.lock());
         self.ctx.timeline.take_spans()
     }
 
