@@ -33,6 +33,9 @@
 #      the same GPT unsharded on plain burn-cuda (f32, Burn's AdamW): equal losses, target ratio
 #      ≥ 0.97; tokens/s of the last 10 steps, MFU against 989 TFLOP/s, exposed communication,
 #      host<->device bytes per step;
+#   3b. [launches] the world-1 device step's kernel launches (the whole step and the update),
+#      host reads and host syncs, counted from CubeCL's profiling log (scripts/count_launches);
+#      the f32 NCCL row above also writes a --trace timeline into the logs;
 #   4. [gpt, plain] the staged path: the same on the threads engine (host collectives, device
 #      buffers staged through the host), and its price against plain Burn;
 #   4b. [peersgpt] the device path above world 1 on one GPU: 2 in-process ranks and a 2×2 mesh
@@ -163,7 +166,7 @@ declare -A RATE LOSS
 } >"$TABLE"
 row() { echo "| $1 | $2 | $3 | $4 |" | tee -a "$TABLE"; }
 # Whether stage $1 is selected (H200_STAGES: space-separated names, default all: baseline
-# uploads kernels nccl ncclmem ncclgpt gpt peersgpt plain torch f32).
+# uploads kernels nccl ncclmem ncclgpt launches gpt peersgpt plain torch f32).
 want() { case " ${H200_STAGES:-all} " in *" all "* | *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 pack() { tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" logs 2>/dev/null; }
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
@@ -403,12 +406,49 @@ elif [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ]; then
             --nccl --ranks 1 --format "$format" --compute "$HALF" "${COMMON[@]}"
         pack
     done
+    # --trace: the timeline of every step (docs/TROUBLESHOOTING.md), for the idle gaps left.
     train_row f32_noclip_nccl 90 "GPT on Autodiff<Hsdp<cuda>> over NCCL (device path), f32 runtime, f32 compute, no clipping" \
-        --nccl --ranks 1 --format f32 --clip 0 "${COMMON[@]}"
+        --nccl --ranks 1 --format f32 --clip 0 --trace "$LOGS/trace_f32_noclip_nccl.json" "${COMMON[@]}"
     price_row f32_noclip_nccl "NCCL device path, f32 runtime, --clip 0"
     pack
 else
     row "GPT over NCCL (device path)" "skipped" 0 "needs a GPU and libnccl"
+fi
+
+# --- 3b. [launches] the world-1 device step's kernel launches, host reads and host syncs -----------
+# One short run under CubeCL's profiling log with the runtime's update marks (what
+# scripts/count_launches does): train_gpt's summary counts the last whole step and its update.
+# Profiling synchronises after every kernel: this run counts, it times nothing. Over NCCL where
+# it is ready (world 1 makes no collective either way), bf16 and MXFP8 runtime, f32 compute.
+if want launches; then
+    for format in bf16 mxfp8; do
+        label="world-1 device step, $format runtime: launches per step (in the update); host reads; host syncs"
+        begin "$label"
+        limit=$(cap 120)
+        if [ "$limit" = 0 ]; then
+            row "$label" "skipped (time)" 0 ""
+            continue
+        fi
+        nccl=()
+        [ "$MODE" = cuda ] && [ "$NCCL_READY" = 1 ] && nccl=(--nccl)
+        log="launches_$format.log"
+        (cd "$WORK" && CUBECL_DEBUG_OPTION=profile-full CUBECL_DEBUG_LOG="$WORK/profile.log" \
+            SSHSDP_LAUNCH_MARKS=1 timeout -k 10 "$limit" "$TRAIN" --out "$WORK/run_launches" \
+            "${nccl[@]}" --ranks 1 --format "$format" \
+            --backend "$BACKEND" --optim adamw --steps 3 --eval-every 0 --sample-len 0 \
+            "${MODEL[@]}") >"$LOGS/$log" 2>&1
+        rc=$?
+        rm -f "$WORK/profile.log"
+        launches="$(sed -n 's/^launches *\([0-9]* per step, [0-9]* in the update\).*/\1/p' "$LOGS/$log")"
+        reads="$(sed -n 's/^host reads *//p' "$LOGS/$log")"
+        if [ "$rc" = 0 ] && [ -n "$launches" ]; then
+            row "$label" "$launches" "$(took)" "${reads:-no host reads line}; $log"
+        else
+            row "$label" "FAIL (exit $rc)" "$(took)" "$(grep -m1 -iE 'error|panick' "$LOGS/$log" | head -c 200); $log"
+            STATUS=1
+        fi
+        pack
+    done
 fi
 
 # --- 4. the staged path: the threads engine (host collectives; device buffers staged) -------------
