@@ -39,6 +39,8 @@ pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
     before: Option<SegmentStates<O::State<1>>>,
     device: B::Device,
     clip: GradClip,
+    /// `None`: as the clipping asks ([`GradClip::verdict`]).
+    verdict: Option<Verdict>,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
@@ -50,7 +52,19 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             before: None,
             device,
             clip: GradClip::default(),
+            verdict: None,
         }
+    }
+
+    /// When to read each step's non-finite verdict. By default at commit where nothing needs
+    /// the norm first (no clipping): at world 1 with device masters the step's kernels are then
+    /// queued behind the norm's read instead of waiting for it, at the price of keeping the
+    /// states and masters the step replaces alive until the commit (for AdamW 12 bytes per
+    /// element of the piece, transiently: no in-place update). [`Verdict::BeforeStep`] trades
+    /// that memory for the host wait. Clipping always reads it first.
+    pub fn with_verdict(mut self, verdict: Verdict) -> Self {
+        self.verdict = Some(verdict);
+        self
     }
 
     /// Clips the global gradient norm (over all shards) to `max_norm` before each step.
@@ -208,10 +222,14 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         Views::AsStored
     }
 
-    /// At commit unless clipping (which needs the norm first): the step's new states replace
-    /// the old ones only when it applied ([`Self::settle`]).
+    /// At commit unless clipping (which needs the norm first) or asked otherwise
+    /// ([`ShardedOptimizer::with_verdict`]): the step's new states replace the old ones only
+    /// when it applied ([`Self::settle`]).
     fn verdict(&self) -> Verdict {
-        self.clip.verdict()
+        match (self.clip.verdict(), self.verdict) {
+            (Verdict::AtCommit, Some(asked)) => asked,
+            (needed, _) => needed,
+        }
     }
 
     fn settle(&mut self, outcome: Option<&StepOutcome>) {

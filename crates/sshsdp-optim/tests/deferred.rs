@@ -3,13 +3,14 @@
 //! commit settles it (`Verdict::AtCommit`); and its state is held per segment (one joint state
 //! per piece whose units all step).
 //!
-//! * stepping before the verdict gives bitwise the weights of reading it first (the same run
-//!   with clipping at a norm never reached, which asks for the verdict before the step);
+//! * stepping before the verdict gives bitwise the weights of reading it first
+//!   (`with_verdict(Verdict::BeforeStep)`);
 //! * a non-finite step read at commit applies nothing — masters, AdamW's moments and step
 //!   count: the run equals one that never saw the poisoned batch — is counted as skipped, or is
 //!   the `NonFiniteGradient` error under the default policy;
-//! * the optimizer holds one joint state per piece, and a checkpoint's per-unit states load
-//!   into it unchanged.
+//! * the optimizer holds one joint state per piece; per-unit states read out of it and set into
+//!   a fresh optimizer (what a checkpoint does) are joined again at the next step, and the run
+//!   goes on bitwise as if never interrupted.
 
 mod common;
 
@@ -18,7 +19,7 @@ use burn::optim::{AdamW, AdamWConfig};
 use common::{batches, rows, seeded, TinyLm};
 use sshsdp_backend::{
     named_params, shard, Hsdp, HsdpConfig, HsdpError, HsdpRuntime, NamedParam, NonFinitePolicy,
-    Placement,
+    Placement, Verdict,
 };
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_optim::{ShardedOptimizer, ShardedStep};
@@ -38,12 +39,13 @@ struct Run {
 }
 
 /// AdamW steps at world 1 with device masters over `batches` (index into a fixed list), the
-/// loss of step `poison.0` multiplied by `poison.1`; clipping at `clip` when given.
+/// loss of step `poison.0` multiplied by `poison.1`; the verdict read before each step when
+/// `verdict_first`.
 fn run(
     steps: &[usize],
     poison: Option<(usize, f32)>,
     policy: NonFinitePolicy,
-    clip: Option<f64>,
+    verdict_first: bool,
 ) -> Run {
     let data = batches(4, 2);
     let init: TinyLm<B> = seeded(5);
@@ -56,8 +58,8 @@ fn run(
             .with_non_finite_policy(policy);
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let mut adamw: Optimizer = ShardedOptimizer::new(AdamWConfig::new().build(), device);
-        if let Some(c) = clip {
-            adamw = adamw.with_grad_clipping(c);
+        if verdict_first {
+            adamw = adamw.with_verdict(Verdict::BeforeStep);
         }
         let mut outcomes = Vec::new();
         for (at, &b) in steps.iter().enumerate() {
@@ -93,16 +95,15 @@ fn run(
 
 #[test]
 fn stepping_before_the_verdict_is_read_gives_the_same_weights() {
-    let deferred = run(&[0, 1, 2], None, NonFinitePolicy::Error, None);
-    // Clipping needs the norm first: the same steps with the verdict read before them.
-    let first = run(&[0, 1, 2], None, NonFinitePolicy::Error, Some(1e30));
+    let deferred = run(&[0, 1, 2], None, NonFinitePolicy::Error, false);
+    let first = run(&[0, 1, 2], None, NonFinitePolicy::Error, true);
     assert!(deferred.outcomes.iter().all(Result::is_ok));
     assert_eq!(deferred.weights, first.weights);
 }
 
 #[test]
 fn a_non_finite_step_read_at_commit_applies_nothing() {
-    let without = run(&[0, 2, 3], None, NonFinitePolicy::SkipStep, None);
+    let without = run(&[0, 2, 3], None, NonFinitePolicy::SkipStep, false);
     for poison in [f32::NAN, f32::INFINITY] {
         let skipped = run(
             &[0, 1, 2, 3],
@@ -137,7 +138,7 @@ fn a_non_finite_step_read_at_commit_applies_nothing() {
 
 #[test]
 fn one_joint_state_per_piece() {
-    let trained = run(&[0, 1], None, NonFinitePolicy::Error, None);
+    let trained = run(&[0, 1], None, NonFinitePolicy::Error, false);
     let buckets = {
         let init: TinyLm<B> = seeded(5);
         ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
@@ -153,4 +154,41 @@ fn one_joint_state_per_piece() {
     };
     assert!(buckets > 1);
     assert_eq!(trained.segments, buckets);
+}
+
+#[test]
+fn unit_states_read_out_and_set_back_join_and_continue_bitwise() {
+    let data = batches(4, 2);
+    let init: TinyLm<B> = seeded(5);
+    let out = ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
+        let device = Default::default();
+        let config = HsdpConfig::new(Mesh::flat(1).unwrap())
+            .with_bucket_elements(1500)
+            .with_master_placement(Placement::Device)
+            .with_grad_placement(Placement::Device);
+        let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
+        let mut adamw: Optimizer = ShardedOptimizer::new(AdamWConfig::new().build(), device);
+        for batch in &data[..2] {
+            let _ = model.loss(rows::<B>(batch, 0, 2, &device)).backward();
+            model = adamw.step(0.01, model, &runtime).unwrap();
+        }
+        // Every unit's state out of the joint ones, into a fresh optimizer.
+        let mut resumed: Optimizer = ShardedOptimizer::new(AdamWConfig::new().build(), device);
+        for param in 0..runtime.plan().params().len() {
+            let state = adamw.param_state(param).unwrap();
+            assert!(state.is_some(), "param {param} has stepped");
+            resumed.set_param_state(param, state).unwrap();
+        }
+        assert_eq!(resumed.segments(), 0, "loose until the next step");
+        let _ = model.loss(rows::<B>(&data[2], 0, 2, &device)).backward();
+        let model = resumed.step(0.01, model, &runtime).unwrap();
+        (named_params(&model).unwrap(), resumed.segments())
+    });
+    let (weights, segments) = out.unwrap().pop().unwrap().unwrap();
+    let straight = run(&[0, 1, 2], None, NonFinitePolicy::Error, false);
+    assert_eq!(
+        segments, straight.segments,
+        "joined again: one state per piece"
+    );
+    assert_eq!(weights, straight.weights);
 }
