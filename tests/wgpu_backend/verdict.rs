@@ -3,13 +3,12 @@
 //! clipping), and the world-1 gather and reduction move nothing. A step whose gradient is not
 //! finite applies nothing — masters, AdamW's moments and step count, runtime shards: the run
 //! equals, bitwise, one that never saw that batch — and reading the verdict before the step
-//! (clipping at a norm never reached) gives bitwise the same weights.
+//! (`with_verdict(Verdict::BeforeStep)`) gives bitwise the same weights.
 
 use burn::backend::Autodiff;
 use burn::optim::AdamWConfig;
-use burn::tensor::backend::Backend;
 use burn::tensor::ElementConversion;
-use sshsdp::backend::{shard, Hsdp, HsdpConfig, NonFinitePolicy, Placement};
+use sshsdp::backend::{shard, Hsdp, HsdpConfig, NonFinitePolicy, Placement, Verdict};
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::kernels::FusedOps;
 use sshsdp::models::Gpt;
@@ -20,8 +19,8 @@ use crate::harness::{initial_record, weights, Wgpu, WgpuUnfused, CONFIG, GLOBAL}
 
 /// Rank 0's weights after AdamW steps on the batches `batches` at world 1 with device masters,
 /// gradients and shards; the loss of the batch at position `poison` multiplied by NaN; the
-/// skipped steps; `clip` asks for the verdict before the step.
-fn train<I: FusedOps>(batches: &[usize], poison: Option<usize>, clip: bool) -> (Vec<Vec<f32>>, u64)
+/// skipped steps; `first` reads the verdict before each step.
+fn train<I: FusedOps>(batches: &[usize], poison: Option<usize>, first: bool) -> (Vec<Vec<f32>>, u64)
 where
     I::Device: Default,
 {
@@ -38,8 +37,8 @@ where
             .with_non_finite_policy(NonFinitePolicy::SkipStep);
         let (mut model, runtime) = shard::<A<I>, _, _>(model, config, comm, &device).unwrap();
         let mut adamw = ShardedOptimizer::new(AdamWConfig::new().build(), device.clone());
-        if clip {
-            adamw = adamw.with_grad_clipping(1e30);
+        if first {
+            adamw = adamw.with_verdict(Verdict::BeforeStep);
         }
         for (at, &batch) in batches.iter().enumerate() {
             let tokens = crate::common::tokens::<A<I>>(&CONFIG, batch, 0, GLOBAL, &device);
@@ -59,7 +58,6 @@ where
 fn check<I: FusedOps>(what: &str)
 where
     I::Device: Default,
-    I: Backend,
 {
     let plain = train::<I>(&[0, 2, 3], None, false);
     let poisoned = train::<I>(&[0, 1, 2, 3], Some(1), false);

@@ -30,6 +30,9 @@ use crate::state_codec::CodecError;
 use crate::step::ShardedStep;
 use sshsdp_plan::UpdateUnit;
 
+/// A piece's bucket and its blocks to step.
+type PieceBlocks<S> = (usize, Vec<Block<S>>);
+
 /// A Burn element-wise optimizer over sharded pieces.
 pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
     optimizer: O,
@@ -39,7 +42,7 @@ pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
     before: Option<SegmentStates<O::State<1>>>,
     device: B::Device,
     clip: GradClip,
-    /// `None`: as the clipping asks ([`GradClip::verdict`]).
+    /// `None`: at commit ([`ShardedOptimizer::with_verdict`]).
     verdict: Option<Verdict>,
 }
 
@@ -56,12 +59,12 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         }
     }
 
-    /// When to read each step's non-finite verdict. By default at commit where nothing needs
-    /// the norm first (no clipping): at world 1 with device masters the step's kernels are then
-    /// queued behind the norm's read instead of waiting for it, at the price of keeping the
+    /// When to read each step's non-finite verdict. By default at commit: at world 1 with
+    /// device masters the step's kernels are then queued behind the norm's read instead of
+    /// waiting for it (clipping, if any, is applied on the device), at the price of keeping the
     /// states and masters the step replaces alive until the commit (for AdamW 12 bytes per
     /// element of the piece, transiently: no in-place update). [`Verdict::BeforeStep`] trades
-    /// that memory for the host wait. Clipping always reads it first.
+    /// that memory for the host wait.
     pub fn with_verdict(mut self, verdict: Verdict) -> Self {
         self.verdict = Some(verdict);
         self
@@ -135,6 +138,26 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             .map_err(|e| HsdpError::Failed(format!("splitting optimizer state: {}", e.0)))
     }
 
+    /// Per piece of `pieces` (of `runtime`, on any backend), its bucket and the blocks to step
+    /// now ([`Self::take_blocks`] over every unit of the piece).
+    fn blocks_of<R: Backend>(
+        &mut self,
+        runtime: &HsdpRuntime<R>,
+        pieces: &[Piece<R>],
+        group: &UpdateGroup<'_>,
+    ) -> Result<Vec<PieceBlocks<O::State<1>>>, HsdpError> {
+        let units = runtime
+            .plan()
+            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?;
+        let mut out = Vec::with_capacity(pieces.len());
+        for (p, piece) in pieces.iter().enumerate() {
+            let mine: Vec<&UpdateUnit> = units.iter().filter(|u| u.piece == p).collect();
+            let blocks = self.take_blocks(piece.bucket, piece.len(), &mine, group)?;
+            out.push((piece.bucket, blocks));
+        }
+        Ok(out)
+    }
+
     /// One step on the blocks of a device-resident piece: each block's range of the master
     /// (the whole tensor when one block covers the piece) is stepped on the device and the
     /// master replaced by the result (put together with the untouched ranges when the blocks
@@ -143,7 +166,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         &mut self,
         lr: f64,
         grad_scale: f64,
-        (bucket, blocks): (usize, Vec<Block<O::State<1>>>),
+        (bucket, blocks): PieceBlocks<O::State<1>>,
         master: &mut B::FloatTensorPrimitive,
         grad: B::FloatTensorPrimitive,
     ) {
@@ -198,7 +221,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         &mut self,
         lr: f64,
         grad_scale: f64,
-        (bucket, blocks): (usize, Vec<Block<O::State<1>>>),
+        (bucket, blocks): PieceBlocks<O::State<1>>,
         master: &mut [f32],
         grad: &[f32],
     ) -> Result<(), HsdpError> {
@@ -222,14 +245,14 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         Views::AsStored
     }
 
-    /// At commit unless clipping (which needs the norm first) or asked otherwise
-    /// ([`ShardedOptimizer::with_verdict`]): the step's new states replace the old ones only
-    /// when it applied ([`Self::settle`]).
+    /// At commit unless asked otherwise ([`ShardedOptimizer::with_verdict`]): the step's new
+    /// states replace the old ones only when it applied ([`Self::settle`]).
     fn verdict(&self) -> Verdict {
-        match (self.clip.verdict(), self.verdict) {
-            (Verdict::AtCommit, Some(asked)) => asked,
-            (needed, _) => needed,
-        }
+        self.verdict.unwrap_or(Verdict::AtCommit)
+    }
+
+    fn max_grad_norm(&self) -> Option<f64> {
+        self.clip.max_norm
     }
 
     fn settle(&mut self, outcome: Option<&StepOutcome>) {
@@ -262,14 +285,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         if group.grad_norm().is_none() {
             self.before = Some(self.states.clone());
         }
-        let scale = self.clip.factor(group)?;
-        let units = all_units(runtime, pieces)?;
-        for (p, piece) in pieces.iter_mut().enumerate() {
-            let mine: Vec<&UpdateUnit> = units.iter().filter(|u| u.piece == p).collect();
-            let blocks = (
-                piece.bucket,
-                self.take_blocks(piece.bucket, piece.len(), &mine, group)?,
-            );
+        let scale = self.clip.factor(group);
+        let blocks = self.blocks_of(runtime, pieces, group)?;
+        for (piece, blocks) in pieces.iter_mut().zip(blocks) {
             match &mut piece.values {
                 PieceValues::Host { master, grad } => {
                     self.step_host_piece(lr, scale, blocks, master, grad)?
@@ -289,29 +307,14 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
         pieces: &mut [Piece<R>],
         group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError> {
-        let scale = self.clip.factor(group)?;
-        let units = all_units(runtime, pieces)?;
-        for (p, piece) in pieces.iter_mut().enumerate() {
-            let mine: Vec<&UpdateUnit> = units.iter().filter(|u| u.piece == p).collect();
-            let blocks = (
-                piece.bucket,
-                self.take_blocks(piece.bucket, piece.len(), &mine, group)?,
-            );
+        let scale = self.clip.factor(group);
+        let blocks = self.blocks_of(runtime, pieces, group)?;
+        for (piece, blocks) in pieces.iter_mut().zip(blocks) {
             let (master, grad) = piece.host()?;
             self.step_host_piece(lr, scale, blocks, master, grad)?;
         }
         Ok(())
     }
-}
-
-/// Every unit of `pieces`, in piece order.
-fn all_units<B: Backend>(
-    runtime: &HsdpRuntime<B>,
-    pieces: &[Piece<B>],
-) -> Result<Vec<UpdateUnit>, HsdpError> {
-    Ok(runtime
-        .plan()
-        .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?)
 }
 
 /// A flat run of fp32 master elements with its gradient, for [`step_slice`].

@@ -3,7 +3,7 @@
 //! make up every bucket once; see [`UpdateGroup::grad_norm`]), so every rank scales by the same
 //! factor and clipping costs no collective of its own.
 
-use sshsdp_backend::{HsdpError, UpdateGroup};
+use sshsdp_backend::UpdateGroup;
 
 /// Optional global-norm clipping, remembering the last norm it saw: what the sharded and
 /// single-device optimizers hold.
@@ -25,26 +25,13 @@ impl GradClip {
     }
 
     /// The factor for this update's gradients (1 without clipping), from the global norm the
-    /// runtime measured over the update group. Without a norm yet (a verdict read at commit:
-    /// see [`Self::verdict`]) the factor is 1, and clipping is an error.
-    pub fn factor(&mut self, group: &UpdateGroup<'_>) -> Result<f64, HsdpError> {
-        match (group.grad_norm(), self.max_norm) {
-            (Some(norm), _) => Ok(self.factor_for(norm)),
-            (None, None) => Ok(1.0),
-            (None, Some(_)) => Err(HsdpError::Failed(
-                "gradient clipping needs the step's norm before the step: open the update \
-                 with Verdict::BeforeStep"
-                    .into(),
-            )),
-        }
-    }
-
-    /// When an optimizer clipping like this wants the step's verdict: at commit without
-    /// clipping (nothing needs the norm before the step), before the step with it.
-    pub fn verdict(&self) -> sshsdp_backend::Verdict {
-        match self.max_norm {
-            Some(_) => sshsdp_backend::Verdict::BeforeStep,
-            None => sshsdp_backend::Verdict::AtCommit,
+    /// runtime measured over the update group. 1 without a norm yet: the verdict is read at
+    /// commit, and the runtime clipped the gradients on the device already
+    /// (`ShardedStep::max_grad_norm`).
+    pub fn factor(&mut self, group: &UpdateGroup<'_>) -> f64 {
+        match group.grad_norm() {
+            Some(norm) => self.factor_for(norm),
+            None => 1.0,
         }
     }
 

@@ -318,7 +318,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedMuon<B, O> {
             .collect::<Result<_, _>>()?;
         let plan = runtime.plan();
         let mut stats = MuonStepStats::default();
-        let scale = self.clip.factor(group)? as f32;
+        let scale = self.clip.factor(group) as f32;
         let scaled: Vec<Option<Vec<f32>>> = pieces
             .iter()
             .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))

@@ -25,6 +25,14 @@ pub trait ShardedStep<B: Backend> {
         Verdict::BeforeStep
     }
 
+    /// The global norm [`Self::step`] clips the gradients to (`None`: no clipping). Where the
+    /// verdict is read at commit the runtime clips on the device before the optimizer steps
+    /// ([`sshsdp_backend::UpdateStep::clip_on_device`]) and the optimizer sees no norm; else
+    /// the optimizer clips with the agreed norm ([`crate::GradClip::factor`]).
+    fn max_grad_norm(&self) -> Option<f64> {
+        None
+    }
+
     /// Called by [`Self::step`] once the step is settled: `outcome` is what the commit said, or
     /// `None` when the step did not complete (an error). An optimizer that stepped before a
     /// verdict read at commit keeps its new state only when `outcome` says the step applied.
@@ -67,6 +75,9 @@ pub trait ShardedStep<B: Backend> {
     {
         let leaves = check_gradient_leaves(&module);
         if let Some(mut update) = runtime.begin_update_with(self.views(), self.verdict())? {
+            if let Some(max_norm) = self.max_grad_norm() {
+                update.clip_on_device(max_norm);
+            }
             let (pieces, group) = update.parts();
             let committed = match self.step_pieces(lr, runtime, pieces, group) {
                 Ok(()) => update.commit(),

@@ -40,12 +40,13 @@ struct Run {
 
 /// AdamW steps at world 1 with device masters over `batches` (index into a fixed list), the
 /// loss of step `poison.0` multiplied by `poison.1`; the verdict read before each step when
-/// `verdict_first`.
+/// `verdict_first`; the global norm clipped to `clip`.
 fn run(
     steps: &[usize],
     poison: Option<(usize, f32)>,
     policy: NonFinitePolicy,
     verdict_first: bool,
+    clip: Option<f64>,
 ) -> Run {
     let data = batches(4, 2);
     let init: TinyLm<B> = seeded(5);
@@ -60,6 +61,9 @@ fn run(
         let mut adamw: Optimizer = ShardedOptimizer::new(AdamWConfig::new().build(), device);
         if verdict_first {
             adamw = adamw.with_verdict(Verdict::BeforeStep);
+        }
+        if let Some(max_norm) = clip {
+            adamw = adamw.with_grad_clipping(max_norm);
         }
         let mut outcomes = Vec::new();
         for (at, &b) in steps.iter().enumerate() {
@@ -95,20 +99,21 @@ fn run(
 
 #[test]
 fn stepping_before_the_verdict_is_read_gives_the_same_weights() {
-    let deferred = run(&[0, 1, 2], None, NonFinitePolicy::Error, false);
-    let first = run(&[0, 1, 2], None, NonFinitePolicy::Error, true);
+    let deferred = run(&[0, 1, 2], None, NonFinitePolicy::Error, false, None);
+    let first = run(&[0, 1, 2], None, NonFinitePolicy::Error, true, None);
     assert!(deferred.outcomes.iter().all(Result::is_ok));
     assert_eq!(deferred.weights, first.weights);
 }
 
 #[test]
 fn a_non_finite_step_read_at_commit_applies_nothing() {
-    let without = run(&[0, 2, 3], None, NonFinitePolicy::SkipStep, false);
+    let without = run(&[0, 2, 3], None, NonFinitePolicy::SkipStep, false, None);
     for poison in [f32::NAN, f32::INFINITY] {
         let skipped = run(
             &[0, 1, 2, 3],
             Some((1, poison)),
             NonFinitePolicy::SkipStep,
+            false,
             None,
         );
         assert!(
@@ -124,6 +129,7 @@ fn a_non_finite_step_read_at_commit_applies_nothing() {
             &[0, 1, 2, 3],
             Some((1, poison)),
             NonFinitePolicy::Error,
+            false,
             None,
         );
         match &failed.outcomes[1] {
@@ -138,7 +144,7 @@ fn a_non_finite_step_read_at_commit_applies_nothing() {
 
 #[test]
 fn one_joint_state_per_piece() {
-    let trained = run(&[0, 1], None, NonFinitePolicy::Error, false);
+    let trained = run(&[0, 1], None, NonFinitePolicy::Error, false, None);
     let buckets = {
         let init: TinyLm<B> = seeded(5);
         ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
@@ -185,10 +191,47 @@ fn unit_states_read_out_and_set_back_join_and_continue_bitwise() {
         (named_params(&model).unwrap(), resumed.segments())
     });
     let (weights, segments) = out.unwrap().pop().unwrap().unwrap();
-    let straight = run(&[0, 1, 2], None, NonFinitePolicy::Error, false);
+    let straight = run(&[0, 1, 2], None, NonFinitePolicy::Error, false, None);
     assert_eq!(
         segments, straight.segments,
         "joined again: one state per piece"
     );
     assert_eq!(weights, straight.weights);
+}
+
+/// Clipping where the verdict is read at commit happens on the device (the factor formed in
+/// f32): within an f32 rounding of the factor of reading the verdict first (the factor in f64),
+/// and a non-finite clipped step still applies nothing.
+#[test]
+fn clipping_on_the_device_follows_clipping_on_the_host() {
+    // A norm small enough that every step clips.
+    let clip = Some(0.05);
+    let deferred = run(&[0, 1, 2], None, NonFinitePolicy::Error, false, clip);
+    let first = run(&[0, 1, 2], None, NonFinitePolicy::Error, true, clip);
+    let unclipped = run(&[0, 1, 2], None, NonFinitePolicy::Error, false, None);
+    let distance = |a: &[NamedParam], b: &[NamedParam]| {
+        let (mut d, mut n) = (0f64, 0f64);
+        for (a, b) in a.iter().zip(b) {
+            for (x, y) in a.values.iter().zip(&b.values) {
+                d += (*x as f64 - *y as f64).powi(2);
+                n += (*y as f64).powi(2);
+            }
+        }
+        (d / n).sqrt()
+    };
+    assert!(distance(&deferred.weights, &first.weights) < 1e-6);
+    assert!(
+        distance(&unclipped.weights, &first.weights) > 1e-4,
+        "the steps clipped"
+    );
+    let without = run(&[0, 2, 3], None, NonFinitePolicy::SkipStep, false, clip);
+    let skipped = run(
+        &[0, 1, 2, 3],
+        Some((1, f32::NAN)),
+        NonFinitePolicy::SkipStep,
+        false,
+        clip,
+    );
+    assert_eq!(skipped.skipped, 1);
+    assert_eq!(skipped.weights, without.weights);
 }

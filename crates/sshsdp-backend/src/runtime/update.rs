@@ -22,7 +22,7 @@
 //! collective (a peer already committing fails in the step verdict). The runtime stays failed:
 //! a partly stepped master cannot be told from a whole one, so no rollback is pretended.
 
-use burn_backend::Backend;
+use burn_backend::{Backend, FloatDType};
 
 use super::pieces::{Piece, UpdateGroup, Views};
 use super::step_agreement::{global_grad_norm, norm_message_len};
@@ -61,7 +61,10 @@ pub struct StepOutcome {
 
 /// A verdict read at commit: the norm's read in flight, and the masters as handed out.
 struct DeferredVerdict<B: Backend> {
+    /// The read of `sum`.
     norm_squared: PendingRead,
+    /// The sum of the squares of the gradients, on the device (1 element).
+    sum: B::FloatTensorPrimitive,
     handed_out: Vec<B::FloatTensorPrimitive>,
 }
 
@@ -242,14 +245,17 @@ impl<B: Backend> Runtime<B> {
         let pieces = self
             .take_pieces(st, grads, views)
             .inspect_err(|e| self.record_failure(st, e.to_string()))?;
-        let deferred = defer.then(|| DeferredVerdict {
-            norm_squared: PendingRead::issue::<B>(device_sum_of_squares::<B>(
-                pieces.iter().filter_map(|p| p.values.device_grad()),
-            )),
-            handed_out: pieces
-                .iter()
-                .filter_map(|p| p.values.device_master().cloned())
-                .collect(),
+        let deferred = defer.then(|| {
+            let sum =
+                device_sum_of_squares::<B>(pieces.iter().filter_map(|p| p.values.device_grad()));
+            DeferredVerdict {
+                norm_squared: PendingRead::issue::<B>(sum.clone()),
+                sum,
+                handed_out: pieces
+                    .iter()
+                    .filter_map(|p| p.values.device_master().cloned())
+                    .collect(),
+            }
         });
         if !masters_only {
             // After the norm's read was issued (on fusion that flushed the lazy stream): the
@@ -348,6 +354,31 @@ impl<'r, B: Backend> UpdateStep<'r, B> {
     /// pieces, as distributed Muon does).
     pub fn parts(&mut self) -> (&mut [Piece<B>], &UpdateGroup<'r>) {
         (&mut self.pieces, &self.group)
+    }
+
+    /// Clips the gradients to a global norm of at most `max_norm` where the norm is still on the
+    /// device (a verdict read at commit, [`UpdateGroup::grad_norm`] `None`): each device
+    /// gradient is multiplied by `min(1, max_norm / (norm + 1e-6))`, formed on the device in f32
+    /// (`torch.nn.utils.clip_grad_norm_`'s factor; the host forms it in f64, so a clipped step
+    /// may differ from one whose verdict was read first by an f32 rounding of the factor).
+    /// Nothing where the norm was agreed before the step (the optimizer clips with it).
+    pub fn clip_on_device(&mut self, max_norm: f64) {
+        let Some(deferred) = &self.deferred else {
+            return;
+        };
+        let sum = deferred.sum.clone();
+        let device = B::float_device(&sum);
+        let denominator = B::float_add_scalar(B::float_sqrt(sum), 1e-6f32.into());
+        let max = B::float_full(
+            [1].into(),
+            (max_norm as f32).into(),
+            &device,
+            FloatDType::F32,
+        );
+        let factor = B::float_clamp_max(B::float_div(max, denominator), 1f32.into());
+        for piece in &mut self.pieces {
+            piece.values.scale_device_grad(&factor);
+        }
     }
 
     /// `step(pieces, group)`, then [`Self::commit`], or [`Self::abandon`] with its error.

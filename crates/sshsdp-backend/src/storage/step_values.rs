@@ -143,6 +143,16 @@ impl<B: Backend> PieceValues<B> {
         }
     }
 
+    /// Multiplies the device gradient by `factor` (a 1-element tensor, broadcast); nothing on
+    /// the host.
+    pub(crate) fn scale_device_grad(&mut self, factor: &B::FloatTensorPrimitive) {
+        if let PieceValues::Device { grad, .. } = self {
+            let n = grad.shape().num_elements();
+            let factor = B::float_expand(factor.clone(), [n].into());
+            *grad = B::float_mul(grad.clone(), factor);
+        }
+    }
+
     /// Replaces the device master with `master` (nothing on the host).
     pub(crate) fn set_device_master(&mut self, master: B::FloatTensorPrimitive) {
         if let PieceValues::Device { master: m, .. } = self {
