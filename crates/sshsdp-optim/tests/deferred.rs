@@ -1,5 +1,5 @@
 //! The device step without a mid-step host read: at world 1 with device masters,
-//! `ShardedOptimizer` (no clipping) steps before the step's non-finite verdict is read and the
+//! `ShardedOptimizer` steps before the step's non-finite verdict is read and the
 //! commit settles it (`Verdict::AtCommit`); and its state is held per segment (one joint state
 //! per piece whose units all step).
 //!
