@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use sshsdp_backend::{
     check_gradient_leaves, HsdpError, HsdpRuntime, Piece, ShardableBackend, StepOutcome,
-    UpdateGroup, Verdict, Views,
+    UpdateGroup, UpdateStep, Verdict, Views,
 };
 
 /// An optimizer over a sharded model's update pieces whose own state lives on `B`.
@@ -79,10 +79,8 @@ pub trait ShardedStep<B: Backend> {
                 update.clip_on_device(max_norm);
             }
             let (pieces, group) = update.parts();
-            let committed = match self.step_pieces(lr, runtime, pieces, group) {
-                Ok(()) => update.commit(),
-                Err(e) => Err(update.abandon(e)),
-            };
+            let stepped = self.step_pieces(lr, runtime, pieces, group);
+            let committed = close_step(update, stepped);
             self.settle(committed.as_ref().ok());
             committed?;
         }
@@ -108,13 +106,22 @@ pub trait ShardedStep<B: Backend> {
         let leaves = check_gradient_leaves(&module);
         if let Some(mut update) = runtime.begin_update(Views::Host)? {
             let (pieces, group) = update.parts();
-            let committed = match self.step_host_pieces(lr, runtime, pieces, group) {
-                Ok(()) => update.commit(),
-                Err(e) => Err(update.abandon(e)),
-            };
+            let stepped = self.step_host_pieces(lr, runtime, pieces, group);
+            let committed = close_step(update, stepped);
             self.settle(committed.as_ref().ok());
             committed?;
         }
         leaves.map(|()| module)
+    }
+}
+
+/// Commits `update` after a successful step, or abandons it with the step's error.
+fn close_step<B: Backend>(
+    update: UpdateStep<'_, B>,
+    stepped: Result<(), HsdpError>,
+) -> Result<StepOutcome, HsdpError> {
+    match stepped {
+        Ok(()) => update.commit(),
+        Err(e) => Err(update.abandon(e)),
     }
 }
