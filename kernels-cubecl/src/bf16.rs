@@ -15,25 +15,39 @@ use crate::common::grid;
 use crate::e4m3::round_bf16;
 use crate::error::{check_size, to_u32, KernelError};
 
-/// Widen kernel: value `i` of `n` is half-word `src_half + i` of `src`.
+/// Widen kernel: value `i` of `n` is half-word `src_half + i` of `src`, each by
+/// [`widen_bf16_value`].
 #[cube(launch_unchecked)]
 fn widen_bf16_kernel(src: &Array<u32>, out: &mut Array<u32>, n: u32, src_half: u32, dst: u32) {
     let mut i = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
     let stride = CUBE_COUNT as u32 * CUBE_DIM;
     while i < n {
-        let h = src_half + i;
-        let word = src[(h / 2) as usize];
-        let bits = if h % 2 == 0 {
-            word & 0xFFFF
-        } else {
-            word >> 16
-        };
-        let x = bits << 16;
-        let magnitude = x & 0x7FFF_FFFFu32;
-        let quiet = select(magnitude > 0x7F80_0000u32, 0x0040_0000u32, 0u32);
-        out[(dst + i) as usize] = x | quiet;
+        widen_bf16_value(src, out, src_half, dst, i);
         i += stride;
     }
+}
+
+/// Widens value `i` of a run (half-word `src_half + i` of `src`) into `f32` value `dst + i` of
+/// `out`, quieting a signalling NaN.
+#[cube]
+pub(crate) fn widen_bf16_value(
+    src: &Array<u32>,
+    out: &mut Array<u32>,
+    src_half: u32,
+    dst: u32,
+    i: u32,
+) {
+    let h = src_half + i;
+    let word = src[(h / 2) as usize];
+    let bits = if h % 2 == 0 {
+        word & 0xFFFF
+    } else {
+        word >> 16
+    };
+    let x = bits << 16;
+    let magnitude = x & 0x7FFF_FFFFu32;
+    let quiet = select(magnitude > 0x7F80_0000u32, 0x0040_0000u32, 0u32);
+    out[(dst + i) as usize] = x | quiet;
 }
 
 /// Widens the `n` bf16 values at byte `src_byte` of `src` (a multiple of 2) into the `f32`
@@ -75,23 +89,38 @@ pub fn widen_bf16<R: Runtime>(
     Ok(())
 }
 
-/// Narrow kernel: word `w` of `ceil(n / 2)` packs values `2w` (low half) and `2w + 1` (high
-/// half, zero past `n`) of `src` from element `src_at` on.
+/// Narrow kernel: word `w` of `ceil(n / 2)`, each by [`narrow_bf16_word`].
 #[cube(launch_unchecked)]
-fn narrow_bf16_kernel(src: &Array<f32>, out: &mut Array<u32>, n: u32, src_at: u32, dst_word: u32) {
+fn narrow_bf16_kernel(src: &Array<u32>, out: &mut Array<u32>, n: u32, src_at: u32, dst_word: u32) {
     let words = n.div_ceil(2);
     let mut w = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
     let stride = CUBE_COUNT as u32 * CUBE_DIM;
     while w < words {
-        let i = 2 * w;
-        let lo = u32::reinterpret(round_bf16(src[(src_at + i) as usize])) >> 16;
-        let mut hi = 0u32;
-        if i + 1 < n {
-            hi = u32::reinterpret(round_bf16(src[(src_at + i + 1) as usize])) & 0xFFFF_0000u32;
-        }
-        out[(dst_word + w) as usize] = lo | hi;
+        narrow_bf16_word(src, out, n, src_at, dst_word, w);
         w += stride;
     }
+}
+
+/// Word `w` of a run of `n` bf16 values narrowed from the `f32` bits of `src` at `src_at`:
+/// values `2w` (low half) and `2w + 1` (high half, zero past `n`), written to word
+/// `dst_word + w` of `out`.
+#[cube]
+pub(crate) fn narrow_bf16_word(
+    src: &Array<u32>,
+    out: &mut Array<u32>,
+    n: u32,
+    src_at: u32,
+    dst_word: u32,
+    w: u32,
+) {
+    let i = 2 * w;
+    let lo = u32::reinterpret(round_bf16(f32::reinterpret(src[(src_at + i) as usize]))) >> 16;
+    let mut hi = 0u32;
+    if i + 1 < n {
+        let v = f32::reinterpret(src[(src_at + i + 1) as usize]);
+        hi = u32::reinterpret(round_bf16(v)) & 0xFFFF_0000u32;
+    }
+    out[(dst_word + w) as usize] = lo | hi;
 }
 
 /// Narrows the `f32` values `src_at..src_at + n` of `src` to bf16, written little-endian from

@@ -12,10 +12,15 @@
 //!   elements, one E8M0 scale per 32×32 tile, [`ScaleRule`] RCEIL or FLOOR) of a rectangle of
 //!   a row-major matrix, read from or written to a strided `f32` buffer ([`SquareAt`]): the
 //!   plan's runtime layout of MXFP8 weights, bit-identical to `sshsdp_mx::encode_square` /
-//!   `decode_square`. Called by `storage/cube/codec.rs` (decode of gathered buckets, re-derive
-//!   of updated pieces).
+//!   `decode_square`.
 //! - [`narrow_bf16`] / [`widen_bf16`] (`bf16.rs`) — the layout's bf16 runs from and to `f32`,
-//!   bit-identical to `half`'s conversions. Called by `storage/cube/codec.rs`.
+//!   bit-identical to `half`'s conversions.
+//! - [`decode_table`] / [`encode_table`] over a [`CodecTable`] of [`CodecEntry`]s
+//!   (`codec_table.rs`) — a bucket's whole codec (every rectangle and bf16 run) in one launch
+//!   to decode and two to encode, through the same per-value functions as the kernels above, so
+//!   bit-identical to them. Called by `storage/cube/codec.rs` (decode of gathered buckets,
+//!   re-derive of updated pieces); the single-entry kernels above serve the device check and
+//!   the lab, and are what the table kernels are tested against.
 //! - [`copy_units`] / [`accumulate_units`] / [`store_units`] with [`SumDType`] (`exchange.rs`)
 //!   — the collectives' moves between buffers of one device (ranks sharing it). Called by
 //!   `storage/cube/exchange.rs`.
@@ -81,6 +86,7 @@
 mod adamw;
 mod bf16;
 pub mod check;
+mod codec_table;
 mod common;
 pub mod e4m3;
 mod error;
@@ -106,6 +112,7 @@ mod quantize;
 // Production: what `sshsdp-backend` calls (and the AdamW step the device optimizer will use).
 pub use adamw::{adamw_reference, adamw_step, AdamWFactors, AdamWParams};
 pub use bf16::{narrow_bf16, widen_bf16};
+pub use codec_table::{decode_table, encode_table, CodecEntry, CodecTable};
 pub use common::InputDType;
 pub use e4m3::round_bf16;
 pub use error::KernelError;

@@ -76,9 +76,7 @@ fn encode_byte(v: u32, s: u32) -> u32 {
 }
 
 /// Scales kernel: one cube of 32 × 8 units per scale word (four tiles; words
-/// `CUBE_POS, CUBE_POS + CUBE_COUNT, ...`). Unit (x, y) reads column x of each tile on rows y,
-/// y + 8, y + 16 and y + 24, so each row of units reads 32 consecutive values; the cube then
-/// reduces each tile's 256 partial maxima in shared memory, and one unit writes the word.
+/// `CUBE_POS, CUBE_POS + CUBE_COUNT, ...`), each written by [`square_scale_word`].
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn square_scales_kernel(
@@ -94,62 +92,104 @@ fn square_scales_kernel(
 ) {
     // Four tiles' partial maxima, 256 each.
     let mut partial = SharedMemory::<u32>::new(1024usize);
-    let x = UNIT_POS_X;
-    let y = UNIT_POS_Y;
-    let u = UNIT_POS;
-    let tile_cols = cols.div_ceil(32);
-    let tiles = rows.div_ceil(32) * tile_cols;
-    let scale_words = tiles.div_ceil(4);
+    let scale_words = (rows.div_ceil(32) * cols.div_ceil(32)).div_ceil(4);
     let mut w = CUBE_POS as u32;
     let stride = CUBE_COUNT as u32;
     while w < scale_words {
-        for k in 0..4u32 {
-            let t = w * 4 + k;
-            let mut amax = 0u32;
-            if t < tiles {
-                let r0 = (t / tile_cols) * 32;
-                let c = (t % tile_cols) * 32 + x;
-                if c < cols {
-                    for i in 0..4u32 {
-                        let r = r0 + y + 8 * i;
-                        if r < rows {
-                            let v = load_bits(input, values_offset + r * values_stride + c, bf16);
-                            amax = max(amax, v & 0x7FFF_FFFF);
-                        }
-                    }
-                }
-            }
-            partial[(k * 256 + u) as usize] = amax;
-        }
-        sync_cube();
-        let mut half = 128u32;
-        while half > 0 {
-            if u < half {
-                for k in 0..4u32 {
-                    let a = partial[(k * 256 + u) as usize];
-                    let b = partial[(k * 256 + u + half) as usize];
-                    partial[(k * 256 + u) as usize] = max(a, b);
-                }
-            }
-            sync_cube();
-            half /= 2;
-        }
-        if u == 0 {
-            let mut packed = 0u32;
-            for k in 0..4u32 {
-                if w * 4 + k < tiles {
-                    packed |= scale_byte(partial[(k * 256) as usize], rceil) << (k * 8);
-                }
-            }
-            out[(scales_word + w) as usize] = packed;
-        }
-        // The next word's partial maxima overwrite these only after unit 0 has read them.
-        sync_cube();
+        let at = SquareArgs {
+            rows,
+            cols,
+            values_offset,
+            values_stride,
+            data_word: 0u32,
+            scales_word,
+        };
+        square_scale_word(input, out, &mut partial, at, w, rceil, bf16);
         w += stride;
     }
 }
 
-/// Data kernel: data words `i, i + stride, ...`, each element with its tile's scale.
+/// A rectangle's place as the kernels read it ([`SquareAt`] in 32-bit words and elements).
+#[derive(CubeType, Clone, Copy)]
+pub(crate) struct SquareArgs {
+    /// Rows of the rectangle.
+    pub rows: u32,
+    /// Columns of the rectangle.
+    pub cols: u32,
+    /// Element offset of its first value.
+    pub values_offset: u32,
+    /// Elements between the starts of consecutive rows.
+    pub values_stride: u32,
+    /// Word offset of its data.
+    pub data_word: u32,
+    /// Word offset of its scales.
+    pub scales_word: u32,
+}
+
+/// Scale word `w` of the rectangle `at` (its tiles `4w..4w + 4`), by the whole cube of 32 × 8
+/// units: unit (x, y) reads column x of each tile on rows y, y + 8, y + 16 and y + 24, so each
+/// row of units reads 32 consecutive values; the cube then reduces each tile's 256 partial
+/// maxima in `partial` (1024 words of shared memory), and one unit writes the word.
+#[cube]
+pub(crate) fn square_scale_word(
+    input: &Array<u32>,
+    out: &mut Array<u32>,
+    partial: &mut SharedMemory<u32>,
+    at: SquareArgs,
+    w: u32,
+    #[comptime] rceil: bool,
+    #[comptime] bf16: bool,
+) {
+    let x = UNIT_POS_X;
+    let y = UNIT_POS_Y;
+    let u = UNIT_POS;
+    let tile_cols = at.cols.div_ceil(32);
+    let tiles = at.rows.div_ceil(32) * tile_cols;
+    for k in 0..4u32 {
+        let t = w * 4 + k;
+        let mut amax = 0u32;
+        if t < tiles {
+            let r0 = (t / tile_cols) * 32;
+            let c = (t % tile_cols) * 32 + x;
+            if c < at.cols {
+                for i in 0..4u32 {
+                    let r = r0 + y + 8 * i;
+                    if r < at.rows {
+                        let v = load_bits(input, at.values_offset + r * at.values_stride + c, bf16);
+                        amax = max(amax, v & 0x7FFF_FFFF);
+                    }
+                }
+            }
+        }
+        partial[(k * 256 + u) as usize] = amax;
+    }
+    sync_cube();
+    let mut half = 128u32;
+    while half > 0 {
+        if u < half {
+            for k in 0..4u32 {
+                let a = partial[(k * 256 + u) as usize];
+                let b = partial[(k * 256 + u + half) as usize];
+                partial[(k * 256 + u) as usize] = max(a, b);
+            }
+        }
+        sync_cube();
+        half /= 2;
+    }
+    if u == 0 {
+        let mut packed = 0u32;
+        for k in 0..4u32 {
+            if w * 4 + k < tiles {
+                packed |= scale_byte(partial[(k * 256) as usize], rceil) << (k * 8);
+            }
+        }
+        out[(at.scales_word + w) as usize] = packed;
+    }
+    // The next word's partial maxima overwrite these only after unit 0 has read them.
+    sync_cube();
+}
+
+/// Data kernel: data words `i, i + stride, ...`, each by [`square_data_word`].
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn square_data_kernel(
@@ -163,30 +203,52 @@ fn square_data_kernel(
     scales_word: u32,
     #[comptime] bf16: bool,
 ) {
-    let n = rows * cols;
-    let tile_cols = cols.div_ceil(32);
-    let words = n.div_ceil(4);
+    let words = (rows * cols).div_ceil(4);
     let mut w = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
     let stride = CUBE_COUNT as u32 * CUBE_DIM;
     while w < words {
-        let mut packed = 0u32;
-        for k in 0..4u32 {
-            let i = w * 4 + k;
-            if i < n {
-                let r = i / cols;
-                let c = i % cols;
-                let t = (r / 32) * tile_cols + c / 32;
-                let s = byte_of(out[(scales_word + t / 4) as usize], t % 4);
-                let v = load_bits(input, values_offset + r * values_stride + c, bf16);
-                packed |= encode_byte(v, s) << (k * 8);
-            }
-        }
-        out[(data_word + w) as usize] = packed;
+        let at = SquareArgs {
+            rows,
+            cols,
+            values_offset,
+            values_stride,
+            data_word,
+            scales_word,
+        };
+        square_data_word(input, out, at, w, bf16);
         w += stride;
     }
 }
 
-/// Dequantise kernel: values `i, i + stride, ...` of `rows * cols`.
+/// Data word `w` of the rectangle `at`: four elements, each encoded with its own tile's scale
+/// read back from `out` (with `cols` not a multiple of 4 a word spans rows and tiles).
+#[cube]
+pub(crate) fn square_data_word(
+    input: &Array<u32>,
+    out: &mut Array<u32>,
+    at: SquareArgs,
+    w: u32,
+    #[comptime] bf16: bool,
+) {
+    let n = at.rows * at.cols;
+    let tile_cols = at.cols.div_ceil(32);
+    let mut packed = 0u32;
+    for k in 0..4u32 {
+        let i = w * 4 + k;
+        if i < n {
+            let r = i / at.cols;
+            let c = i % at.cols;
+            let t = (r / 32) * tile_cols + c / 32;
+            let s = byte_of(out[(at.scales_word + t / 4) as usize], t % 4);
+            let v = load_bits(input, at.values_offset + r * at.values_stride + c, bf16);
+            packed |= encode_byte(v, s) << (k * 8);
+        }
+    }
+    out[(at.data_word + w) as usize] = packed;
+}
+
+/// Dequantise kernel: values `i, i + stride, ...` of `rows * cols`, each by
+/// [`dequantize_square_value`].
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn dequantize_square_kernel(
@@ -200,30 +262,43 @@ fn dequantize_square_kernel(
     scales_word: u32,
 ) {
     let n = rows * cols;
-    let tile_cols = cols.div_ceil(32);
     let mut i = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
     let stride = CUBE_COUNT as u32 * CUBE_DIM;
     while i < n {
-        let r = i / cols;
-        let c = i % cols;
-        let t = (r / 32) * tile_cols + c / 32;
-        let b = byte_of(src[(data_word + i / 4) as usize], i % 4);
-        let s = byte_of(src[(scales_word + t / 4) as usize], t % 4);
-        out[(values_offset + r * values_stride + c) as usize] = decode_byte(b, s);
+        let at = SquareArgs {
+            rows,
+            cols,
+            values_offset,
+            values_stride,
+            data_word,
+            scales_word,
+        };
+        dequantize_square_value(src, out, at, i);
         i += stride;
     }
 }
 
-/// Checks the rectangle's place in the byte buffer (sizes, 32-bit indices, no overlap of its
-/// data and scales) and in the values buffer of `value_bytes`-byte values.
-fn check_square(
-    at: &SquareAt,
-    bytes: &Handle,
-    bytes_what: &'static str,
-    values: &Handle,
-    values_what: &'static str,
-    value_bytes: usize,
-) -> Result<(), KernelError> {
+/// Decodes value `i` (row-major) of the rectangle `at` in `src` into its place in `out`.
+#[cube]
+pub(crate) fn dequantize_square_value(
+    src: &Array<u32>,
+    out: &mut Array<u32>,
+    at: SquareArgs,
+    i: u32,
+) {
+    let tile_cols = at.cols.div_ceil(32);
+    let r = i / at.cols;
+    let c = i % at.cols;
+    let t = (r / 32) * tile_cols + c / 32;
+    let b = byte_of(src[(at.data_word + i / 4) as usize], i % 4);
+    let s = byte_of(src[(at.scales_word + t / 4) as usize], t % 4);
+    out[(at.values_offset + r * at.values_stride + c) as usize] = decode_byte(b, s);
+}
+
+/// Checks the rectangle's place (row stride, no overlap of its data and scales, 32-bit
+/// indices) and returns the bytes of the byte buffer and the values of the values buffer it
+/// reaches.
+pub(crate) fn check_square_extents(at: &SquareAt) -> Result<(u64, u64), KernelError> {
     if at.values_stride < at.cols {
         return Err(KernelError::Shape(format!(
             "a row stride of {} is shorter than a row of {}",
@@ -232,7 +307,6 @@ fn check_square(
     }
     let (data, scales) = at.words();
     let (data_end, scales_end) = (at.data_word + data, at.scales_word + scales);
-    check_size(bytes_what, bytes, data_end.max(scales_end) as u64 * 4)?;
     to_u32("square words", data_end.max(scales_end) as u64)?;
     if at.data_word < scales_end && at.scales_word < data_end {
         return Err(KernelError::Shape(format!(
@@ -242,9 +316,23 @@ fn check_square(
         )));
     }
     let end = at.values_end();
-    check_size(values_what, values, (end * value_bytes) as u64)?;
     to_u32("values_offset + extent", end as u64)?;
-    Ok(())
+    Ok((data_end.max(scales_end) as u64 * 4, end as u64))
+}
+
+/// Checks the rectangle's place in the byte buffer and in the values buffer of
+/// `value_bytes`-byte values ([`check_square_extents`] and the buffers' sizes).
+fn check_square(
+    at: &SquareAt,
+    bytes: &Handle,
+    bytes_what: &'static str,
+    values: &Handle,
+    values_what: &'static str,
+    value_bytes: usize,
+) -> Result<(), KernelError> {
+    let (bytes_end, values_end) = check_square_extents(at)?;
+    check_size(bytes_what, bytes, bytes_end)?;
+    check_size(values_what, values, values_end * value_bytes as u64)
 }
 
 /// Quantises the `rows × cols` rectangle of `input` (`f32` or `bf16`) at `at.values_offset`

@@ -9,6 +9,7 @@
 
 mod adamw;
 mod bf16;
+mod codec_table;
 mod common;
 mod gpu_check;
 mod matmul;

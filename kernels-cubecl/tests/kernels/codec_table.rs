@@ -1,0 +1,200 @@
+//! The one-launch bucket codec ([`encode_table`], [`decode_table`]) against the per-entry
+//! kernels ([`quantize_square`], [`narrow_bf16`], [`dequantize_square`], [`widen_bf16`]), bit for
+//! bit, on a bucket-like table: rectangles of several shapes (not multiples of 32, one wider
+//! than a scale word's four tiles), strided into one values buffer as a decode places them,
+//! bf16 runs between them (one of odd length, one on a half-word for the decode), specials in
+//! the values; words no entry reaches keep their sentinel.
+use crate::common::*;
+use sshsdp_kernels::{
+    decode_table, dequantize_square, encode_table, narrow_bf16, quantize_square, widen_bf16,
+    CodecEntry, CodecTable, InputDType, KernelError, ScaleRule, SquareAt,
+};
+
+const SENTINEL: u32 = 0xDEAD_BEEF;
+
+/// The entries of a bucket-like layout: `(entries, value elements, byte-buffer words)`.
+/// `half_word_run` puts one bf16 run on a half-word (decode only).
+fn layout(half_word_run: bool) -> (Vec<CodecEntry>, usize, usize) {
+    let mut entries = Vec::new();
+    let mut word = 1; // word 0 stays untouched
+    let mut value = 3;
+    // Rectangles of one 70 x 200 matrix (stride 200) and of a 33 x 40 one.
+    for (rows, cols, stride, col0) in [
+        (70, 96, 200, 0),
+        (70, 104, 200, 96),
+        (33, 40, 40, 0),
+        (1, 7, 7, 0),
+    ] {
+        let at = SquareAt {
+            rows,
+            cols,
+            values_offset: value + col0,
+            values_stride: stride,
+            data_word: word,
+            scales_word: 0,
+        };
+        let (data, scales) = at.words();
+        let at = SquareAt {
+            scales_word: word + data + 1,
+            ..at
+        };
+        word = at.scales_word + scales + 2;
+        entries.push(CodecEntry::Square(at));
+        if col0 + cols == stride {
+            value += rows * stride + 5;
+        }
+        // A bf16 run after each rectangle, odd-length after the second.
+        let n = if entries.len() == 3 { 37 } else { 64 };
+        let half = half_word_run && entries.len() == 3;
+        entries.push(CodecEntry::Bf16 {
+            byte: 4 * word + if half { 2 } else { 0 },
+            n,
+            values: value,
+        });
+        word += (n + 1).div_ceil(2) + 1;
+        value += n + 2;
+    }
+    (entries, value + 4, word + 3)
+}
+
+/// Values with specials mixed in.
+fn values(n: usize) -> Vec<f32> {
+    let mut rng = Rng::new(11);
+    let specials = [f32::NAN, f32::INFINITY, -0.0, f32::from_bits(1), f32::MAX];
+    (0..n)
+        .map(|i| {
+            if i % 89 == 4 {
+                specials[(i / 89) % specials.len()]
+            } else {
+                rng.wide(12)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn encode_table_equals_the_per_entry_kernels() {
+    let c = client();
+    let (entries, n, words) = layout(false);
+    let input = upload_f32(&c, &values(n));
+    for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+        let want = upload_u32(&c, &vec![SENTINEL; words]);
+        for entry in &entries {
+            match *entry {
+                CodecEntry::Square(at) => {
+                    quantize_square(&c, &input, InputDType::F32, rule, at, &want).unwrap()
+                }
+                CodecEntry::Bf16 { byte, n, values } => {
+                    narrow_bf16(&c, &input, values, n, &want, byte).unwrap()
+                }
+            }
+        }
+        let got = upload_u32(&c, &vec![SENTINEL; words]);
+        let table = CodecTable::new(&c, &entries).unwrap();
+        assert_eq!(table.len(), entries.len());
+        encode_table(&c, &table, rule, &input, &got).unwrap();
+        let (got, want) = (read_u32(&c, &got), read_u32(&c, &want));
+        assert!(got.contains(&SENTINEL), "some words are no entry's");
+        if let Some(i) = (0..words).find(|&i| got[i] != want[i]) {
+            panic!(
+                "{rule:?}: word {i}: table {:#010x}, per entry {:#010x}",
+                got[i], want[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn decode_table_equals_the_per_entry_kernels() {
+    let c = client();
+    for half_word_run in [false, true] {
+        let (entries, n, words) = layout(half_word_run);
+        // Encoded bytes to decode: the per-entry encode of some values (runs on words), read
+        // back under the decode's layout.
+        let (encode_entries, ..) = layout(false);
+        let input = upload_f32(&c, &values(n));
+        let bytes = upload_u32(&c, &vec![0x3C00_4100; words]);
+        for entry in &encode_entries {
+            match *entry {
+                CodecEntry::Square(at) => {
+                    quantize_square(&c, &input, InputDType::F32, ScaleRule::Rceil, at, &bytes)
+                        .unwrap()
+                }
+                CodecEntry::Bf16 { byte, n, values } => {
+                    narrow_bf16(&c, &input, values, n, &bytes, byte).unwrap()
+                }
+            }
+        }
+        let want = upload_u32(&c, &vec![SENTINEL; n]);
+        for entry in &entries {
+            match *entry {
+                CodecEntry::Square(at) => dequantize_square(&c, &bytes, at, &want).unwrap(),
+                CodecEntry::Bf16 { byte, n, values } => {
+                    widen_bf16(&c, &bytes, byte, n, &want, values).unwrap()
+                }
+            }
+        }
+        let got = upload_u32(&c, &vec![SENTINEL; n]);
+        let table = CodecTable::new(&c, &entries).unwrap();
+        decode_table(&c, &table, &bytes, &got).unwrap();
+        let (got, want) = (read_u32(&c, &got), read_u32(&c, &want));
+        assert!(got.contains(&SENTINEL), "some values are no entry's");
+        if let Some(i) = (0..n).find(|&i| got[i] != want[i]) {
+            panic!(
+                "half-word run {half_word_run}: value {i}: table {:#010x}, per entry {:#010x}",
+                got[i], want[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_tables_and_buffers_are_errors() {
+    let c = client();
+    let run = |byte| CodecEntry::Bf16 {
+        byte,
+        n: 4,
+        values: 0,
+    };
+    assert!(matches!(
+        CodecTable::new(&c, &[run(3)]),
+        Err(KernelError::Shape(_))
+    ));
+    // A run on a half-word decodes, but does not encode.
+    let table = CodecTable::new(&c, &[run(2)]).unwrap();
+    let (values, bytes) = (upload_f32(&c, &[0.0; 4]), upload_u32(&c, &[0; 4]));
+    assert!(matches!(
+        encode_table(&c, &table, ScaleRule::Rceil, &values, &bytes),
+        Err(KernelError::Shape(_))
+    ));
+    decode_table(&c, &table, &bytes, &values).unwrap();
+    // Buffers smaller than the entries reach.
+    let table = CodecTable::new(&c, &[run(8)]).unwrap();
+    let small = upload_u32(&c, &[0; 2]);
+    assert!(matches!(
+        decode_table(&c, &table, &small, &values),
+        Err(KernelError::BufferTooSmall { .. })
+    ));
+    assert!(matches!(
+        encode_table(&c, &table, ScaleRule::Rceil, &values, &small),
+        Err(KernelError::BufferTooSmall { .. })
+    ));
+    // A rectangle whose data overlaps its scales.
+    let overlapping = SquareAt {
+        rows: 32,
+        cols: 32,
+        values_offset: 0,
+        values_stride: 32,
+        data_word: 0,
+        scales_word: 4,
+    };
+    assert!(matches!(
+        CodecTable::new(&c, &[CodecEntry::Square(overlapping)]),
+        Err(KernelError::Shape(_))
+    ));
+    // Empty tables launch nothing.
+    let empty = CodecTable::new(&c, &[]).unwrap();
+    assert!(empty.is_empty());
+    decode_table(&c, &empty, &small, &values).unwrap();
+    encode_table(&c, &empty, ScaleRule::Rceil, &values, &small).unwrap();
+}
