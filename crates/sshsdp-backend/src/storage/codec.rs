@@ -17,6 +17,11 @@
 //!   parameter in a fresh f32 compute buffer (the CPU analogue of dequantising in a GEMM's load
 //!   stage).
 
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cubecl::device::DeviceId;
 use sshsdp_mx::{ElemFormat, MxShape, ScaleRule};
 use sshsdp_plan::{Encoding, Plan, RuntimeFormat, Span, UpdateView};
 
@@ -59,6 +64,57 @@ pub(crate) struct BucketCodec {
     views: Vec<Vec<UpdateView>>,
     /// First member's plan index.
     first: usize,
+    /// Its operations uploaded to devices, made on first use.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub(super) device_tables: DeviceTables,
+}
+
+/// Which of a codec's operation lists a device table holds: a piece's encode or the decode of a
+/// gathered bucket.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum TableOf {
+    /// [`BucketCodec::encode_ops`] of this piece.
+    Encode(usize),
+    /// [`BucketCodec::decode_ops`].
+    Decode,
+}
+
+/// A codec's operation lists as uploaded to devices (`storage/cube/codec.rs`), each made once
+/// per device and list and shared by the codec's clones: the kernels read their operations from
+/// device memory (a kernel takes no list of operations as arguments), and uploading them for
+/// every gather would be a host-to-device copy per bucket and pass.
+#[derive(Clone, Default)]
+pub(crate) struct DeviceTables(
+    Arc<Mutex<HashMap<(DeviceId, TableOf), Arc<dyn Any + Send + Sync>>>>,
+);
+
+impl DeviceTables {
+    /// The table of `which` on `device`, made by `make` the first time.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub fn get_or_make<T: Any + Send + Sync, E>(
+        &self,
+        device: DeviceId,
+        which: TableOf,
+        make: impl FnOnce() -> Result<T, E>,
+    ) -> Result<Arc<T>, E> {
+        let mut tables = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(table) = tables.get(&(device, which)) {
+            if let Ok(table) = table.clone().downcast::<T>() {
+                return Ok(table);
+            }
+        }
+        let table = Arc::new(make()?);
+        tables.insert((device, which), table.clone());
+        Ok(table)
+    }
+}
+
+impl std::fmt::Debug for DeviceTables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map(|t| t.len()).unwrap_or(0);
+        write!(f, "DeviceTables({n})")
+    }
 }
 
 /// `u64` sizes from the plan as `usize` (the plan was built on this machine: they fit).
@@ -89,6 +145,7 @@ impl BucketCodec {
             members,
             views: bucket.views.clone(),
             first: bucket.params.start,
+            device_tables: DeviceTables::default(),
         };
         for v in bucket.views.iter().flatten() {
             for (run, master) in v.runs() {
@@ -241,15 +298,8 @@ impl BucketCodec {
     /// (`storage/cube/codec.rs`, MXFP8 and bf16) both run. `gathered` is the gathered buffer's length in
     /// bytes, checked against the layout. The f32 format has nothing to decode (an error).
     pub fn decode_ops(&self, gathered: usize) -> Result<Vec<CodecOp>, HsdpError> {
+        self.check_gathered(gathered)?;
         let unit = us(self.format.element_bytes().unwrap_or(1));
-        let f32_format = self.format == RuntimeFormat::F32;
-        if gathered != unit * self.gathered_units() || f32_format {
-            return Err(HsdpError::Failed(format!(
-                "a gathered {:?} bucket of {gathered} bytes cannot be decoded (expected {})",
-                self.format,
-                unit * self.gathered_units()
-            )));
-        }
         let per_piece = unit * self.piece_units;
         let mut ops = Vec::new();
         for (p, views) in self.views.iter().enumerate() {
@@ -287,6 +337,26 @@ impl BucketCodec {
             ops = coalesce_bf16(ops);
         }
         Ok(ops)
+    }
+
+    /// Whether a gathered buffer of `gathered` bytes can be decoded: the layout's length, and a
+    /// format with an encoding.
+    pub fn check_gathered(&self, gathered: usize) -> Result<(), HsdpError> {
+        let unit = us(self.format.element_bytes().unwrap_or(1));
+        if gathered != unit * self.gathered_units() || !self.encodes() {
+            return Err(HsdpError::Failed(format!(
+                "a gathered {:?} bucket of {gathered} bytes cannot be decoded (expected {})",
+                self.format,
+                unit * self.gathered_units()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether runtime units are an encoding of the fp32 elements ([`Self::encode_ops`] is
+    /// `Some`): every format but f32.
+    pub fn encodes(&self) -> bool {
+        self.format != RuntimeFormat::F32
     }
 
     /// fp32 elements of the decoded compute buffer.

@@ -16,11 +16,10 @@ use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, DType, FloatDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use cubecl::device::Device;
 use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
-use sshsdp_kernels::{
-    dequantize_square, narrow_bf16, quantize_square, widen_bf16, InputDType, KernelError, SquareAt,
-};
+use sshsdp_kernels::{decode_table, encode_table, CodecEntry, CodecTable, SquareAt};
 
 use super::adapter::{to_cube, Inner};
 use super::views::member_views;
@@ -31,7 +30,7 @@ use crate::config::Precision;
 use crate::error::HsdpError;
 use crate::lanes::StageUnits;
 use crate::runtime_units::{DeviceUnits, Elems};
-use crate::storage::codec::{BucketCodec, CodecOp, MX_FORMAT};
+use crate::storage::codec::{BucketCodec, CodecOp, TableOf, MX_FORMAT};
 use crate::storage::compute::{ComputeBuf, Member};
 use crate::traffic::{Purpose, Traffic};
 use std::sync::Arc;
@@ -163,11 +162,25 @@ fn decode_buffer<B: Backend, R: CubeRuntime>(
     len: usize,
     device: &B::Device,
 ) -> Result<CubeTensor<R>, HsdpError> {
-    let ops = codec.decode_ops(len)?;
+    codec.check_gathered(len)?;
+    let cube = cube_device::<B, R>(device);
+    let table = table_of(
+        codec,
+        TableOf::Decode,
+        || codec.decode_ops(len),
+        &units.client,
+        cube,
+    )?;
     let n = codec.compute_elems();
     // A fresh buffer for every decode: a wrapped buffer is never rewritten (`adapter.rs`).
     let out = units.client.empty(4 * n.max(1));
-    run(&units.client, &ops, Direction::Decode, &out, &units.handle)?;
+    run(
+        &units.client,
+        &table,
+        Direction::Decode,
+        &out,
+        &units.handle,
+    )?;
     Ok(cube_tensor::<B, R>(units, out, n, DType::F32, device))
 }
 
@@ -237,10 +250,12 @@ pub(crate) fn encode_piece_if_cube<B: Backend>(
     master: &B::FloatTensorPrimitive,
     traffic: &Traffic,
 ) -> Option<Result<Vec<u8>, HsdpError>> {
-    let ops = codec.encode_ops(piece)?;
+    if !codec.encodes() {
+        return None;
+    }
     for_each_runtime!(R => {
         if is_cube::<B, R>() {
-            let bytes = encode::<B, R>(codec, &ops, master);
+            let bytes = encode::<B, R>(codec, piece, master);
             if let Ok(bytes) = &bytes {
                 traffic.download(bytes.len() as u64, Purpose::Stage);
             }
@@ -252,11 +267,11 @@ pub(crate) fn encode_piece_if_cube<B: Backend>(
 
 fn encode<B: Backend, R: CubeRuntime>(
     codec: &BucketCodec,
-    ops: &[CodecOp],
+    piece: usize,
     master: &B::FloatTensorPrimitive,
 ) -> Result<Vec<u8>, HsdpError> {
     let master = to_cube::<B, R>(master.clone());
-    let units = encode_on_device::<R>(codec, ops, &master)?;
+    let units = encode_on_device::<R>(codec, piece, &master)?;
     let mut read = units
         .client
         .read_one(units.handle)
@@ -281,10 +296,11 @@ pub(crate) fn encode_piece_units_if_cube<B: Backend>(
             // The master's buffer as the update left it (on fusion: its queued work drained,
             // once per piece).
             let master = to_cube::<B, R>(master.clone());
-            let units = match codec.encode_ops(piece) {
-                Some(ops) => encode_on_device::<R>(codec, &ops, &master),
-                None => f32_master::<R>(codec, &master)
-                    .map(|m| CubeUnits::new(m.client.clone(), m.handle.clone())),
+            let units = if codec.encodes() {
+                encode_on_device::<R>(codec, piece, &master)
+            } else {
+                f32_master::<R>(codec, &master)
+                    .map(|m| CubeUnits::new(m.client.clone(), m.handle.clone()))
             };
             // The encode (or the update that wrote the f32 master) is queued: mark it, so an
             // engine on another stream reads the units only after it (`gather.rs`).
@@ -323,14 +339,21 @@ fn f32_master<'a, R: CubeRuntime>(
     Ok(master)
 }
 
-/// Runs the encode `ops` of a piece from its device master into a new zeroed buffer of its
-/// runtime bytes (whole words).
+/// Encodes piece `piece` from its device master into a new zeroed buffer of its runtime bytes
+/// (whole words).
 fn encode_on_device<R: CubeRuntime>(
     codec: &BucketCodec,
-    ops: &[CodecOp],
+    piece: usize,
     master: &CubeTensor<R>,
 ) -> Result<CubeUnits<R>, HsdpError> {
     let master = f32_master::<R>(codec, master)?;
+    let ops = || {
+        codec
+            .encode_ops(piece)
+            .ok_or_else(|| HsdpError::Failed("the f32 format has no encoding".into()))
+    };
+    let client = &master.client;
+    let table = table_of(codec, TableOf::Encode(piece), ops, client, &master.device)?;
     let bytes = codec.piece_bytes();
     // A fresh zeroed buffer (Burn's fill kernel, on the CubeCL stream): bytes no operation
     // writes are zero, as on the host.
@@ -339,86 +362,91 @@ fn encode_on_device<R: CubeRuntime>(
         &master.device,
         FloatDType::F32,
     );
-    let client = &master.client;
-    run(client, ops, Direction::Encode, &master.handle, &out.handle)?;
+    run(
+        client,
+        &table,
+        Direction::Encode,
+        &master.handle,
+        &out.handle,
+    )?;
     Ok(CubeUnits::new(client.clone(), out.handle))
 }
 
 /// Which way [`run`] converts.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Direction {
-    /// f32 values → runtime bytes (`quantize_square`, `narrow_bf16`).
+    /// f32 values → runtime bytes (`encode_table`: two launches).
     Encode,
-    /// Runtime bytes → f32 values (`dequantize_square`, `widen_bf16`).
+    /// Runtime bytes → f32 values (`decode_table`: one launch).
     Decode,
 }
 
-/// Runs `ops` between the f32 buffer `values` and the runtime-byte buffer `bytes` on the device.
+/// `codec`'s operations `which` as a kernel table on `device` (`client`'s): uploaded the first
+/// time, from `ops()`.
+fn table_of<R: CubeRuntime>(
+    codec: &BucketCodec,
+    which: TableOf,
+    ops: impl FnOnce() -> Result<Vec<CodecOp>, HsdpError>,
+    client: &ComputeClient<R>,
+    device: &R::Device,
+) -> Result<Arc<CodecTable>, HsdpError> {
+    codec.device_tables.get_or_make(device.to_id(), which, || {
+        let entries = ops()?
+            .into_iter()
+            .map(|op| match op {
+                CodecOp::Square {
+                    shape,
+                    values,
+                    stride,
+                    data,
+                    scales,
+                } => {
+                    if data % 4 != 0 || scales % 4 != 0 {
+                        return Err(HsdpError::Failed(format!(
+                            "an MXFP8 rectangle at bytes {data}/{scales} is not word-aligned"
+                        )));
+                    }
+                    Ok(CodecEntry::Square(SquareAt {
+                        rows: shape.rows,
+                        cols: shape.cols,
+                        values_offset: values,
+                        values_stride: stride,
+                        data_word: data / 4,
+                        scales_word: scales / 4,
+                    }))
+                }
+                CodecOp::Bf16 { bytes, n, values } => Ok(CodecEntry::Bf16 {
+                    byte: bytes,
+                    n,
+                    values,
+                }),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        CodecTable::new(client, &entries)
+            .map_err(|e| HsdpError::Failed(format!("the codec's device table: {e}")))
+    })
+}
+
+/// Runs `table`'s operations between the f32 buffer `values` and the runtime-byte buffer `bytes`
+/// on the device: the whole bucket's decode in one launch, a piece's encode in two.
 fn run<R: CubeRuntime>(
     client: &ComputeClient<R>,
-    ops: &[CodecOp],
+    table: &CodecTable,
     direction: Direction,
     values: &Handle,
     bytes: &Handle,
 ) -> Result<(), HsdpError> {
-    let what = match direction {
-        Direction::Encode => "MXFP8 encode",
-        Direction::Decode => "MXFP8 decode",
-    };
-    let err = |e: KernelError| HsdpError::Failed(format!("{what}: {e}"));
-    for &op in ops {
-        match (op, direction) {
-            (
-                CodecOp::Square {
-                    shape,
-                    values: at,
-                    stride,
-                    data,
-                    scales,
-                },
-                _,
-            ) => {
-                if data % 4 != 0 || scales % 4 != 0 {
-                    return Err(HsdpError::Failed(format!(
-                        "an MXFP8 rectangle at bytes {data}/{scales} is not word-aligned"
-                    )));
-                }
-                let square = SquareAt {
-                    rows: shape.rows,
-                    cols: shape.cols,
-                    values_offset: at,
-                    values_stride: stride,
-                    data_word: data / 4,
-                    scales_word: scales / 4,
-                };
-                match direction {
-                    Direction::Encode => {
-                        let (dtype, rule) = (InputDType::F32, MX_FORMAT.1);
-                        quantize_square(client, values, dtype, rule, square, bytes)
-                    }
-                    Direction::Decode => dequantize_square(client, bytes, square, values),
-                }
-                .map_err(err)?;
-            }
-            (
-                CodecOp::Bf16 {
-                    bytes: b,
-                    n,
-                    values: v,
-                },
-                Direction::Encode,
-            ) => narrow_bf16(client, values, v, n, bytes, b).map_err(err)?,
-            (
-                CodecOp::Bf16 {
-                    bytes: b,
-                    n,
-                    values: v,
-                },
-                Direction::Decode,
-            ) => widen_bf16(client, bytes, b, n, values, v).map_err(err)?,
-        }
+    match direction {
+        Direction::Encode => encode_table(client, table, MX_FORMAT.1, values, bytes),
+        Direction::Decode => decode_table(client, table, bytes, values),
     }
-    Ok(())
+    .map_err(|e| {
+        let what = match direction {
+            Direction::Encode => "encode",
+            Direction::Decode => "decode",
+        };
+        HsdpError::Failed(format!("the device {what} of a bucket: {e}"))
+    })
 }
 
 #[cfg(all(test, feature = "wgpu"))]
