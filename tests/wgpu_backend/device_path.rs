@@ -9,9 +9,9 @@ use crate::harness::*;
 
 /// With device masters, gradients and shards, a step of the device path moves no parameter or
 /// gradient byte between host and device — at world 2, on a 2×2 mesh (hierarchical: each
-/// shard rebuilt on the device from two replicas' pieces) and at world 4 — where the staged
-/// path reads shards and gradients back and uploads what the host collectives return; both
-/// train alike.
+/// shard rebuilt on the device from two replicas' pieces), at world 4, and on a 2×1 mesh (one
+/// shard per group: a gather hands out the shard's own buffer) — where the staged path reads
+/// shards and gradients back and uploads what the host collectives return; both train alike.
 #[test]
 fn the_device_path_moves_no_parameter_or_gradient_bytes_between_host_and_device() {
     let none = Checkpoints::default();
@@ -19,6 +19,7 @@ fn the_device_path_moves_no_parameter_or_gradient_bytes_between_host_and_device(
         ((1, 2), RuntimeFormat::Mxfp8),
         ((2, 2), RuntimeFormat::Bf16),
         ((1, 4), RuntimeFormat::F32),
+        ((2, 1), RuntimeFormat::Mxfp8),
     ] {
         let device = Case {
             mesh,

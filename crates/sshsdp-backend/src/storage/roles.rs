@@ -318,7 +318,7 @@ impl ShardBuf {
         }
     }
 
-    /// The gathered bucket of a rank alone in the world: a device shard's own buffer, shared
+    /// The gathered bucket of a rank alone in its shard group: a device shard's own buffer, shared
     /// (no copy: a shard is never rewritten, an update replaces it). `None` for a host shard.
     pub fn alone_gathered(&self) -> Option<DeviceUnits> {
         match self {

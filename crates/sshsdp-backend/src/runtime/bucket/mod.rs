@@ -56,8 +56,8 @@ pub(crate) struct BucketContext<B: Backend> {
     pub engine_on_device: bool,
     /// How the mesh shards buckets.
     pub sharding: Sharding,
-    /// Whether this rank is the whole world: its shard is the whole bucket and a reduction is
-    /// the identity (the world-1 fast paths: no gather copy, no reduction job).
+    /// Whether this rank is the whole world: a reduction is the identity (the world-1 fast
+    /// path: no reduction job). (A gather copies nothing wherever `runtime_shards` is 1.)
     pub alone: bool,
     /// Runtime shards per bucket (the shard group's size).
     pub runtime_shards: usize,

@@ -94,8 +94,9 @@ impl<B: Backend> Bucket<B> {
         let units = self.codec.gathered_units();
         let zero_copy = ctx.copy_mode == CopyMode::ZeroCopy;
         if ctx.engine_on_device && zero_copy {
-            // World 1: the shard is the whole bucket; its buffer is the gathered bucket.
-            if ctx.alone && range.len() == units {
+            // A shard group of one rank (world 1, DDP, one shard per replica group): the shard
+            // is the whole bucket, and its buffer the gathered bucket.
+            if ctx.runtime_shards == 1 && range.len() == units {
                 if let Some(gathered) = self.shard.alone_gathered() {
                     return Reply::ready(Gathered::Device(gathered));
                 }
