@@ -28,16 +28,15 @@ fn widen_bf16_kernel(src: &Array<u32>, out: &mut Array<u32>, n: u32, src_half: u
 }
 
 /// Widens value `i` of a run (half-word `src_half + i` of `src`) into `f32` value `dst + i` of
-/// `out`, quieting a signalling NaN.
+/// `out`.
 #[cube]
-pub(crate) fn widen_bf16_value(
-    src: &Array<u32>,
-    out: &mut Array<u32>,
-    src_half: u32,
-    dst: u32,
-    i: u32,
-) {
-    let h = src_half + i;
+fn widen_bf16_value(src: &Array<u32>, out: &mut Array<u32>, src_half: u32, dst: u32, i: u32) {
+    out[(dst + i) as usize] = widen_bf16_bits(src, src_half + i);
+}
+
+/// The `f32` bits of the bf16 value at half-word `h` of `src`, a signalling NaN quieted.
+#[cube]
+pub(crate) fn widen_bf16_bits(src: &Array<u32>, h: u32) -> u32 {
     let word = src[(h / 2) as usize];
     let bits = if h % 2 == 0 {
         word & 0xFFFF
@@ -47,7 +46,7 @@ pub(crate) fn widen_bf16_value(
     let x = bits << 16;
     let magnitude = x & 0x7FFF_FFFFu32;
     let quiet = select(magnitude > 0x7F80_0000u32, 0x0040_0000u32, 0u32);
-    out[(dst + i) as usize] = x | quiet;
+    x | quiet
 }
 
 /// Widens the `n` bf16 values at byte `src_byte` of `src` (a multiple of 2) into the `f32`

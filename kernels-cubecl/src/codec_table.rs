@@ -15,12 +15,12 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use sshsdp_mx::ScaleRule;
 
-use crate::bf16::{narrow_bf16_word, widen_bf16_value};
+use crate::bf16::{narrow_bf16_word, widen_bf16_bits};
 use crate::common::{grid, tile_grid};
 use crate::error::{check_size, checked_shape, to_u32, KernelError};
 use crate::square::{
-    check_square_extents, dequantize_square_value, square_data_word, square_scale_word, SquareArgs,
-    SquareAt,
+    check_square_extents, square_data_word, square_scale_word, square_value_bits,
+    square_value_index, SquareArgs, SquareAt,
 };
 
 /// One operation of a bucket's codec.
@@ -200,7 +200,30 @@ fn square_of(table: &Array<u32>, e: u32) -> SquareArgs {
     }
 }
 
-/// Decode: values `i, i + stride, ...` of every row.
+/// Where value `local` of row `e` goes in the values buffer.
+#[cube]
+fn decoded_index(table: &Array<u32>, e: u32, local: u32) -> u32 {
+    let b = e * ROW;
+    if table[b as usize] == SQUARE {
+        square_value_index(square_of(table, e), local)
+    } else {
+        // A bf16 run's values are consecutive from word 3.
+        table[(b + 3) as usize] + local
+    }
+}
+
+/// The `f32` bits of value `local` of row `e`, decoded from `src`.
+#[cube]
+fn decoded_bits(table: &Array<u32>, src: &Array<u32>, e: u32, local: u32) -> u32 {
+    let b = e * ROW;
+    if table[b as usize] == SQUARE {
+        square_value_bits(src, square_of(table, e), local)
+    } else {
+        widen_bf16_bits(src, table[(b + 5) as usize] + local)
+    }
+}
+
+/// Decode into `f32` bits: values `i, i + stride, ...` of every row.
 #[cube(launch_unchecked)]
 fn decode_table_kernel(
     table: &Array<u32>,
@@ -213,14 +236,28 @@ fn decode_table_kernel(
     let stride = CUBE_COUNT as u32 * CUBE_DIM;
     while i < total {
         let e = row_of(table, rows, i, FIRST_VALUE);
-        let b = e * ROW;
-        let local = i - table[(b + FIRST_VALUE) as usize];
-        if table[b as usize] == SQUARE {
-            dequantize_square_value(src, out, square_of(table, e), local);
-        } else {
-            let half = table[(b + 5) as usize];
-            widen_bf16_value(src, out, half, table[(b + 3) as usize], local);
-        }
+        let local = i - table[(e * ROW + FIRST_VALUE) as usize];
+        out[decoded_index(table, e, local) as usize] = decoded_bits(table, src, e, local);
+        i += stride;
+    }
+}
+
+/// Decode into `F` (a 16-bit float): each decoded `f32` converted as a cast does.
+#[cube(launch_unchecked)]
+fn decode_table_cast_kernel<F: Float>(
+    table: &Array<u32>,
+    src: &Array<u32>,
+    out: &mut Array<F>,
+    rows: u32,
+    total: u32,
+) {
+    let mut i = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
+    let stride = CUBE_COUNT as u32 * CUBE_DIM;
+    while i < total {
+        let e = row_of(table, rows, i, FIRST_VALUE);
+        let local = i - table[(e * ROW + FIRST_VALUE) as usize];
+        let value = f32::reinterpret(decoded_bits(table, src, e, local));
+        out[decoded_index(table, e, local) as usize] = F::cast_from(value);
         i += stride;
     }
 }
@@ -280,35 +317,65 @@ fn table_data_kernel(
     }
 }
 
-/// Decodes every entry of `table` from the byte buffer `src` into the `f32` values of `out`
-/// (values no entry reaches untouched), in one launch: bits equal to
+/// The element type [`decode_table`] writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DecodeTo {
+    /// `f32`: the decoded bits as they are.
+    F32,
+    /// `f16`, each decoded `f32` converted as a cast kernel converts it (CubeCL's `cast_from`:
+    /// what Burn's cast runs), so decoding to `f16` equals decoding to `f32` and casting.
+    F16,
+    /// `bf16`, likewise (devices with bf16 storage: CUDA).
+    Bf16,
+}
+
+impl DecodeTo {
+    /// Bytes of one value.
+    fn bytes(self) -> u64 {
+        match self {
+            DecodeTo::F32 => 4,
+            DecodeTo::F16 | DecodeTo::Bf16 => 2,
+        }
+    }
+}
+
+/// Decodes every entry of `table` from the byte buffer `src` into the values of `out`, of
+/// type `to` (values no entry reaches untouched), in one launch: in `f32`, bits equal to
 /// [`dequantize_square`](crate::dequantize_square) and [`widen_bf16`](crate::widen_bf16)
-/// entry by entry.
+/// entry by entry; in 16 bits, those values cast.
 pub fn decode_table<R: Runtime>(
     client: &ComputeClient<R>,
     table: &CodecTable,
     src: &Handle,
     out: &Handle,
+    to: DecodeTo,
 ) -> Result<(), KernelError> {
     if table.values == 0 {
         return Ok(());
     }
     check_size("src", src, table.bytes_end)?;
-    check_size("out", out, 4 * table.values_end)?;
+    check_size("out", out, to.bytes() * table.values_end)?;
     let (count, dim) = grid(table.values as usize);
+    let src_words = (src.size_in_used() as usize).div_ceil(4);
+    let out_len = (out.size_in_used() / to.bytes()) as usize;
     // SAFETY: every row's extents were checked against 32-bit indexing when the table was made
     // and are below the buffers' checked sizes (`src`'s last word may be half used).
     unsafe {
-        decode_table_kernel::launch_unchecked::<R>(
-            client,
-            count,
-            dim,
-            table.arg::<R>(),
-            ArrayArg::from_raw_parts(src.clone(), (src.size_in_used() as usize).div_ceil(4)),
-            ArrayArg::from_raw_parts(out.clone(), out.size_in_used() as usize / 4),
-            table.rows,
-            table.values,
-        );
+        let table_arg = table.arg::<R>();
+        let src = ArrayArg::from_raw_parts(src.clone(), src_words);
+        let out = ArrayArg::from_raw_parts(out.clone(), out_len);
+        let (rows, total) = (table.rows, table.values);
+        match to {
+            DecodeTo::F32 => decode_table_kernel::launch_unchecked::<R>(
+                client, count, dim, table_arg, src, out, rows, total,
+            ),
+            DecodeTo::F16 => decode_table_cast_kernel::launch_unchecked::<half::f16, R>(
+                client, count, dim, table_arg, src, out, rows, total,
+            ),
+            DecodeTo::Bf16 => decode_table_cast_kernel::launch_unchecked::<half::bf16, R>(
+                client, count, dim, table_arg, src, out, rows, total,
+            ),
+        }
     }
     Ok(())
 }

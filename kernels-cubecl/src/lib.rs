@@ -112,7 +112,7 @@ mod quantize;
 // Production: what `sshsdp-backend` calls (and the AdamW step the device optimizer will use).
 pub use adamw::{adamw_reference, adamw_step, AdamWFactors, AdamWParams};
 pub use bf16::{narrow_bf16, widen_bf16};
-pub use codec_table::{decode_table, encode_table, CodecEntry, CodecTable};
+pub use codec_table::{decode_table, encode_table, CodecEntry, CodecTable, DecodeTo};
 pub use common::InputDType;
 pub use e4m3::round_bf16;
 pub use error::KernelError;

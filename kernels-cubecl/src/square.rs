@@ -280,19 +280,26 @@ fn dequantize_square_kernel(
 
 /// Decodes value `i` (row-major) of the rectangle `at` in `src` into its place in `out`.
 #[cube]
-pub(crate) fn dequantize_square_value(
-    src: &Array<u32>,
-    out: &mut Array<u32>,
-    at: SquareArgs,
-    i: u32,
-) {
+fn dequantize_square_value(src: &Array<u32>, out: &mut Array<u32>, at: SquareArgs, i: u32) {
+    out[square_value_index(at, i) as usize] = square_value_bits(src, at, i);
+}
+
+/// Where value `i` (row-major) of the rectangle `at` sits in the values buffer.
+#[cube]
+pub(crate) fn square_value_index(at: SquareArgs, i: u32) -> u32 {
+    at.values_offset + (i / at.cols) * at.values_stride + i % at.cols
+}
+
+/// The `f32` bits of value `i` (row-major) of the rectangle `at` decoded from `src`.
+#[cube]
+pub(crate) fn square_value_bits(src: &Array<u32>, at: SquareArgs, i: u32) -> u32 {
     let tile_cols = at.cols.div_ceil(32);
     let r = i / at.cols;
     let c = i % at.cols;
     let t = (r / 32) * tile_cols + c / 32;
     let b = byte_of(src[(at.data_word + i / 4) as usize], i % 4);
     let s = byte_of(src[(at.scales_word + t / 4) as usize], t % 4);
-    out[(at.values_offset + r * at.values_stride + c) as usize] = decode_byte(b, s);
+    decode_byte(b, s)
 }
 
 /// Checks the rectangle's place (row stride, no overlap of its data and scales, 32-bit

@@ -7,7 +7,7 @@
 use crate::common::*;
 use sshsdp_kernels::{
     decode_table, dequantize_square, encode_table, narrow_bf16, quantize_square, widen_bf16,
-    CodecEntry, CodecTable, InputDType, KernelError, ScaleRule, SquareAt,
+    CodecEntry, CodecTable, DecodeTo, InputDType, KernelError, ScaleRule, SquareAt,
 };
 
 const SENTINEL: u32 = 0xDEAD_BEEF;
@@ -136,7 +136,7 @@ fn decode_table_equals_the_per_entry_kernels() {
         }
         let got = upload_u32(&c, &vec![SENTINEL; n]);
         let table = CodecTable::new(&c, &entries).unwrap();
-        decode_table(&c, &table, &bytes, &got).unwrap();
+        decode_table(&c, &table, &bytes, &got, DecodeTo::F32).unwrap();
         let (got, want) = (read_u32(&c, &got), read_u32(&c, &want));
         assert!(got.contains(&SENTINEL), "some values are no entry's");
         if let Some(i) = (0..n).find(|&i| got[i] != want[i]) {
@@ -146,6 +146,51 @@ fn decode_table_equals_the_per_entry_kernels() {
             );
         }
     }
+}
+
+/// Decoding straight to f16 gives the f32 decode converted to f16 (round to nearest even, as
+/// `half` and a cast kernel convert), value for value; values no entry reaches keep their
+/// sentinel.
+#[test]
+fn decode_table_to_f16_is_the_f32_decode_converted() {
+    use half::f16;
+    let c = client();
+    let (entries, n, words) = layout(false);
+    let input = upload_f32(&c, &values(n));
+    let bytes = upload_u32(&c, &vec![0; words]);
+    let table = CodecTable::new(&c, &entries).unwrap();
+    encode_table(&c, &table, ScaleRule::Rceil, &input, &bytes).unwrap();
+    let wide = upload_u32(&c, &vec![SENTINEL; n]);
+    decode_table(&c, &table, &bytes, &wide, DecodeTo::F32).unwrap();
+    let sentinel = 0xBEEFu16;
+    let halves = vec![sentinel; n + n % 2];
+    let words16: Vec<u32> = halves
+        .chunks(2)
+        .map(|p| p[0] as u32 | (p[1] as u32) << 16)
+        .collect();
+    let narrow = upload_u32(&c, &words16);
+    decode_table(&c, &table, &bytes, &narrow, DecodeTo::F16).unwrap();
+    let wide = read_u32(&c, &wide);
+    let narrow: Vec<u16> = read_u32(&c, &narrow)
+        .iter()
+        .flat_map(|w| [*w as u16, (*w >> 16) as u16])
+        .collect();
+    let mut checked = 0;
+    for i in 0..n {
+        if wide[i] == SENTINEL {
+            assert_eq!(narrow[i], sentinel, "value {i}: no entry's, yet written");
+            continue;
+        }
+        let want = f16::from_f32(f32::from_bits(wide[i]));
+        let got = f16::from_bits(narrow[i]);
+        if want.is_nan() {
+            assert!(got.is_nan(), "value {i}: {got} for NaN");
+        } else {
+            assert_eq!(got.to_bits(), want.to_bits(), "value {i}: {got} vs {want}");
+        }
+        checked += 1;
+    }
+    assert!(checked > n / 2, "{checked} of {n} values decoded");
 }
 
 #[test]
@@ -167,12 +212,12 @@ fn bad_tables_and_buffers_are_errors() {
         encode_table(&c, &table, ScaleRule::Rceil, &values, &bytes),
         Err(KernelError::Shape(_))
     ));
-    decode_table(&c, &table, &bytes, &values).unwrap();
+    decode_table(&c, &table, &bytes, &values, DecodeTo::F32).unwrap();
     // Buffers smaller than the entries reach.
     let table = CodecTable::new(&c, &[run(8)]).unwrap();
     let small = upload_u32(&c, &[0; 2]);
     assert!(matches!(
-        decode_table(&c, &table, &small, &values),
+        decode_table(&c, &table, &small, &values, DecodeTo::F32),
         Err(KernelError::BufferTooSmall { .. })
     ));
     assert!(matches!(
@@ -195,6 +240,6 @@ fn bad_tables_and_buffers_are_errors() {
     // Empty tables launch nothing.
     let empty = CodecTable::new(&c, &[]).unwrap();
     assert!(empty.is_empty());
-    decode_table(&c, &empty, &small, &values).unwrap();
+    decode_table(&c, &empty, &small, &values, DecodeTo::F32).unwrap();
     encode_table(&c, &empty, ScaleRule::Rceil, &values, &small).unwrap();
 }

@@ -19,7 +19,7 @@ use burn_cubecl::CubeRuntime;
 use cubecl::device::Device;
 use cubecl::prelude::ComputeClient;
 use cubecl::server::Handle;
-use sshsdp_kernels::{decode_table, encode_table, CodecEntry, CodecTable, SquareAt};
+use sshsdp_kernels::{decode_table, encode_table, CodecEntry, CodecTable, DecodeTo, SquareAt};
 
 use super::adapter::{to_cube, Inner};
 use super::views::member_views;
@@ -103,7 +103,7 @@ fn decode<B: Backend, R: CubeRuntime>(
     let len = bytes.len();
     let handle = client.create_from_slice(&padded_to_words(bytes));
     let units = CubeUnits::<R>::new(client, handle);
-    let values = decode_buffer::<B, R>(codec, &units, len, device)?;
+    let values = decode_buffer::<B, R>(codec, &units, len, device, Precision::F32)?;
     Ok(super::adapter::from_cube::<B, R>(values))
 }
 
@@ -155,12 +155,14 @@ pub(crate) fn share_units(units: &DeviceUnits) -> Option<DeviceUnits> {
     None
 }
 
-/// The f32 compute buffer of the gathered runtime bytes in `units` (`len` of them).
+/// The compute buffer (in `compute`) of the gathered runtime bytes in `units` (`len` of
+/// them), decoded in one launch: each decoded f32 converted as Burn's cast converts it.
 fn decode_buffer<B: Backend, R: CubeRuntime>(
     codec: &BucketCodec,
     units: &CubeUnits<R>,
     len: usize,
     device: &B::Device,
+    compute: Precision,
 ) -> Result<CubeTensor<R>, HsdpError> {
     codec.check_gathered(len)?;
     let cube = cube_device::<B, R>(device);
@@ -172,16 +174,22 @@ fn decode_buffer<B: Backend, R: CubeRuntime>(
         cube,
     )?;
     let n = codec.compute_elems();
+    let to = match compute {
+        Precision::F32 => DecodeTo::F32,
+        Precision::F16 => DecodeTo::F16,
+        Precision::Bf16 => DecodeTo::Bf16,
+    };
     // A fresh buffer for every decode: a wrapped buffer is never rewritten (`adapter.rs`).
-    let out = units.client.empty(4 * n.max(1));
-    run(
-        &units.client,
-        &table,
-        Direction::Decode,
-        &out,
-        &units.handle,
-    )?;
-    Ok(cube_tensor::<B, R>(units, out, n, DType::F32, device))
+    let out = units.client.empty((compute.bytes() as usize * n).max(4));
+    decode_table(&units.client, &table, &units.handle, &out, to)
+        .map_err(|e| HsdpError::Failed(format!("the device decode of a bucket: {e}")))?;
+    Ok(cube_tensor::<B, R>(
+        units,
+        out,
+        n,
+        compute.dtype().into(),
+        device,
+    ))
 }
 
 /// `handle` (`n` values of `dtype`, on `units`' client) as a 1-D `CubeTensor` on `device`.
@@ -221,10 +229,10 @@ pub(crate) fn device_units_views<B: Backend>(
                 _ if units.narrowed == Some(compute) => (tensor(compute.dtype().into()), true),
                 (Elems::Bf16(_), Precision::Bf16) => (tensor(DType::BF16), true),
                 (Elems::F32(_), _) => (tensor(DType::F32), compute == Precision::F32),
+                // Decoded straight into the compute dtype: one launch, no second pass.
                 _ => {
                     let len = units.bytes() as usize;
-                    let f32s = decode_buffer::<B, R>(codec, cube, len, device)?;
-                    (f32s, compute == Precision::F32)
+                    (decode_buffer::<B, R>(codec, cube, len, device, compute)?, true)
                 }
             };
             // The cast runs on the CubeCL stream now (a fresh buffer), not in fusion's.
@@ -362,23 +370,9 @@ fn encode_on_device<R: CubeRuntime>(
         &master.device,
         FloatDType::F32,
     );
-    run(
-        client,
-        &table,
-        Direction::Encode,
-        &master.handle,
-        &out.handle,
-    )?;
+    encode_table(client, &table, MX_FORMAT.1, &master.handle, &out.handle)
+        .map_err(|e| HsdpError::Failed(format!("the device encode of a piece: {e}")))?;
     Ok(CubeUnits::new(client.clone(), out.handle))
-}
-
-/// Which way [`run`] converts.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Direction {
-    /// f32 values → runtime bytes (`encode_table`: two launches).
-    Encode,
-    /// Runtime bytes → f32 values (`decode_table`: one launch).
-    Decode,
 }
 
 /// `codec`'s operations `which` as a kernel table on `device` (`client`'s): uploaded the first
@@ -424,28 +418,6 @@ fn table_of<R: CubeRuntime>(
             .collect::<Result<Vec<_>, _>>()?;
         CodecTable::new(client, &entries)
             .map_err(|e| HsdpError::Failed(format!("the codec's device table: {e}")))
-    })
-}
-
-/// Runs `table`'s operations between the f32 buffer `values` and the runtime-byte buffer `bytes`
-/// on the device: the whole bucket's decode in one launch, a piece's encode in two.
-fn run<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    table: &CodecTable,
-    direction: Direction,
-    values: &Handle,
-    bytes: &Handle,
-) -> Result<(), HsdpError> {
-    match direction {
-        Direction::Encode => encode_table(client, table, MX_FORMAT.1, values, bytes),
-        Direction::Decode => decode_table(client, table, bytes, values),
-    }
-    .map_err(|e| {
-        let what = match direction {
-            Direction::Encode => "encode",
-            Direction::Decode => "decode",
-        };
-        HsdpError::Failed(format!("the device {what} of a bucket: {e}"))
     })
 }
 
@@ -538,6 +510,48 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// A bucket decoded straight into f16 (one launch) is bitwise the f32 decode cast by
+    /// Burn's cast kernel (what the decode was followed by before).
+    #[test]
+    fn decoding_into_f16_equals_decoding_into_f32_then_casting() {
+        let device = WgpuDevice::default();
+        for format in [RuntimeFormat::Mxfp8, RuntimeFormat::Bf16] {
+            let plan = plan_in(2, format);
+            for b in 0..plan.buckets().len() {
+                let codec = BucketCodec::new(&plan, b);
+                let pe = codec.piece_elems();
+                let gathered: Vec<u8> = (0..2)
+                    .flat_map(|p| {
+                        let master = (0..pe)
+                            .map(|i| ((i * 7919 + p * 13) % 1013) as f32 / 7.0 - 70.0)
+                            .collect();
+                        le_bytes(&codec.encode(p, master).unwrap())
+                    })
+                    .collect();
+                let client = client_of::<B, WgpuRuntime>(&device);
+                let len = gathered.len();
+                let units = CubeUnits::<WgpuRuntime>::new(
+                    client.clone(),
+                    client.create_from_slice(&padded_to_words(gathered)),
+                );
+                let decode = |compute| {
+                    decode_buffer::<B, WgpuRuntime>(&codec, &units, len, &device, compute).unwrap()
+                };
+                let cast =
+                    Inner::<WgpuRuntime>::float_cast(decode(Precision::F32), FloatDType::F16);
+                let direct = decode(Precision::F16);
+                assert_eq!(direct.dtype, burn_backend::DType::F16);
+                let bits = |t: CubeTensor<WgpuRuntime>| client.read_one(t.handle).unwrap().to_vec();
+                let n = 2 * codec.compute_elems();
+                let (cast, direct) = (bits(cast), bits(direct));
+                assert!(
+                    cast[..n] == direct[..n],
+                    "{format:?}, bucket {b}: the direct f16 decode differs from the cast"
+                );
             }
         }
     }
