@@ -2,14 +2,15 @@
 //! on fresh random data, then their throughput against a device-to-device copy, generic over
 //! the runtime.
 //!
-//! Always built: the square-block MXFP8 codec the runtime calls (`square.rs`) and the fused
-//! AdamW. With the feature `experimental` also the lab kernels (`lab.rs`: the tiled layout, the
+//! Always built: the square-block MXFP8 codec the runtime calls (`square.rs`), its bucket
+//! tables (`table.rs`: the one-launch decode, 16-bit targets included) and the fused AdamW. With the feature `experimental` also the lab kernels (`lab.rs`: the tiled layout, the
 //! MXFP8 matmul against the `f32` GEMM of the same shape, Newton–Schulz); the device scripts
 //! build the binaries with it (`scripts/gpu_check.sh`, `scripts/device/h200.sh`).
 
 #[cfg(feature = "experimental")]
 mod lab;
 mod square;
+mod table;
 
 use std::time::Instant;
 
@@ -238,6 +239,7 @@ pub fn run<R: Runtime>(client: ComputeClient<R>, small: bool, seed: u64) -> usiz
     let mut rng = Rng(seed);
     let copy_gbs = copy_rate(&mut ck, sizes.q);
     square::square(&mut ck, &mut rng, sizes.q, copy_gbs);
+    table::tables(&mut ck, &mut rng);
     adamw(&mut ck, &mut rng, sizes.adamw);
     #[cfg(feature = "experimental")]
     {
