@@ -85,9 +85,10 @@ pub(crate) enum TableOf {
 /// device memory (a kernel takes no list of operations as arguments), and uploading them for
 /// every gather would be a host-to-device copy per bucket and pass.
 #[derive(Clone, Default)]
-pub(crate) struct DeviceTables(
-    Arc<Mutex<HashMap<(DeviceId, TableOf), Arc<dyn Any + Send + Sync>>>>,
-);
+pub(crate) struct DeviceTables(Arc<Mutex<TablesByDevice>>);
+
+/// Each table, by device and operation list (type-erased: the device codec knows its type).
+type TablesByDevice = HashMap<(DeviceId, TableOf), Arc<dyn Any + Send + Sync>>;
 
 impl DeviceTables {
     /// The table of `which` on `device`, made by `make` the first time.
