@@ -54,7 +54,9 @@ const FIRST_SCALE: u32 = 8;
 const FIRST_DATA: u32 = 9;
 
 /// A bucket's codec operations uploaded to the device (see the module docs): made once, used by
-/// any number of [`decode_table`] or [`encode_table`] launches on its client's device.
+/// any number of [`decode_table`] or [`encode_table`] launches on its client's device. Entries
+/// run in parallel, so no two may write the same value (decode) or word (encode): where they
+/// did, the result would depend on the order of the writes (the plan's views never share one).
 pub struct CodecTable {
     handle: Handle,
     rows: u32,

@@ -13,48 +13,81 @@ use sshsdp_kernels::{
 const SENTINEL: u32 = 0xDEAD_BEEF;
 
 /// The entries of a bucket-like layout: `(entries, value elements, byte-buffer words)`.
-/// `half_word_run` puts one bf16 run on a half-word (decode only).
+/// `half_word_run` puts one bf16 run on a half-word (decode only). No two entries share a
+/// value or a byte-buffer word (checked): entries launched together must not.
 fn layout(half_word_run: bool) -> (Vec<CodecEntry>, usize, usize) {
     let mut entries = Vec::new();
     let mut word = 1; // word 0 stays untouched
     let mut value = 3;
-    // Rectangles of one 70 x 200 matrix (stride 200) and of a 33 x 40 one.
-    for (rows, cols, stride, col0) in [
-        (70, 96, 200, 0),
-        (70, 104, 200, 96),
-        (33, 40, 40, 0),
-        (1, 7, 7, 0),
-    ] {
-        let at = SquareAt {
-            rows,
-            cols,
-            values_offset: value + col0,
-            values_stride: stride,
-            data_word: word,
-            scales_word: 0,
-        };
-        let (data, scales) = at.words();
-        let at = SquareAt {
-            scales_word: word + data + 1,
-            ..at
-        };
-        word = at.scales_word + scales + 2;
-        entries.push(CodecEntry::Square(at));
-        if col0 + cols == stride {
-            value += rows * stride + 5;
+    // A 70 x 200 matrix cut into two column rectangles, a 33 x 40 one and a 1 x 7 one, each
+    // followed by a bf16 run (one of odd length).
+    let matrices: [(usize, usize, &[(usize, usize)]); 3] = [
+        (70, 200, &[(96, 0), (104, 96)]),
+        (33, 40, &[(40, 0)]),
+        (1, 7, &[(7, 0)]),
+    ];
+    for (rows, stride, rectangles) in matrices {
+        let matrix = value;
+        value += rows * stride + 5;
+        for &(cols, col0) in rectangles {
+            let at = SquareAt {
+                rows,
+                cols,
+                values_offset: matrix + col0,
+                values_stride: stride,
+                data_word: word,
+                scales_word: 0,
+            };
+            let (data, scales) = at.words();
+            let at = SquareAt {
+                scales_word: word + data + 1,
+                ..at
+            };
+            word = at.scales_word + scales + 2;
+            entries.push(CodecEntry::Square(at));
+            let n = if entries.len() == 3 { 37 } else { 64 };
+            let half = half_word_run && entries.len() == 3;
+            entries.push(CodecEntry::Bf16 {
+                byte: 4 * word + if half { 2 } else { 0 },
+                n,
+                values: value,
+            });
+            word += (n + 1).div_ceil(2) + 1;
+            value += n + 2;
         }
-        // A bf16 run after each rectangle, odd-length after the second.
-        let n = if entries.len() == 3 { 37 } else { 64 };
-        let half = half_word_run && entries.len() == 3;
-        entries.push(CodecEntry::Bf16 {
-            byte: 4 * word + if half { 2 } else { 0 },
-            n,
-            values: value,
-        });
-        word += (n + 1).div_ceil(2) + 1;
-        value += n + 2;
     }
-    (entries, value + 4, word + 3)
+    let (n, words) = (value + 4, word + 3);
+    // Every value and word belongs to one entry at most.
+    let (mut values_of, mut words_of) = (vec![0u8; n], vec![0u8; words]);
+    for entry in &entries {
+        let (values, bytes): (Vec<usize>, Vec<usize>) = match *entry {
+            CodecEntry::Square(at) => {
+                let (data, scales) = at.words();
+                let values = (0..at.rows)
+                    .flat_map(|r| {
+                        (0..at.cols).map(move |c| at.values_offset + r * at.values_stride + c)
+                    })
+                    .collect();
+                let words = (at.data_word..at.data_word + data)
+                    .chain(at.scales_word..at.scales_word + scales)
+                    .collect();
+                (values, words)
+            }
+            CodecEntry::Bf16 { byte, n, values } => (
+                (values..values + n).collect(),
+                (byte / 4..(byte + 2 * n).div_ceil(4)).collect(),
+            ),
+        };
+        for v in values {
+            values_of[v] += 1;
+        }
+        for w in bytes {
+            words_of[w] += 1;
+        }
+    }
+    assert!(values_of.iter().all(|&k| k <= 1), "entries share values");
+    assert!(words_of.iter().all(|&k| k <= 1), "entries share words");
+    (entries, n, words)
 }
 
 /// Values with specials mixed in.
