@@ -1,16 +1,17 @@
 //! The runtime codec on CubeCL backends, following the same [`CodecOp`]s as the host codec
-//! (bit-identical: `tests` below and `kernels-cubecl/tests/kernels/planes.rs`):
+//! (bit-identical: `tests` below and `kernels-cubecl/tests/kernels/`), each list uploaded once
+//! as a kernel table (`sshsdp_kernels::CodecTable`, cached per device in the codec):
 //!
 //! * **Decode** of a gathered MXFP8 or bf16 bucket: the gathered runtime bytes are uploaded as
-//!   they are (≈1.001 bytes per value for square-block MXFP8, 2 for bf16) and the kernels
-//!   (`sshsdp_kernels::dequantize_square`, `widen_bf16`) write the f32 compute buffer on the
-//!   device, each rectangle into its place of its matrix. Uploading the host-decoded buffer
-//!   instead would move 4 bytes per value.
+//!   they are (≈1.001 bytes per value for square-block MXFP8, 2 for bf16), or gathered into
+//!   device memory, and one launch (`decode_table`) writes the compute buffer, each rectangle
+//!   into its place of its matrix, straight in the compute dtype. Uploading the host-decoded
+//!   buffer instead would move 4 bytes per value.
 //! * **Encode** of a piece whose fp32 master lives on the device (re-derive after an update):
-//!   `quantize_square` writes each rectangle's tiles and `narrow_bf16` the bf16 runs (or the
-//!   whole piece in the bf16 runtime format) into a zeroed device buffer, and only those runtime
-//!   bytes are read back for the host collectives (≈1.001 bytes per value for MXFP8, 2 for
-//!   bf16) instead of the 4-byte master.
+//!   two launches (`encode_table`: every rectangle's scales, then its tiles and the bf16 runs,
+//!   or the whole piece in the bf16 runtime format) into a zeroed device buffer, left there for
+//!   a device engine or read back for the host collectives (≈1.001 bytes per value for MXFP8,
+//!   2 for bf16) instead of the 4-byte master.
 
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, DType, FloatDType, Shape};
