@@ -12,6 +12,9 @@ use sshsdp_kernels::{
 
 const SENTINEL: u32 = 0xDEAD_BEEF;
 
+/// A matrix of the layout: rows, row stride, and its rectangles as (columns, first column).
+type Matrix = (usize, usize, &'static [(usize, usize)]);
+
 /// The entries of a bucket-like layout: `(entries, value elements, byte-buffer words)`.
 /// `half_word_run` puts one bf16 run on a half-word (decode only). No two entries share a
 /// value or a byte-buffer word (checked): entries launched together must not.
@@ -21,7 +24,7 @@ fn layout(half_word_run: bool) -> (Vec<CodecEntry>, usize, usize) {
     let mut value = 3;
     // A 70 x 200 matrix cut into two column rectangles, a 33 x 40 one and a 1 x 7 one, each
     // followed by a bf16 run (one of odd length).
-    let matrices: [(usize, usize, &[(usize, usize)]); 3] = [
+    let matrices: [Matrix; 3] = [
         (70, 200, &[(96, 0), (104, 96)]),
         (33, 40, &[(40, 0)]),
         (1, 7, &[(7, 0)]),
