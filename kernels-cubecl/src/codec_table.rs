@@ -225,41 +225,30 @@ fn decoded_bits(table: &Array<u32>, src: &Array<u32>, e: u32, local: u32) -> u32
     }
 }
 
-/// Decode into `f32` bits: values `i, i + stride, ...` of every row.
+/// Decode: values `i, i + stride, ...` of every row, into `O`: the decoded `f32` bits as they
+/// are where `bits` (`O = u32`: NaN payloads kept), else each value converted as a cast does
+/// (`O` a 16-bit float).
 #[cube(launch_unchecked)]
-fn decode_table_kernel(
+fn decode_table_kernel<O: CubePrimitive>(
     table: &Array<u32>,
     src: &Array<u32>,
-    out: &mut Array<u32>,
+    out: &mut Array<O>,
     rows: u32,
     total: u32,
+    #[comptime] bits: bool,
 ) {
     let mut i = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
     let stride = CUBE_COUNT as u32 * CUBE_DIM;
     while i < total {
         let e = row_of(table, rows, i, FIRST_VALUE);
         let local = i - table[(e * ROW + FIRST_VALUE) as usize];
-        out[decoded_index(table, e, local) as usize] = decoded_bits(table, src, e, local);
-        i += stride;
-    }
-}
-
-/// Decode into `F` (a 16-bit float): each decoded `f32` converted as a cast does.
-#[cube(launch_unchecked)]
-fn decode_table_cast_kernel<F: Float>(
-    table: &Array<u32>,
-    src: &Array<u32>,
-    out: &mut Array<F>,
-    rows: u32,
-    total: u32,
-) {
-    let mut i = CUBE_POS as u32 * CUBE_DIM + UNIT_POS;
-    let stride = CUBE_COUNT as u32 * CUBE_DIM;
-    while i < total {
-        let e = row_of(table, rows, i, FIRST_VALUE);
-        let local = i - table[(e * ROW + FIRST_VALUE) as usize];
-        let value = f32::reinterpret(decoded_bits(table, src, e, local));
-        out[decoded_index(table, e, local) as usize] = F::cast_from(value);
+        let decoded = decoded_bits(table, src, e, local);
+        let at = decoded_index(table, e, local) as usize;
+        if bits {
+            out[at] = O::reinterpret(decoded);
+        } else {
+            out[at] = O::cast_from(f32::reinterpret(decoded));
+        }
         i += stride;
     }
 }
@@ -368,14 +357,14 @@ pub fn decode_table<R: Runtime>(
         let out = ArrayArg::from_raw_parts(out.clone(), out_len);
         let (rows, total) = (table.rows, table.values);
         match to {
-            DecodeTo::F32 => decode_table_kernel::launch_unchecked::<R>(
-                client, count, dim, table_arg, src, out, rows, total,
+            DecodeTo::F32 => decode_table_kernel::launch_unchecked::<u32, R>(
+                client, count, dim, table_arg, src, out, rows, total, true,
             ),
-            DecodeTo::F16 => decode_table_cast_kernel::launch_unchecked::<half::f16, R>(
-                client, count, dim, table_arg, src, out, rows, total,
+            DecodeTo::F16 => decode_table_kernel::launch_unchecked::<half::f16, R>(
+                client, count, dim, table_arg, src, out, rows, total, false,
             ),
-            DecodeTo::Bf16 => decode_table_cast_kernel::launch_unchecked::<half::bf16, R>(
-                client, count, dim, table_arg, src, out, rows, total,
+            DecodeTo::Bf16 => decode_table_kernel::launch_unchecked::<half::bf16, R>(
+                client, count, dim, table_arg, src, out, rows, total, false,
             ),
         }
     }
