@@ -17,16 +17,12 @@
 //!   parameter in a fresh f32 compute buffer (the CPU analogue of dequantising in a GEMM's load
 //!   stage).
 
-use std::any::Any;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-
-use cubecl::device::DeviceId;
 use sshsdp_mx::{ElemFormat, MxShape, ScaleRule};
 use sshsdp_plan::{Encoding, Plan, RuntimeFormat, Span, UpdateView};
 
 use crate::error::HsdpError;
 use crate::runtime_units::Elems;
+use crate::storage::device_tables::DeviceTables;
 
 /// The MXFP8 element format and scale rule of runtime parameters (E4M3, RCEIL as in cuBLAS and
 /// Transformer Engine).
@@ -67,55 +63,6 @@ pub(crate) struct BucketCodec {
     /// Its operations uploaded to devices, made on first use.
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     pub(super) device_tables: DeviceTables,
-}
-
-/// Which of a codec's operation lists a device table holds: a piece's encode or the decode of a
-/// gathered bucket.
-#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum TableOf {
-    /// [`BucketCodec::encode_ops`] of this piece.
-    Encode(usize),
-    /// [`BucketCodec::decode_ops`].
-    Decode,
-}
-
-/// A codec's operation lists as uploaded to devices (`storage/cube/codec.rs`), each made once
-/// per device and list and shared by the codec's clones: the kernels read their operations from
-/// device memory (a kernel takes no list of operations as arguments), and uploading them for
-/// every gather would be a host-to-device copy per bucket and pass.
-#[derive(Clone, Default)]
-pub(crate) struct DeviceTables(Arc<Mutex<TablesByDevice>>);
-
-/// Each table, by device and operation list (type-erased: the device codec knows its type).
-type TablesByDevice = HashMap<(DeviceId, TableOf), Arc<dyn Any + Send + Sync>>;
-
-impl DeviceTables {
-    /// The table of `which` on `device`, made by `make` the first time.
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
-    pub fn get_or_make<T: Any + Send + Sync, E>(
-        &self,
-        device: DeviceId,
-        which: TableOf,
-        make: impl FnOnce() -> Result<T, E>,
-    ) -> Result<Arc<T>, E> {
-        let mut tables = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(table) = tables.get(&(device, which)) {
-            if let Ok(table) = table.clone().downcast::<T>() {
-                return Ok(table);
-            }
-        }
-        let table = Arc::new(make()?);
-        tables.insert((device, which), table.clone());
-        Ok(table)
-    }
-}
-
-impl std::fmt::Debug for DeviceTables {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.0.lock().map(|t| t.len()).unwrap_or(0);
-        write!(f, "DeviceTables({n})")
-    }
 }
 
 /// `u64` sizes from the plan as `usize` (the plan was built on this machine: they fit).

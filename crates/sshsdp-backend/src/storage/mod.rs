@@ -49,6 +49,7 @@ pub(crate) mod codec;
 pub(crate) mod compute;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) mod cube;
+pub(crate) mod device_tables;
 pub(crate) mod host;
 pub(crate) mod rebuild;
 pub(crate) mod roles;

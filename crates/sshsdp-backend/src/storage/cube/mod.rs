@@ -27,6 +27,8 @@ use crate::storage::roles::DeviceMemory;
 
 pub(crate) mod adapter;
 pub(crate) mod codec;
+#[cfg(all(test, feature = "wgpu"))]
+mod codec_tests;
 pub(crate) mod exchange;
 #[cfg(all(test, feature = "wgpu"))]
 mod exchange_tests;
