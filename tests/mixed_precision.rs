@@ -10,7 +10,7 @@
 //! * a backend that cannot compute in bf16 (burn-ndarray) is refused by `shard`, naming it, and
 //!   so is an f16 gradient reduction.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! crashed saves ignored, one rank's failure failing every rank with nothing committed,
 //! keep-last-K, and step labels never overwritten.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::Path;

@@ -1,7 +1,7 @@
 //! Sharded checkpoint files, the format: exact round trips, and every kind of corruption an
 //! error, never a panic.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::panic::{catch_unwind, AssertUnwindSafe};

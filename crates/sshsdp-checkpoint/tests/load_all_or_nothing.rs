@@ -1,7 +1,7 @@
 //! Loading is all-or-nothing and collective (threads engine): a corrupted or resized file, or
 //! a failure of one rank alone, makes every rank return an error with no master changed.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::Path;

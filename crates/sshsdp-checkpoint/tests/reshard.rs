@@ -1,11 +1,10 @@
 //! Sharded checkpoint files, re-sharding: across world sizes and HSDP replicas, to and from an
 //! unsharded model.
 
-mod common;
+use crate::common;
 
 // Consolidated safetensors files: export from and import into a sharded model at any world
-// size (in this binary rather than its own: one link less in CI).
-#[path = "reshard/consolidated.rs"]
+// size.
 mod consolidated;
 
 use std::collections::BTreeMap;

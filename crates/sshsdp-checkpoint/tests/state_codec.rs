@@ -1,7 +1,7 @@
 //! The optimizer state codec on Burn's SGD (momentum), Adam (AMSGrad) and AdamW states: exact
 //! round trips, halves that step like the whole, re-assembly across world sizes.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

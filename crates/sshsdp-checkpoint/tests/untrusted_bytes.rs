@@ -7,7 +7,7 @@
 //! accepted), then property tests with fixed case counts over arbitrary bytes and over files
 //! the crate's own writer produced, mutated.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::fs;

@@ -12,7 +12,7 @@
 //!   a fresh optimizer (what a checkpoint does) are joined again at the next step, and the run
 //!   goes on bitwise as if never interrupted.
 
-mod common;
+use crate::common;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamW, AdamWConfig};

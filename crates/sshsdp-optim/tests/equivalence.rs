@@ -6,15 +6,11 @@
 //! batch, so they differ in the last bits; 20 optimizer steps keep that at the 1e-5 level.
 //! Losses are compared with 1e-4 relative and weights with 1e-4 absolute tolerance.
 
-mod common;
+use crate::common;
 
-// More of "trains like": activation checkpointing, and registration that streams (in this
-// binary rather than their own: one link less in CI).
-#[path = "equivalence/activation_checkpointing.rs"]
+// More of "trains like": activation checkpointing, and registration that streams.
 mod activation_checkpointing;
-#[path = "equivalence/frozen_and_unused.rs"]
 mod frozen_and_unused;
-#[path = "equivalence/streaming_shard.rs"]
 mod streaming_shard;
 
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The decorator's runtime behaviour: copies and traffic per mode, per-rank memory, gradient
 //! accumulation, failures and mismatched models.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

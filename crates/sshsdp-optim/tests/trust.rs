@@ -8,7 +8,7 @@
 //! * a non-finite gradient on one rank must be detected on every rank together: `step` fails
 //!   (the default) or skips the update on every rank, never applying NaN.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
