@@ -7,6 +7,9 @@
 //! * [`mxfp8_training`]: square-block MXFP8 runtime parameters train like bf16, at every world.
 //! * [`plan_and_mx`]: the planner's MXFP8 layout and the reference codec agree.
 //! * [`projection`]: the projection's bytes equal the runtime's counters of real runs.
+//!
+//! A new test file is a module here (`autotests = false`: no one else compiles it;
+//! `scripts/check_tests_declared` fails on a file no one names).
 
 mod common;
 mod mixed_precision;

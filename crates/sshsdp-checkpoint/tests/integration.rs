@@ -10,6 +10,9 @@
 //! * [`reshard`]: re-sharding across world sizes, replicas and consolidated files.
 //! * [`state_codec`]: the optimizer state codec on Burn's SGD, Adam and AdamW states.
 //! * [`untrusted_bytes`]: every reader answers `Ok` or `Err` for any bytes.
+//!
+//! A new test file is a module here (`autotests = false`: no one else compiles it;
+//! `scripts/check_tests_declared` fails on a file no one names).
 
 mod common;
 

@@ -6,6 +6,9 @@
 //! * [`muon`]: Muon and Newton–Schulz against independent float64 vectors.
 //! * [`runtime`]: copies, traffic and memory per mode, accumulation, failures, mismatches.
 //! * [`trust`]: a lagging replica, accumulation without refreshed leaves, a non-finite rank.
+//!
+//! A new test file is a module here (`autotests = false`: no one else compiles it;
+//! `scripts/check_tests_declared` fails on a file no one names).
 
 mod common;
 
