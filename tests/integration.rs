@@ -3,6 +3,7 @@
 //! `tests/wgpu_backend/` (the `wgpu` feature) is a binary of its own.
 //!
 //! * [`mixed_precision`]: FSDP2's mixed-precision policy on burn-flex (bf16 compute on the CPU).
+//! * [`muon_device`]: distributed Muon on device pieces steps like on host pieces; its checkpoints.
 //! * [`muon_sharded`]: distributed Muon equals single-device Muon; sharded optimizer checkpoints.
 //! * [`mxfp8_training`]: square-block MXFP8 runtime parameters train like bf16, at every world.
 //! * [`plan_and_mx`]: the planner's MXFP8 layout and the reference codec agree.
@@ -13,6 +14,7 @@
 
 mod common;
 mod mixed_precision;
+mod muon_device;
 mod muon_sharded;
 mod mxfp8_training;
 mod plan_and_mx;

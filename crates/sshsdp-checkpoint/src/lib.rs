@@ -159,6 +159,22 @@ pub enum CheckpointError {
         /// What disagrees.
         reason: String,
     },
+    /// A parameter's optimizer state in the checkpoint belongs to another optimizer role than
+    /// the one it has now (Muon momentum for a parameter now stepped element-wise, or the
+    /// other way round): its role changed (a module type or name now routes it elsewhere).
+    #[error(
+        "parameter {param} was saved with {saved} state but is stepped {now} now: its \
+         optimizer role changed since the checkpoint; keep its role, or load the weights alone \
+         and start the optimizer state cold"
+    )]
+    RoleChanged {
+        /// The parameter (its index in the plan).
+        param: usize,
+        /// The state the checkpoint holds.
+        saved: &'static str,
+        /// How it is stepped now.
+        now: &'static str,
+    },
     /// Part of a requested range is held by no shard.
     #[error(
         "elements [{start}, {end}) of array '{array}' of parameter '{path}' are held by no shard"

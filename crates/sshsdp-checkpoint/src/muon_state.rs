@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
 use sshsdp_optim::{ParamState, ShardedMuon, UpdateUnit};
+use sshsdp_plan::Role;
 
 use crate::{decode_state, encode_state, CheckpointError, EncodedState, UnitState};
 
@@ -18,12 +19,12 @@ impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
     }
 
     fn export_unit(&self, unit: &UpdateUnit) -> Result<Option<EncodedState>, CheckpointError> {
-        match self.param_state(unit.param) {
+        match self.param_state(unit.param)? {
             Some(ParamState::Momentum(m)) => {
                 let arrays = BTreeMap::from([(MUON_MOMENTUM.to_string(), m)]);
                 Ok(Some((arrays, BTreeMap::new())))
             }
-            Some(ParamState::Elementwise(state)) => Ok(Some(encode_state::<B, _>(state.clone())?)),
+            Some(ParamState::Elementwise(state)) => Ok(Some(encode_state::<B, _>(state)?)),
             None => Ok(None),
         }
     }
@@ -36,17 +37,30 @@ impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
         let (param, len) = (unit.param, unit.in_piece.len());
         let state = match state {
             None => None,
-            Some((mut arrays, scalars)) => Some(match arrays.remove(MUON_MOMENTUM) {
-                Some(m) => ParamState::Momentum(m),
-                None => ParamState::Elementwise(decode_state::<B, O::State<1>>(
+            Some((mut arrays, scalars)) => Some(match (arrays.remove(MUON_MOMENTUM), unit.role) {
+                (Some(m), Role::Matrix) => ParamState::Momentum(m),
+                (None, Role::Elementwise) => ParamState::Elementwise(decode_state::<B, O::State<1>>(
                     &arrays,
                     &scalars,
                     len,
                     self.device(),
                 )?),
+                (Some(_), Role::Elementwise) => {
+                    return Err(CheckpointError::RoleChanged {
+                        param,
+                        saved: "Muon momentum",
+                        now: "element-wise",
+                    })
+                }
+                (None, Role::Matrix) => {
+                    return Err(CheckpointError::RoleChanged {
+                        param,
+                        saved: "element-wise optimizer",
+                        now: "by Muon",
+                    })
+                }
             }),
         };
-        self.set_param_state(param, state);
-        Ok(())
+        Ok(self.set_param_state(param, state)?)
     }
 }

@@ -13,12 +13,9 @@
 //! the state per unit ([`ShardedOptimizer::param_state`]). (Matrix optimizers such as Muon need
 //! whole matrices: [`crate::ShardedMuon`].)
 
-use std::collections::HashMap;
-use std::hash::Hash;
-
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use sshsdp_backend::{
     HsdpError, HsdpRuntime, Piece, PieceValues, StepOutcome, UpdateGroup, Verdict, Views,
@@ -28,6 +25,7 @@ use crate::clip::GradClip;
 use crate::segments::{Block, Member, SegmentStates};
 use crate::state_codec::CodecError;
 use crate::step::ShardedStep;
+use crate::traffic::{read_values, upload_values, HostTraffic, TrafficCounter};
 use sshsdp_plan::UpdateUnit;
 
 /// A piece's bucket and its blocks to step.
@@ -44,6 +42,8 @@ pub struct ShardedOptimizer<B: Backend, O: SimpleOptimizer<B>> {
     clip: GradClip,
     /// `None`: at commit ([`ShardedOptimizer::with_verdict`]).
     verdict: Option<Verdict>,
+    /// The optimizer's own reads and uploads (host pieces, checkpoints' state reads aside).
+    traffic: TrafficCounter,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
@@ -56,7 +56,15 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             device,
             clip: GradClip::default(),
             verdict: None,
+            traffic: TrafficCounter::default(),
         }
+    }
+
+    /// The reads of tensor values into host memory and the uploads of host values this
+    /// optimizer made since the last call (host pieces: two uploads and one read per block;
+    /// device pieces: none), reset to zero.
+    pub fn take_host_traffic(&self) -> HostTraffic {
+        self.traffic.take()
     }
 
     /// When to read each step's non-finite verdict. By default at commit: at world 1 with
@@ -231,8 +239,14 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
                 grad: &grad[block.range.clone()],
                 grad_scale: grad_scale as f32,
             };
-            block.state =
-                step_with_state(&self.optimizer, block.state.take(), lr, slice, &self.device)?;
+            block.state = step_with_state(
+                &self.optimizer,
+                block.state.take(),
+                lr,
+                slice,
+                &self.device,
+                &self.traffic,
+            )?;
             self.states.put(bucket, block);
         }
         Ok(())
@@ -317,8 +331,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedOptimizer<B, O
     }
 }
 
-/// A flat run of fp32 master elements with its gradient, for [`step_slice`].
-pub struct Slice<'a> {
+/// A flat run of fp32 master elements with its gradient, stepped on the host.
+pub(crate) struct Slice<'a> {
     /// Master elements, updated in place.
     pub master: &'a mut [f32],
     /// Their gradient.
@@ -327,30 +341,15 @@ pub struct Slice<'a> {
     pub grad_scale: f32,
 }
 
-/// The adapter every sharded driver uses: one step of a Burn element-wise optimizer on a flat
-/// slice of fp32 master elements, with its state kept in `states` under `key`.
-pub fn step_slice<B: Backend, O: SimpleOptimizer<B>, K: Eq + Hash>(
-    optimizer: &O,
-    states: &mut HashMap<K, O::State<1>>,
-    key: K,
-    lr: f64,
-    slice: Slice<'_>,
-    device: &B::Device,
-) -> Result<(), HsdpError> {
-    let state = step_with_state(optimizer, states.remove(&key), lr, slice, device)?;
-    if let Some(state) = state {
-        states.insert(key, state);
-    }
-    Ok(())
-}
-
-/// One step of `optimizer` on `slice` from `state`; returns the new state.
-fn step_with_state<B: Backend, O: SimpleOptimizer<B>>(
+/// One step of `optimizer` on `slice` from `state` (uploaded to `device` and read back, charged
+/// to `traffic`); returns the new state.
+pub(crate) fn step_with_state<B: Backend, O: SimpleOptimizer<B>>(
     optimizer: &O,
     state: Option<O::State<1>>,
     lr: f64,
     slice: Slice<'_>,
     device: &B::Device,
+    traffic: &TrafficCounter,
 ) -> Result<Option<O::State<1>>, HsdpError> {
     let n = slice.master.len();
     let grad: Vec<f32> = if slice.grad_scale == 1.0 {
@@ -358,14 +357,10 @@ fn step_with_state<B: Backend, O: SimpleOptimizer<B>>(
     } else {
         slice.grad.iter().map(|g| g * slice.grad_scale).collect()
     };
-    let param = Tensor::<B, 1>::from_data(TensorData::new(slice.master.to_vec(), [n]), device);
-    let grad = Tensor::<B, 1>::from_data(TensorData::new(grad, [n]), device);
+    let param = upload_values::<B, 1>(slice.master.to_vec(), [n], device, traffic);
+    let grad = upload_values::<B, 1>(grad, [n], device, traffic);
     let (param, state) = optimizer.step(lr, param, grad, state);
-    let values = param
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| HsdpError::Failed(format!("reading updated optimizer values: {e:?}")))?;
+    let values = read_values(param, traffic)?;
     slice.master.copy_from_slice(&values);
     Ok(state)
 }

@@ -37,8 +37,9 @@ mod segments;
 mod sharded_muon;
 pub mod state_codec;
 mod step;
+mod traffic;
 
-pub use adaptor::{step_slice, ShardedOptimizer, Slice};
+pub use adaptor::ShardedOptimizer;
 pub use clip::{clip_factor, GradClip};
 pub use hybrid::MuonWithElementwise;
 pub use muon::{MatrixLayout, Muon, MuonConfig, MuonState, NsStats, UpdateScale};
@@ -48,3 +49,4 @@ pub use newton_schulz::{
 pub use sharded_muon::{MuonExchange, MuonStepStats, ParamState, ShardedMuon};
 pub use sshsdp_plan::UpdateUnit;
 pub use step::ShardedStep;
+pub use traffic::HostTraffic;

@@ -1,44 +1,53 @@
 //! [`ShardedMuon`]: distributed owner-compute Muon for matrices, with any element-wise Burn
-//! optimizer (AdamW by default) for everything else, on a sharded model's update pieces.
+//! optimizer (AdamW by default) for everything else, on a sharded model's update pieces —
+//! stepped where the runtime stores them: device pieces on the device (`device.rs`), host
+//! pieces on the host (`host.rs`, also `step_offloaded`'s CPU offload).
 //!
 //! Per step, on each rank:
 //! 1. Element-wise units (1-D parameters, embeddings, the LM head — the plan's roles) step
-//!    with the element-wise optimizer on their slice, state kept per parameter slice.
+//!    with the element-wise optimizer, one joint state per contiguous run of element-wise units
+//!    of a piece (a *segment*, as [`crate::ShardedOptimizer`] holds them): one optimizer chain
+//!    per run, whatever number of parameters it holds.
 //! 2. Matrix units update their momentum slice locally (`M ← μM + G`, `U = G + μM` with
 //!    Nesterov) — element-wise, so a slice needs nothing from other ranks.
 //! 3. A matrix whole in this rank's piece is orthogonalised right there: no communication.
-//! 4. Split matrices (cut by a piece boundary) are exchanged: each holder writes its `U` slice
-//!    into one buffer of all split matrices, one all-reduce over the update group assembles
-//!    them, the plan's Newton–Schulz owner orthogonalises each, and a second all-reduce hands
-//!    every holder its slice of the result. Each matrix is therefore orthogonalised exactly
-//!    once per update group (once in the world with the default hierarchical sharding; once
-//!    per replica under HSDP, whose replicas step identical copies).
+//!    Same-shape matrices are one batched Newton–Schulz ([`ShardedMuon::with_megabatches`]).
+//! 4. Split matrices (cut by a piece boundary) are exchanged: each holder's slice goes to the
+//!    plan's Newton–Schulz owner, which orthogonalises the assembled matrix, and each holder gets
+//!    its rows of the result back ([`MuonExchange`]; `exchange.rs` on the host,
+//!    `device_exchange.rs` on the device). Each matrix is therefore orthogonalised exactly once
+//!    per update group (once in the world with the default hierarchical sharding; once per
+//!    replica under HSDP, whose replicas step identical copies).
 //!
-//! Both all-reduces move the split matrices' elements only (the plan keeps them few: at most
-//! one per piece boundary). A point-to-point gather to the owner would move less; the
-//! engines' collective set has no gather-v yet.
+//! On device pieces nothing is read back: momentum is a device tensor, the update and the
+//! exchange run on device buffers, and the step's non-finite verdict is read at commit
+//! ([`Verdict::AtCommit`], world 1): the step's new momentum and states replace the old ones only
+//! when the commit says it applied ([`ShardedStep::settle`]). Every read and upload the optimizer
+//! makes is counted ([`MuonStepStats::host`], [`ShardedMuon::take_host_traffic`]).
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
-use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, UpdateGroup};
+use burn::tensor::{Int, Tensor};
+use sshsdp_backend::{
+    HsdpError, HsdpRuntime, Piece, PieceValues, StepOutcome, UpdateGroup, Verdict, Views,
+};
 
-use crate::{step_slice, GradClip, Slice};
+use crate::clip::GradClip;
+use crate::segments::{Member, SegmentStates};
+use crate::state_codec::CodecError;
+use crate::step::ShardedStep;
+use crate::traffic::{read_values, upload_values, HostTraffic, TrafficCounter};
+use crate::Muon;
 pub use sshsdp_plan::projection::MuonExchange;
 use sshsdp_plan::{Role, UpdateUnit};
 
-use crate::step::ShardedStep;
-use crate::Muon;
-
+mod device;
+mod device_exchange;
 mod exchange;
-
-/// A piece's host master and gradient slices.
-struct HostPiece<'a> {
-    master: &'a mut [f32],
-    grad: &'a [f32],
-}
+mod host;
 
 /// Newton–Schulz and exchange counts of the last step on this rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,12 +57,16 @@ pub struct MuonStepStats {
     /// Of those, split matrices assembled from other ranks' slices.
     pub ns_split: u64,
     /// Elements of the split matrices exchanged (each all-reduce's length with
-    /// [`MuonExchange::AllReduce`]; 0 when no matrix is split).
+    /// [`MuonExchange::AllReduce`], and on device pieces, which exchange by all-reduce; 0 when
+    /// no matrix is split).
     pub exchanged_elements: u64,
     /// Elements this rank sent to other ranks in the owner exchange (both directions).
     pub sent_elements: u64,
     /// Elements this rank received from other ranks in the owner exchange (both directions).
     pub received_elements: u64,
+    /// The optimizer's own reads of tensor values into host memory and uploads of host values
+    /// in the step (none on device pieces; the runtime's own staging is in its counters).
+    pub host: HostTraffic,
 }
 
 /// The optimizer state of one parameter's slice in a [`ShardedMuon`].
@@ -65,33 +78,59 @@ pub enum ParamState<S> {
     Elementwise(S),
 }
 
+/// Muon's momentum of one matrix slice, where the last step left it.
+#[derive(Clone, Debug)]
+enum Momentum<B: Backend> {
+    /// On the host (host pieces; a checkpoint's load).
+    Host(Vec<f32>),
+    /// On the optimizer's device (device pieces).
+    Device(Tensor<B, 1>),
+}
+
+/// The states a step whose verdict is read at commit replaces, put back when it does not apply.
+struct Saved<B: Backend, S> {
+    states: SegmentStates<S>,
+    momentum: HashMap<usize, Momentum<B>>,
+}
+
 /// Muon on matrices and an element-wise optimizer on the rest, over sharded pieces.
 pub struct ShardedMuon<B: Backend, O: SimpleOptimizer<B>> {
     muon: Muon,
     elementwise: O,
     device: B::Device,
-    states: HashMap<usize, O::State<1>>,
-    momentum: HashMap<usize, Vec<f32>>,
+    /// The element-wise units' states, by segment.
+    states: SegmentStates<O::State<1>>,
+    /// Muon's momentum, by parameter (a rank holds at most one slice of each).
+    momentum: HashMap<usize, Momentum<B>>,
+    /// The states before a step whose verdict is read at commit.
+    before: Option<Saved<B, O::State<1>>>,
     last: MuonStepStats,
     clip: GradClip,
     exchange: MuonExchange,
     megabatch: bool,
+    traffic: TrafficCounter,
+    /// Device exchange: where each split slice's elements sit in the dense buffer of split
+    /// matrices, by `(parameter, its offset there)` (uploaded once, then reused).
+    positions: HashMap<(usize, usize), Tensor<B, 1, Int>>,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     /// `muon` for `Matrix` parameters, `elementwise` (e.g. AdamW) for the others; state and
-    /// Newton–Schulz run on `device`.
+    /// Newton–Schulz run on `device` (the runtime's own device steps device pieces in place).
     pub fn new(muon: Muon, elementwise: O, device: B::Device) -> Self {
         Self {
             muon,
             elementwise,
             device,
-            states: HashMap::new(),
+            states: SegmentStates::default(),
             momentum: HashMap::new(),
+            before: None,
             last: MuonStepStats::default(),
             clip: GradClip::default(),
             exchange: MuonExchange::default(),
             megabatch: true,
+            traffic: TrafficCounter::default(),
+            positions: HashMap::new(),
         }
     }
 
@@ -104,14 +143,16 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     }
 
     /// The same optimizer exchanging split matrices by `exchange` (default
-    /// [`MuonExchange::OwnerAllToAll`]). Both give bitwise the same update.
+    /// [`MuonExchange::OwnerAllToAll`]). Both give bitwise the same update. Device pieces
+    /// exchange by all-reduce on device buffers whichever is chosen (an owner all-to-all-v on
+    /// device buffers is not built yet: docs/LAUNCH.md).
     pub fn with_exchange(mut self, exchange: MuonExchange) -> Self {
         self.exchange = exchange;
         self
     }
 
     /// Clips the global gradient norm (over all shards, measured by the runtime) to `max_norm`
-    /// before each step.
+    /// before each step (on the device where the verdict is read at commit).
     pub fn with_grad_clipping(mut self, max_norm: f64) -> Self {
         self.clip = GradClip::new(Some(max_norm));
         self
@@ -132,172 +173,207 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         self.last
     }
 
+    /// The reads of tensor values into host memory and the uploads of host values this
+    /// optimizer made since the last call (steps and checkpoints' state reads alike), reset to
+    /// zero.
+    pub fn take_host_traffic(&self) -> HostTraffic {
+        self.traffic.take()
+    }
+
     /// The device the optimizer state lives on.
     pub fn device(&self) -> &B::Device {
         &self.device
     }
 
     /// The optimizer state of this rank's slice of parameter `param` (a plan index): Muon's
-    /// momentum for a matrix, the element-wise optimizer's record otherwise; `None` before its
-    /// first step. For checkpoints.
-    pub fn param_state(&self, param: usize) -> Option<ParamState<&O::State<1>>> {
+    /// momentum for a matrix (read back from the device where it lives there), the element-wise
+    /// optimizer's record otherwise (sliced out of its segment); `None` before its first step.
+    /// For checkpoints.
+    pub fn param_state(&self, param: usize) -> Result<Option<ParamState<O::State<1>>>, CodecError> {
         match self.momentum.get(&param) {
-            Some(m) => Some(ParamState::Momentum(m.clone())),
-            None => self.states.get(&param).map(ParamState::Elementwise),
+            Some(Momentum::Host(m)) => Ok(Some(ParamState::Momentum(m.clone()))),
+            Some(Momentum::Device(m)) => read_values(m.clone(), &self.traffic)
+                .map(|m| Some(ParamState::Momentum(m)))
+                .map_err(|e| CodecError(e.to_string())),
+            None => Ok(self
+                .states
+                .unit_state::<B>(param, &self.device)?
+                .map(ParamState::Elementwise)),
         }
     }
 
     /// Replaces the state of this rank's slice of parameter `param` (`None`: no state yet).
-    /// For checkpoints.
-    pub fn set_param_state(&mut self, param: usize, state: Option<ParamState<O::State<1>>>) {
+    /// For checkpoints. Momentum set here moves to the device at the next device step.
+    pub fn set_param_state(
+        &mut self,
+        param: usize,
+        state: Option<ParamState<O::State<1>>>,
+    ) -> Result<(), CodecError> {
         self.momentum.remove(&param);
-        self.states.remove(&param);
         match state {
             Some(ParamState::Momentum(m)) => {
-                self.momentum.insert(param, m);
+                self.states.set_unit_state::<B>(param, None, &self.device)?;
+                self.momentum.insert(param, Momentum::Host(m));
             }
             Some(ParamState::Elementwise(s)) => {
-                self.states.insert(param, s);
+                self.states.set_unit_state::<B>(param, Some(s), &self.device)?;
             }
-            None => {}
+            None => self.states.set_unit_state::<B>(param, None, &self.device)?,
         }
+        Ok(())
     }
 
-    /// Newton–Schulz of whole matrices' updates `(param, values)`, in order: same-shape
-    /// matrices in one batched Newton–Schulz each ([`Self::with_megabatches`]), or one by one.
-    fn orthogonalize_all<R: Backend>(
-        &self,
-        runtime: &HsdpRuntime<R>,
-        matrices: Vec<(usize, Vec<f32>)>,
-    ) -> Result<Vec<(usize, Vec<f32>)>, HsdpError> {
-        let shape = |param: usize| {
-            let s = &runtime.plan().params()[param].spec.shape;
-            [s[0], s[1]]
-        };
-        let mut out: Vec<Option<Vec<f32>>> = vec![None; matrices.len()];
-        // Indices by shape, in order of first appearance.
-        let mut batches: Vec<([usize; 2], Vec<usize>)> = Vec::new();
-        for (i, (param, _)) in matrices.iter().enumerate() {
-            let s = shape(*param);
-            match batches.iter_mut().find(|(b, _)| *b == s) {
-                Some((_, members)) if self.megabatch => members.push(i),
-                _ => batches.push((s, vec![i])),
-            }
-        }
-        for ([rows, cols], members) in batches {
-            if members.len() == 1 {
-                let (param, u) = &matrices[members[0]];
-                out[members[0]] = Some(self.orthogonalize(runtime, *param, u.clone())?);
-                continue;
-            }
-            let n = rows * cols;
-            let mut values = Vec::with_capacity(members.len() * n);
-            for &i in &members {
-                values.extend_from_slice(&matrices[i].1);
-            }
-            let batch = Tensor::<B, 3>::from_data(
-                TensorData::new(values, [members.len(), rows, cols]),
-                &self.device,
-            );
-            let o = read(self.muon.orthogonalize_batch(batch))?;
-            for (k, &i) in members.iter().enumerate() {
-                out[i] = Some(o[k * n..(k + 1) * n].to_vec());
-            }
-        }
-        Ok(matrices
-            .into_iter()
-            .zip(out)
-            .map(|((param, _), o)| (param, o.expect("every matrix is in a batch")))
-            .collect())
-    }
-
-    /// The element-wise optimizer on one slice (gradient already clipped).
-    fn step_elementwise(
+    /// Takes out the blocks of element-wise units to step in bucket `bucket`'s piece of `len`
+    /// elements whose units are `units` (every unit of the piece, matrices too, so that a run
+    /// of element-wise units never stretches over a matrix).
+    fn elementwise_blocks(
         &mut self,
-        lr: f64,
-        param: usize,
-        master: &mut [f32],
-        grad: &[f32],
-    ) -> Result<(), HsdpError> {
-        let slice = Slice {
-            master,
-            grad,
-            grad_scale: 1.0,
-        };
-        step_slice(
-            &self.elementwise,
-            &mut self.states,
-            param,
-            lr,
-            slice,
-            &self.device,
-        )
+        bucket: usize,
+        len: usize,
+        units: &[&UpdateUnit],
+        group: &UpdateGroup<'_>,
+    ) -> Result<Vec<crate::segments::Block<O::State<1>>>, HsdpError> {
+        let members: Vec<Member> = units
+            .iter()
+            .map(|u| Member {
+                param: u.param,
+                range: u.in_piece.clone(),
+            })
+            .collect();
+        let elementwise: Vec<usize> = units
+            .iter()
+            .filter(|u| u.role == Role::Elementwise)
+            .map(|u| u.param)
+            .collect();
+        self.states
+            .take_blocks::<B>(
+                bucket,
+                len,
+                &members,
+                |p| elementwise.contains(&p) && group.received_gradient(p),
+                &self.device,
+            )
+            .map_err(|e| HsdpError::Failed(format!("splitting optimizer state: {}", e.0)))
     }
 
-    /// Momentum of one matrix slice; returns its update `U` (Nesterov or plain momentum).
-    fn momentum_update(&mut self, unit: &UpdateUnit, grad: &[f32]) -> Vec<f32> {
-        let cfg = self.muon.config();
-        let mu = cfg.momentum as f32;
-        // Keyed by parameter: a rank holds at most one slice of each parameter.
-        let m = self
-            .momentum
-            .entry(unit.param)
-            .and_modify(|m| m.iter_mut().zip(grad).for_each(|(m, &g)| *m = *m * mu + g))
-            .or_insert_with(|| grad.to_vec());
-        if cfg.nesterov {
-            grad.iter()
-                .zip(m.iter())
-                .map(|(&g, &m)| g + m * mu)
-                .collect()
-        } else {
-            m.clone()
-        }
-    }
-
-    /// Newton–Schulz of a whole matrix's update.
-    fn orthogonalize<R: Backend>(
-        &self,
-        runtime: &HsdpRuntime<R>,
-        param: usize,
-        u: Vec<f32>,
-    ) -> Result<Vec<f32>, HsdpError> {
-        let shape = &runtime.plan().params()[param].spec.shape;
-        let u = Tensor::<B, 2>::from_data(TensorData::new(u, [shape[0], shape[1]]), &self.device);
-        read(self.muon.orthogonalize(u))
-    }
-
-    /// `W ← W·(1 − lr·wd) − lr·scale·O` on one slice.
-    fn apply<R: Backend>(
-        &self,
-        lr: f64,
-        runtime: &HsdpRuntime<R>,
-        param: usize,
-        master: &mut [f32],
-        o: &[f32],
-    ) {
+    /// The update scale and decay of parameter `param`'s matrix: `W ← W·decay − step·O`.
+    fn apply_factors<R: Backend>(&self, lr: f64, runtime: &HsdpRuntime<R>, param: usize) -> (f32, f32) {
         let shape = &runtime.plan().params()[param].spec.shape;
         let scale = self.muon.update_scale([shape[0], shape[1]]);
         let decay = (1.0 - lr * self.muon.config().weight_decay) as f32;
-        let step = (lr * scale) as f32;
-        master
-            .iter_mut()
-            .zip(o)
-            .for_each(|(w, &o)| *w = *w * decay - o * step);
+        (decay, (lr * scale) as f32)
+    }
+
+    /// Momentum of one matrix slice on the device; returns its update `U` (Nesterov or plain
+    /// momentum). Momentum a checkpoint left on the host is uploaded once.
+    fn momentum_update_device(&mut self, param: usize, grad: Tensor<B, 1>) -> Tensor<B, 1> {
+        let cfg = self.muon.config();
+        let mu = cfg.momentum as f32;
+        let m = match self.momentum.remove(&param) {
+            Some(Momentum::Device(m)) => m.mul_scalar(mu).add(grad.clone()),
+            Some(Momentum::Host(m)) => {
+                let n = m.len();
+                upload_values::<B, 1>(m, [n], &self.device, &self.traffic)
+                    .mul_scalar(mu)
+                    .add(grad.clone())
+            }
+            None => grad.clone(),
+        };
+        self.momentum.insert(param, Momentum::Device(m.clone()));
+        if cfg.nesterov {
+            grad.add(m.mul_scalar(mu))
+        } else {
+            m
+        }
+    }
+
+    /// Momentum of one matrix slice on the host; returns its update `U`. Momentum a device step
+    /// left on the device is read back once.
+    fn momentum_update_host(&mut self, param: usize, grad: &[f32]) -> Result<Vec<f32>, HsdpError> {
+        let cfg = self.muon.config();
+        let mu = cfg.momentum as f32;
+        let m = match self.momentum.remove(&param) {
+            Some(Momentum::Host(mut m)) => {
+                m.iter_mut().zip(grad).for_each(|(m, &g)| *m = *m * mu + g);
+                m
+            }
+            Some(Momentum::Device(m)) => {
+                let mut m = read_values(m, &self.traffic)?;
+                m.iter_mut().zip(grad).for_each(|(m, &g)| *m = *m * mu + g);
+                m
+            }
+            None => grad.to_vec(),
+        };
+        let u = if cfg.nesterov {
+            grad.iter().zip(&m).map(|(&g, &m)| g + m * mu).collect()
+        } else {
+            m.clone()
+        };
+        self.momentum.insert(param, Momentum::Host(m));
+        Ok(u)
     }
 }
 
-/// A tensor's values as f32.
-fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, HsdpError> {
-    t.into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| HsdpError::Failed(format!("reading optimizer values: {e:?}")))
+/// `t`'s elements `range` (`t` itself when the range is all of it).
+fn range_of<B: Backend>(t: &Tensor<B, 1>, range: &Range<usize>) -> Tensor<B, 1> {
+    if *range == (0..t.dims()[0]) {
+        t.clone()
+    } else {
+        t.clone().slice(range.clone())
+    }
 }
 
-/// Host slices in every case (the trait's defaults): Muon's exchange and Newton–Schulz read whole
-/// matrices on the host.
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedMuon<B, O> {
-    /// One step on `runtime`'s pieces, as host views, whatever its backend.
+    /// Where the masters live: device pieces step on the device.
+    fn views(&self) -> Views {
+        Views::AsStored
+    }
+
+    /// At commit: the step's new momentum and element-wise states replace the old ones only
+    /// when it applied ([`Self::settle`]).
+    fn verdict(&self) -> Verdict {
+        Verdict::AtCommit
+    }
+
+    fn max_grad_norm(&self) -> Option<f64> {
+        self.clip.max_norm
+    }
+
+    fn settle(&mut self, outcome: Option<&StepOutcome>) {
+        let before = self.before.take();
+        let restore = match outcome {
+            Some(outcome) => {
+                if let Some(norm) = outcome.grad_norm {
+                    self.clip.last_norm = Some(norm);
+                }
+                !outcome.applied
+            }
+            // The step failed: the runtime has failed too; the states go back as they were.
+            None => true,
+        };
+        if let (true, Some(saved)) = (restore, before) {
+            self.states = saved.states;
+            self.momentum = saved.momentum;
+        }
+    }
+
+    fn step_pieces(
+        &mut self,
+        lr: f64,
+        runtime: &HsdpRuntime<B>,
+        pieces: &mut [Piece<B>],
+        group: &UpdateGroup<'_>,
+    ) -> Result<(), HsdpError> {
+        let on_device = pieces
+            .iter()
+            .any(|p| matches!(p.values, PieceValues::Device { .. }));
+        if on_device {
+            self.step_device(lr, runtime, pieces, group)
+        } else {
+            self.step_host_pieces(lr, runtime, pieces, group)
+        }
+    }
+
     fn step_host_pieces<R: Backend>(
         &mut self,
         lr: f64,
@@ -305,76 +381,6 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedStep<B> for ShardedMuon<B, O> {
         pieces: &mut [Piece<R>],
         group: &UpdateGroup<'_>,
     ) -> Result<(), HsdpError> {
-        let mut units = runtime
-            .plan()
-            .update_units(pieces.iter().map(|p| (p.bucket, p.index)))?;
-        // A parameter without a gradient in this step (on any rank) is not stepped, its
-        // momentum and state left alone, as Burn's optimizers do; every rank agrees.
-        units.retain(|u| group.received_gradient(u.param));
-        // Host slices (device masters are staged by the runtime for `Views::Host`).
-        let mut pieces: Vec<HostPiece<'_>> = pieces
-            .iter_mut()
-            .map(|p| p.host().map(|(master, grad)| HostPiece { master, grad }))
-            .collect::<Result<_, _>>()?;
-        let plan = runtime.plan();
-        let mut stats = MuonStepStats::default();
-        let scale = self.clip.factor(group) as f32;
-        let scaled: Vec<Option<Vec<f32>>> = pieces
-            .iter()
-            .map(|p| (scale != 1.0).then(|| p.grad.iter().map(|g| g * scale).collect()))
-            .collect();
-        let mut split_updates = Vec::new();
-        let mut owned_updates = Vec::new();
-        for unit in &units {
-            let piece = &mut pieces[unit.piece];
-            let grad = match &scaled[unit.piece] {
-                Some(g) => &g[unit.in_piece.clone()],
-                None => &piece.grad[unit.in_piece.clone()],
-            };
-            match unit.role {
-                Role::Elementwise => {
-                    let master = &mut piece.master[unit.in_piece.clone()];
-                    self.step_elementwise(lr, unit.param, master, grad)?;
-                }
-                Role::Matrix => {
-                    let u = self.momentum_update(unit, grad);
-                    if plan.params()[unit.param].split {
-                        split_updates.push((unit.clone(), u));
-                    } else {
-                        owned_updates.push((unit.clone(), u));
-                    }
-                }
-            }
-        }
-        // Split matrices go to their owners (in plan order); every matrix this rank owns —
-        // whole in its pieces or assembled — is orthogonalised here, same shapes together.
-        split_updates.sort_by_key(|(unit, _)| unit.param);
-        let assembled = self.send_to_owners(runtime, group, &split_updates, &mut stats)?;
-        let whole = owned_updates.len();
-        let (owned_units, owned_u): (Vec<UpdateUnit>, Vec<Vec<f32>>) =
-            owned_updates.into_iter().unzip();
-        let matrices: Vec<(usize, Vec<f32>)> = owned_units
-            .iter()
-            .map(|unit| unit.param)
-            .zip(owned_u)
-            .chain(assembled)
-            .collect();
-        stats.ns_local += matrices.len() as u64;
-        stats.ns_split += (matrices.len() - whole) as u64;
-        let mut orthogonal = self.orthogonalize_all(runtime, matrices)?;
-        let split_results: Vec<(usize, Vec<f32>)> = orthogonal.split_off(whole);
-        for (unit, (_, o)) in owned_units.iter().zip(orthogonal) {
-            let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
-            self.apply(lr, runtime, unit.param, master, &o);
-        }
-        // Each holder's rows of the results back.
-        let rows =
-            self.return_to_holders(runtime, group, &split_updates, split_results, &mut stats)?;
-        for ((unit, _), o) in split_updates.iter().zip(rows) {
-            let master = &mut pieces[unit.piece].master[unit.in_piece.clone()];
-            self.apply(lr, runtime, unit.param, master, &o);
-        }
-        self.last = stats;
-        Ok(())
+        self.step_host(lr, runtime, pieces, group)
     }
 }

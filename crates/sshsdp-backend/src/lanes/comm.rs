@@ -167,6 +167,15 @@ pub(crate) trait MeshComm {
     /// Replica lane. Sum over the update group (the ranks whose pieces make up a bucket: the
     /// world when hierarchical, the shard group under HSDP, this rank alone under DDP).
     fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()>;
+    /// Replica lane. [`MeshComm::all_reduce_update_group`] on device memory: `count` f32 units
+    /// of `bufs` (one buffer, in place) summed over the update group (nothing under DDP).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    fn all_reduce_update_group_device(
+        &self,
+        sharding: Sharding,
+        bufs: &mut dyn DeviceBuffers,
+        count: usize,
+    ) -> CommResult<()>;
     /// Replica lane. All-to-all with per-peer counts over the update group (counts indexed by
     /// update-group rank; under DDP the group is this rank alone: `recv` is `send`).
     fn all_to_all_v_update_group(
@@ -312,6 +321,20 @@ impl<C: Collective> MeshComm for MeshComms<C> {
             Sharding::Hsdp => self.shard_group().all_reduce(buf, ReduceOp::Sum),
             Sharding::Ddp => Ok(()),
         }
+    }
+
+    fn all_reduce_update_group_device(
+        &self,
+        sharding: Sharding,
+        bufs: &mut dyn DeviceBuffers,
+        count: usize,
+    ) -> CommResult<()> {
+        let group = match sharding {
+            Sharding::Hierarchical => self.world(),
+            Sharding::Hsdp => self.shard_group(),
+            Sharding::Ddp => return Ok(()),
+        };
+        bufs.run(device_group(group)?, PeerOp::AllReduce, count)
     }
 
     fn all_to_all_v_update_group(

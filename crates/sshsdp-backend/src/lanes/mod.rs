@@ -100,7 +100,9 @@ mod serve;
 pub use comm::RUNTIME_LANES;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) use jobs::ReadUnits;
-pub(crate) use jobs::{DeviceGatherJob, DeviceReduceJob, Reply, ShardPart, StageUnits};
+pub(crate) use jobs::{
+    DeviceGatherJob, DeviceReduceJob, Reply, ShardPart, StageUnits, UpdateBuffer, UpdateSum,
+};
 
 /// Handle to the two communication lanes.
 pub(crate) struct Worker {
@@ -284,9 +286,9 @@ impl Worker {
         self.send(|reply| Request::ReduceOnDevice { tag, job, reply })
     }
 
-    /// Sum of `buf` over the update group (the optimizer's exchanges, e.g. Muon's split
-    /// matrices).
-    pub fn all_reduce(&self, buf: Vec<f32>) -> Reply {
+    /// Sum of `buf` (host or device memory) over the update group (the optimizer's exchanges,
+    /// e.g. Muon's split matrices).
+    pub fn all_reduce(&self, buf: UpdateBuffer) -> Reply<UpdateSum> {
         let tag = self.tag(None, "optimizer all-reduce");
         self.send(|reply| Request::Replica(ReplicaRequest::AllReduce { tag, buf, reply }))
     }

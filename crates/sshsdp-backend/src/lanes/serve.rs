@@ -11,7 +11,7 @@ use sshsdp_plan::Sharding;
 use half::bf16;
 
 use super::comm::MeshComm;
-use super::jobs::{DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits};
+use super::jobs::{DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits, UpdateBuffer, UpdateSum};
 use crate::config::Precision;
 use crate::runtime_units::{DeviceUnits, Elems, Gathered};
 use crate::timeline::{Timeline, Track};
@@ -73,10 +73,11 @@ pub(super) enum ReplicaRequest {
         job: Box<dyn DeviceGatherJob>,
         reply: Sender<CommResult<DeviceUnits>>,
     },
+    /// The update group's all-reduce, on host or device memory (one job, two forms).
     AllReduce {
         tag: CallTag,
-        buf: Vec<f32>,
-        reply: Sender<CommResult<Vec<f32>>>,
+        buf: UpdateBuffer,
+        reply: Sender<CommResult<UpdateSum>>,
     },
     AllToAllV {
         tag: CallTag,
@@ -267,14 +268,17 @@ pub(super) fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                 });
                 let _ = reply.send(r.map(|()| job.into_piece()));
             }
-            ReplicaRequest::AllReduce {
-                tag,
-                mut buf,
-                reply,
-            } => {
-                let r = lane.run("all-reduce (update group)", tag, || {
-                    comm.all_reduce_update_group(sharding, &mut buf)?;
-                    Ok(buf)
+            ReplicaRequest::AllReduce { tag, buf, reply } => {
+                let r = lane.run("all-reduce (update group)", tag, || match buf {
+                    UpdateBuffer::Host(mut buf) => {
+                        comm.all_reduce_update_group(sharding, &mut buf)?;
+                        Ok(UpdateSum::Host(buf))
+                    }
+                    UpdateBuffer::Device(mut job) => {
+                        let count = job.count();
+                        comm.all_reduce_update_group_device(sharding, job.buffers()?, count)?;
+                        Ok(UpdateSum::Device(job.into_units()))
+                    }
                 });
                 let _ = reply.send(r);
             }

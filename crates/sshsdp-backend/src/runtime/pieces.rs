@@ -2,12 +2,15 @@
 //! gradients, on the host or the device) and the update group it may exchange with (Muon's
 //! whole matrices).
 
-use burn_backend::Backend;
+use std::sync::Arc;
+
+use burn_backend::{Backend, TensorMetadata};
 
 use crate::error::HsdpError;
-use crate::lanes::Worker;
-use crate::storage::PieceValues;
+use crate::lanes::{UpdateBuffer, UpdateSum, Worker};
+use crate::storage::{device_piece, device_update_sum, download, upload, PieceValues};
 use crate::timeline::{Timeline, Track};
+use crate::traffic::{Purpose, Traffic};
 
 /// How an update hands this rank's pieces to its caller.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -66,6 +69,10 @@ impl<B: Backend> Piece<B> {
 pub struct UpdateGroup<'a> {
     pub(super) worker: &'a Worker,
     pub(super) timeline: &'a Timeline,
+    /// Charged with what a staged device exchange moves.
+    pub(super) traffic: &'a Arc<Traffic>,
+    /// Whether the engine sums device memory itself (else a device exchange is staged).
+    pub(super) engine_on_device: bool,
     pub(super) piece: usize,
     /// The update-group rank holding each piece.
     pub(super) piece_ranks: Vec<usize>,
@@ -76,13 +83,66 @@ pub struct UpdateGroup<'a> {
 
 impl UpdateGroup<'_> {
     /// Element-wise sum of `buf` over the update group (every rank calls it, in the same order).
+    /// A group of one rank makes no collective: the sum is `buf`.
     pub fn all_reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, HsdpError> {
+        if self.alone() {
+            return Ok(buf);
+        }
+        match self.sum(UpdateBuffer::Host(buf))? {
+            UpdateSum::Host(sum) => Ok(sum),
+            UpdateSum::Device(_) => Err(HsdpError::Failed(
+                "a host all-reduce came back in device memory".into(),
+            )),
+        }
+    }
+
+    /// [`Self::all_reduce_sum`] of a 1-D f32 tensor of the decorated backend `B` on `device`,
+    /// where it is: summed in place by the engine where it moves device memory (NCCL, or ranks
+    /// of this process sharing a CubeCL device), else staged through the host collectives (read
+    /// back and uploaded: charged to the runtime's counters as staging). A group of one rank
+    /// makes no collective and moves nothing.
+    pub fn all_reduce_sum_tensor<B: Backend>(
+        &self,
+        tensor: B::FloatTensorPrimitive,
+        device: &B::Device,
+    ) -> Result<B::FloatTensorPrimitive, HsdpError> {
+        if self.alone() {
+            return Ok(tensor);
+        }
+        let n = tensor.shape().num_elements();
+        let job = if self.engine_on_device {
+            device_update_sum::<B>(tensor.clone(), self.traffic)
+        } else {
+            None
+        };
+        let buf = match job {
+            Some(job) => UpdateBuffer::Device(job),
+            None => UpdateBuffer::Host(download::<B>(tensor, self.traffic, Purpose::Stage)?),
+        };
+        match self.sum(buf)? {
+            UpdateSum::Device(units) if units.len == n => device_piece::<B>(&units, device),
+            UpdateSum::Host(sum) if sum.len() == n => {
+                Ok(upload::<B>(sum, device, self.traffic, Purpose::Stage))
+            }
+            _ => Err(HsdpError::Failed(
+                "an update-group all-reduce returned another length than it was given".into(),
+            )),
+        }
+    }
+
+    /// One all-reduce of `buf` over the update group, waited for.
+    fn sum(&self, buf: UpdateBuffer) -> Result<UpdateSum, HsdpError> {
         let reply = self.worker.all_reduce(buf);
         Ok(self
             .timeline
             .span(Track::Model, "wait optimizer all-reduce", None, || {
                 reply.wait()
             })?)
+    }
+
+    /// Whether the update group is this rank alone (its collectives move nothing).
+    fn alone(&self) -> bool {
+        self.piece_ranks.len() <= 1
     }
 
     /// Sends `send[p]` to the holder of piece `p` and returns, per piece `p`, the
@@ -113,6 +173,19 @@ impl UpdateGroup<'_> {
                 send.len(),
                 recv_counts.len()
             )));
+        }
+        if self.alone() {
+            // A group of one: this rank's chunk for itself, no collective.
+            let mine = send.into_iter().next().unwrap_or_default();
+            if mine.len() != recv_counts.iter().sum::<usize>() {
+                return Err(HsdpError::Failed(format!(
+                    "exchange on one rank: {} elements sent, {} expected",
+                    mine.len(),
+                    recv_counts.iter().sum::<usize>()
+                )));
+            }
+            let n = mine.len();
+            return Ok((mine, std::iter::once(0..n).collect()));
         }
         // Pieces in update-group rank order.
         let mut by_rank = vec![0; pieces];

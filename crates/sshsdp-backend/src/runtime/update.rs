@@ -266,6 +266,8 @@ impl<B: Backend> Runtime<B> {
         let group = UpdateGroup {
             worker: &self.ctx.worker,
             timeline: &self.ctx.timeline,
+            traffic: &self.ctx.traffic,
+            engine_on_device: self.ctx.engine_on_device,
             piece: self.ctx.piece,
             piece_ranks: piece_ranks(&self.plan)?,
             grad_norm,

@@ -59,7 +59,6 @@ pub(crate) use codec::BucketCodec;
 pub(crate) use compute::{ComputeBuf, Member};
 pub(crate) use host::views::with_f32_values;
 pub(crate) use rebuild::ShardRebuild;
-#[cfg(all(test, feature = "wgpu"))]
 pub(crate) use roles::upload;
 pub use roles::DeviceMemory;
 pub(crate) use roles::{
@@ -393,6 +392,21 @@ pub(crate) fn device_gather<B: Backend>(
     {
         let _ = (device, send, full_len, traffic);
         Err(no_cube())
+    }
+}
+
+/// The in-place all-reduce job of `tensor` (f32, 1-D) over the update group, moved by the
+/// engine in device memory (`None` where `B` is not a CubeCL backend this build supports).
+pub(crate) fn device_update_sum<B: Backend>(
+    tensor: B::FloatTensorPrimitive,
+    traffic: &Arc<Traffic>,
+) -> Option<Box<dyn DeviceGatherJob>> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    return cube::update_sum::update_sum_job_if_cube::<B>(tensor, traffic);
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = (tensor, traffic);
+        None
     }
 }
 

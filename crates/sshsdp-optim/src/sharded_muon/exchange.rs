@@ -149,9 +149,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
 /// A split matrix: its owner and the rows each piece holds.
 pub(super) struct SplitMatrix {
     /// Plan index.
-    param: usize,
+    pub(super) param: usize,
     /// The piece that orthogonalises it.
-    owner: usize,
+    pub(super) owner: usize,
     /// `(piece, elements of the matrix)` of every holder, in piece order.
     holders: Vec<(usize, std::ops::Range<usize>)>,
 }
@@ -195,7 +195,7 @@ fn owner(plan: &sshsdp_plan::Plan, param: usize) -> Result<usize, HsdpError> {
 }
 
 /// Each split matrix's offset in a dense buffer of all of them (plan order), and its length.
-fn dense_offsets(
+pub(super) fn dense_offsets(
     split: &[SplitMatrix],
     plan: &sshsdp_plan::Plan,
 ) -> (HashMap<usize, usize>, usize) {

@@ -11,7 +11,8 @@
 //!   by ranks of this process that share the device (CubeCL kernels): the device seam;
 //! * `gather.rs`: all-gathers (and shard rebuilds) into device memory;
 //! * `reduce.rs`: gradient reductions from device memory, by the engine or staged via the host;
-//! * `shard.rs`: runtime shards held in device memory (read back, uploaded).
+//! * `shard.rs`: runtime shards held in device memory (read back, uploaded);
+//! * `update_sum.rs`: an optimizer's all-reduce over the update group, in place on the device.
 //!
 //! This module holds what they share: the runtimes this build supports ([`for_each_runtime`]),
 //! the client of a device, stream ordering across threads, and buffer sizes.
@@ -35,6 +36,7 @@ mod exchange_tests;
 pub(crate) mod gather;
 pub(crate) mod reduce;
 pub(crate) mod shard;
+pub(crate) mod update_sum;
 pub(crate) mod views;
 
 /// Calls `$body` with `$R` bound to each CubeCL runtime this build supports.
