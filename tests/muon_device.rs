@@ -25,9 +25,7 @@ use sshsdp::checkpoint;
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
 use sshsdp::models::{Gpt, GptConfig};
-use sshsdp::optim::{
-    HostTraffic, MuonConfig, MuonExchange, ParamState, ShardedMuon, ShardedStep,
-};
+use sshsdp::optim::{HostTraffic, MuonConfig, MuonExchange, ParamState, ShardedMuon, ShardedStep};
 use sshsdp::plan::{Mesh, Sharding};
 
 type Inner = NdArray<f32>;
@@ -185,7 +183,8 @@ fn run(
 /// The largest absolute difference between two runs' rank-0 weights, and between their mean
 /// losses relative to the loss.
 fn distance(a: &[RankRun], b: &[RankRun]) -> (f32, f32) {
-    let mean = |r: &[RankRun], i: usize| r.iter().map(|r| r.losses[i]).sum::<f32>() / r.len() as f32;
+    let mean =
+        |r: &[RankRun], i: usize| r.iter().map(|r| r.losses[i]).sum::<f32>() / r.len() as f32;
     let loss = (0..a[0].losses.len())
         .map(|i| ((mean(a, i) - mean(b, i)) / mean(b, i)).abs())
         .fold(0f32, f32::max);
@@ -238,7 +237,10 @@ fn device_muon_steps_like_host_muon() {
                 assert!(r.traffic[0].is_empty(), "{what}: {:?}", r.traffic[0]);
             }
         }
-        assert!(host[0].traffic.iter().all(|t| t.reads > 0), "host steps read");
+        assert!(
+            host[0].traffic.iter().all(|t| t.reads > 0),
+            "host steps read"
+        );
     }
 }
 
@@ -250,8 +252,15 @@ fn a_non_finite_device_step_applies_nothing_momentum_included() {
     let skipped = run(setup, &[0, 1, 2, 3, 4], Some(2), None, None);
     assert_eq!(skipped[0].skipped, 1);
     let without = run(setup, &[0, 1, 3, 4], None, None, None);
-    assert_eq!(skipped[0].weights, without[0].weights);
-    assert_eq!(skipped[0].states, without[0].states);
+    for ((path, a), (_, b)) in skipped[0].weights.iter().zip(&without[0].weights) {
+        assert!(
+            a == b,
+            "{path}: the skipped run differs from the run without the batch"
+        );
+    }
+    for (param, (a, b)) in skipped[0].states.iter().zip(&without[0].states).enumerate() {
+        assert!(a == b, "parameter {param}'s optimizer state differs");
+    }
 }
 
 /// Device momentum saved at world 2 is read by host Muon at world 2 bit for bit, and host Muon
@@ -270,10 +279,19 @@ fn device_and_host_muon_resume_each_other_at_any_world_size() {
             assert_eq!(a.states, b.states, "{what}");
             assert_eq!(a.weights, b.weights, "{what}");
         }
-        assert!(saved[0].states.iter().any(|s| matches!(s, Some(ParamState::Momentum(_)))));
+        assert!(saved[0]
+            .states
+            .iter()
+            .any(|s| matches!(s, Some(ParamState::Momentum(_)))));
         // Another world: training continues as the uninterrupted run.
         let whole = run(Setup::new((1, 2), saver), &all, None, None, None);
-        let resumed = run(Setup::new((1, 1), loader), &all[3..], None, Some((&dir, 3)), None);
+        let resumed = run(
+            Setup::new((1, 1), loader),
+            &all[3..],
+            None,
+            Some((&dir, 3)),
+            None,
+        );
         let tail: Vec<RankRun> = whole
             .into_iter()
             .map(|mut r| {
@@ -291,4 +309,85 @@ fn scratch_dir(name: &str) -> std::path::PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
+}
+
+/// A model whose `pos` is a linear map (Muon steps it) and one whose `pos` is a lookup table of
+/// the same shape (element-wise): the same parameter path, another role.
+mod role_change {
+    use burn::module::Module;
+    use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+    use burn::tensor::backend::Backend;
+
+    #[derive(Module, Debug)]
+    pub struct AsLinear<B: Backend> {
+        pub pos: Linear<B>,
+    }
+
+    #[derive(Module, Debug)]
+    pub struct AsTable<B: Backend> {
+        pub pos: Embedding<B>,
+    }
+
+    pub fn as_linear<B: Backend>(device: &B::Device) -> AsLinear<B> {
+        AsLinear {
+            pos: LinearConfig::new(8, 16).with_bias(false).init(device),
+        }
+    }
+
+    pub fn as_table<B: Backend>(device: &B::Device) -> AsTable<B> {
+        AsTable {
+            pos: EmbeddingConfig::new(8, 16).init(device),
+        }
+    }
+}
+
+/// Roles follow module types: a checkpoint holding Muon momentum for a parameter that is now
+/// an `Embedding`'s table is refused with an error naming the parameter and the change, and
+/// loads as a cold start with the weights alone.
+#[test]
+fn a_checkpoint_of_another_role_is_refused_and_loads_cold_with_the_weights_alone() {
+    let dir = scratch_dir("role-change");
+    ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
+        type A = Autodiff<Hsdp<Inner>>;
+        let device = Default::default();
+        // Drawn under the process's RNG lock: a draw of Burn's global RNG outside it would
+        // change the weights other tests of this binary draw from their seeds.
+        let model = init_seeded(&device, 3, role_change::as_linear::<A>);
+        let config = HsdpConfig::new(Mesh::flat(1).unwrap());
+        let (model, runtime) = shard::<A, _, _>(model, config, comm, &device).unwrap();
+        let x = Tensor::<A, 2>::ones([2, 8], &device);
+        let _ = model.pos.forward(x).sum().backward();
+        let muon = MuonConfig::new().init();
+        let mut optim = ShardedMuon::new(muon, AdamWConfig::new().build(), device);
+        let _ = optim.step(LR, model, &runtime).unwrap();
+        assert!(matches!(
+            optim.param_state(0).unwrap(),
+            Some(ParamState::Momentum(_))
+        ));
+        checkpoint::save(&dir, &runtime, &optim, 1).unwrap();
+    })
+    .unwrap();
+    ThreadsWorld::run(1, ThreadsConfig::default(), |comm| {
+        type A = Autodiff<Hsdp<Inner>>;
+        let device = Default::default();
+        let model = init_seeded(&device, 3, role_change::as_table::<A>);
+        assert_eq!(
+            sshsdp::backend::param_roles(&model),
+            vec![("pos.weight".to_string(), sshsdp::plan::Role::Elementwise)]
+        );
+        let config = HsdpConfig::new(Mesh::flat(1).unwrap());
+        let (_model, runtime) = shard::<A, _, _>(model, config, comm, &device).unwrap();
+        let muon = MuonConfig::new().init();
+        let mut optim = ShardedMuon::<Inner, _>::new(muon, AdamWConfig::new().build(), device);
+        let error = checkpoint::load(&dir, &runtime, &mut optim).unwrap_err();
+        let message = error.to_string();
+        assert!(
+            message.contains("parameter 0") && message.contains("Muon momentum"),
+            "{message}"
+        );
+        let step = checkpoint::load(&dir, &runtime, &mut checkpoint::WeightsOnly).unwrap();
+        assert_eq!(step, 1);
+    })
+    .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }

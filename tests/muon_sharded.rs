@@ -14,7 +14,7 @@ use std::time::Duration;
 use burn::backend::{Autodiff, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor, TensorData};
-use sshsdp::backend::{init_seeded, named_params, shard, Hsdp, HsdpConfig};
+use sshsdp::backend::{init_seeded, named_params, param_roles, shard, Hsdp, HsdpConfig};
 use sshsdp::checkpoint;
 use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp::comm::Collective;
@@ -146,12 +146,14 @@ fn sharded_with(
     .collect()
 }
 
+/// Muon's matrices: the hidden layers' weights, not the embeddings (a burn-nn `Embedding`, the
+/// positional one called `pos` too) nor the head.
 fn matrices(init: &Gpt<B>) -> u64 {
-    named_params(init)
-        .unwrap()
+    let roles = param_roles(init);
+    assert!(roles
         .iter()
-        .filter(|p| sshsdp::plan::RoleRule::default().role_of(&p.path, &p.shape) == Role::Matrix)
-        .count() as u64
+        .any(|(p, r)| p == "pos.weight" && *r == Role::Elementwise));
+    roles.iter().filter(|(_, r)| *r == Role::Matrix).count() as u64
 }
 
 fn initial() -> Gpt<B> {

@@ -57,6 +57,14 @@ impl<I: Compute> Optim<I> {
         }
     }
 
+    /// The optimizer's own reads of device values and uploads since the last call.
+    pub(crate) fn take_host_traffic(&self) -> sshsdp::optim::HostTraffic {
+        match self {
+            Optim::Muon(o) => o.take_host_traffic(),
+            Optim::AdamW(o) => o.take_host_traffic(),
+        }
+    }
+
     pub(crate) fn last_grad_norm(&self) -> Option<f64> {
         match self {
             Optim::Muon(o) => o.last_grad_norm(),

@@ -87,11 +87,11 @@ pub struct DeviceReport {
     pub in_use: u64,
     /// Bytes reserved by the pools, most seen after a step.
     pub reserved: u64,
-    /// Host → device bytes of the last step (rank 0).
+    /// Host → device bytes of the last step (rank 0's runtime and optimizer).
     pub up: u64,
-    /// Device → host bytes of the last step (rank 0).
+    /// Device → host bytes of the last step (rank 0's runtime and optimizer).
     pub down: u64,
-    /// Host reads of device memory in the last step (rank 0's runtime).
+    /// Host reads of device memory in the last step (rank 0's runtime and optimizer).
     pub reads: u64,
     /// Host waits for the device around device collectives in the last step (rank 0).
     pub syncs: u64,
@@ -296,7 +296,8 @@ pub fn print_summary(name: &str, model: &str, report: &Report, baseline: Option<
             }
         );
         println!(
-            "host reads  {reads} per step (rank 0's runtime reading device memory); host syncs \
+            "host reads  {reads} per step (rank 0's runtime and optimizer reading device memory); \
+             host syncs \
              {syncs} per step (waits for the device around device collectives)"
         );
         match report.launches {

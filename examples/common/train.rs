@@ -253,6 +253,8 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
             None
         };
         let counters = runtime.take_counters();
+        // The optimizer's own reads and uploads: charged where they happen, beside the runtime's.
+        let optimizer = optim.take_host_traffic();
         comm.push_back((dt, counters.comm_wait_ns, counters.comm_busy_ns));
         if comm.len() > 10 {
             comm.pop_front();
@@ -263,9 +265,9 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
             device = Some(DeviceReport {
                 in_use: m.in_use.max(seen.in_use),
                 reserved: m.reserved.max(seen.reserved),
-                up: counters.uploaded_bytes,
-                down: counters.downloaded_bytes,
-                reads: counters.host_reads,
+                up: counters.uploaded_bytes + optimizer.upload_bytes,
+                down: counters.downloaded_bytes + optimizer.read_bytes,
+                reads: counters.host_reads + optimizer.reads,
                 syncs: counters.host_syncs,
             });
         }

@@ -2,6 +2,7 @@
 //! device buffers through the threads engine's peers collectives (`sshsdp_comm::peers`), against
 //! the staged path (collectives through host memory) on the same device.
 
+use burn::backend::NdArray;
 use sshsdp::backend::Placement;
 use sshsdp::plan::RuntimeFormat;
 
@@ -58,5 +59,66 @@ fn the_device_path_moves_no_parameter_or_gradient_bytes_between_host_and_device(
         for (a, b) in on_device.losses.iter().zip(&through_host.losses) {
             assert!((a - b).abs() <= tolerance * b.abs(), "{what}: {a} vs {b}");
         }
+    }
+}
+
+/// Distributed Muon, the default optimizer, on the device path: at world 1 (the verdict read at
+/// commit), 2 and 2×2 a step reads nothing back but the gradient norm's 4 bytes, and the
+/// optimizer itself neither reads nor uploads (momentum, Newton–Schulz and the split matrices'
+/// exchange stay on device buffers: the peers engine's all-reduce above world 1); it trains like
+/// Muon on NdArray over host views of the same model (`step_offloaded`: the host path) and like
+/// `Hsdp<NdArray>` with host storage, with a matrix cut by a piece boundary at world 2.
+#[test]
+fn device_muon_reads_nothing_back_and_trains_like_host_muon() {
+    let none = Checkpoints::default();
+    for mesh in [(1, 1), (1, 2), (2, 2)] {
+        let device = Case {
+            mesh,
+            optim: Opt::Muon,
+            placement: (Placement::Device, Placement::Device),
+            // Small buckets: pieces cut through matrices above world 1.
+            bucket: Some(3000),
+            ..Case::new(RuntimeFormat::F32)
+        };
+        let offloaded = Case {
+            optim: Opt::MuonOnCpu,
+            placement: (Placement::Host, Placement::Host),
+            ..device
+        };
+        let what = format!("mesh {mesh:?}");
+        let on_device = run::<Wgpu>(device, 0..5, none, Default::default());
+        let on_host = run::<Wgpu>(offloaded, 0..5, none, Default::default());
+        let cpu = run::<NdArray<f32>>(offloaded, 0..5, none, Default::default());
+        eprintln!(
+            "{what}: device Muon's last step: (uploaded, downloaded) {:?}, host reads {}, \
+             optimizer {:?}; offloaded Muon: {:?}, {}, {:?}",
+            on_device.traffic,
+            on_device.reads,
+            on_device.optimizer_traffic,
+            on_host.traffic,
+            on_host.reads,
+            on_host.optimizer_traffic
+        );
+        assert_eq!(on_device.traffic, (0, 4), "{what}: the gradient norm only");
+        assert_eq!(on_device.reads, 1, "{what}");
+        assert!(on_device.optimizer_traffic.is_empty(), "{what}");
+        assert!(
+            on_host.optimizer_traffic.reads > 0,
+            "{what}: the host path reads"
+        );
+        for step in 0..5 {
+            let (a, b, c) = (
+                on_device.losses[step],
+                on_host.losses[step],
+                cpu.losses[step],
+            );
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs() && (a - c).abs() <= 1e-5 * c.abs(),
+                "{what} step {step}: device {a}, offloaded {b}, NdArray {c}"
+            );
+        }
+        let (a, b) = (on_device.weights_by_path(), cpu.weights_by_path());
+        let distance = relative_distance(&a, &b);
+        assert!(distance <= 1e-4, "{what}: weights {distance}");
     }
 }

@@ -16,7 +16,7 @@ use sshsdp::comm::Collective;
 use sshsdp::kernels::FusedOps;
 use sshsdp::models::{Gpt, GptConfig};
 use sshsdp::optim::ShardedStep;
-use sshsdp::optim::{MuonConfig, ShardedMuon, ShardedOptimizer, UpdateScale};
+use sshsdp::optim::{HostTraffic, MuonConfig, ShardedMuon, ShardedOptimizer, UpdateScale};
 use sshsdp::plan::{Mesh, RuntimeFormat, Sharding};
 
 /// burn-wgpu's `Wgpu` with Burn's default features: burn-fusion over CubeCL, autotune on.
@@ -54,6 +54,8 @@ pub(crate) enum Opt {
     Muon,
     /// AdamW on NdArray over host views (`step_offloaded`): its state off the device.
     AdamWOnCpu,
+    /// Distributed Muon (and AdamW) on NdArray over host views (`step_offloaded`).
+    MuonOnCpu,
 }
 
 /// One training configuration.
@@ -114,6 +116,19 @@ pub(crate) enum Optimizer<I: Backend> {
     AdamW(ShardedOptimizer<I, AdamW>),
     Muon(ShardedMuon<I, AdamW>),
     OnCpu(ShardedOptimizer<NdArray<f32>, AdamW>),
+    MuonOnCpu(ShardedMuon<NdArray<f32>, AdamW>),
+}
+
+impl<I: Backend> Optimizer<I> {
+    /// The optimizer's own reads and uploads since the last call.
+    fn take_host_traffic(&self) -> HostTraffic {
+        match self {
+            Optimizer::AdamW(o) => o.take_host_traffic(),
+            Optimizer::Muon(o) => o.take_host_traffic(),
+            Optimizer::OnCpu(o) => o.take_host_traffic(),
+            Optimizer::MuonOnCpu(o) => o.take_host_traffic(),
+        }
+    }
 }
 
 /// What a run leaves.
@@ -131,6 +146,10 @@ pub(crate) struct Run {
     pub(crate) master_bytes: (u64, u64),
     /// Rank 0's (uploaded, downloaded) bytes of the last step: host↔device traffic.
     pub(crate) traffic: (u64, u64),
+    /// Rank 0's runtime host reads of the last step.
+    pub(crate) reads: u64,
+    /// Rank 0's optimizer's own reads and uploads in the last step.
+    pub(crate) optimizer_traffic: HostTraffic,
     /// Runtime bytes of rank 0's pieces (one per bucket).
     pub(crate) piece_bytes: u64,
     /// Bytes of rank 0's runtime shards, and whether they are in device memory.
@@ -259,12 +278,17 @@ where
                 Optimizer::Muon(ShardedMuon::new(muon, adamw, device.clone()))
             }
             Opt::AdamWOnCpu => Optimizer::OnCpu(ShardedOptimizer::new(adamw, Default::default())),
+            Opt::MuonOnCpu => {
+                let muon = MuonConfig::new().with_scale(UpdateScale::MatchAdamW).init();
+                Optimizer::MuonOnCpu(ShardedMuon::new(muon, adamw, Default::default()))
+            }
         };
         if let Some(dir) = checkpoints.resume {
             let step = match &mut optim {
                 Optimizer::AdamW(o) => checkpoint::load(dir, &runtime, &mut PieceStates::new(o)),
                 Optimizer::Muon(o) => checkpoint::load(dir, &runtime, o),
                 Optimizer::OnCpu(o) => checkpoint::load(dir, &runtime, &mut PieceStates::new(o)),
+                Optimizer::MuonOnCpu(o) => checkpoint::load(dir, &runtime, o),
             };
             assert_eq!(step.unwrap(), steps.start as u64);
         }
@@ -274,6 +298,7 @@ where
             if step == last {
                 // The last step alone (forward, backward, update).
                 runtime.take_counters();
+                optim.take_host_traffic();
             }
             let loss = model.loss(crate::common::tokens::<A<I>>(
                 &CONFIG,
@@ -288,10 +313,12 @@ where
                 Optimizer::AdamW(o) => o.step(1e-2, model, &runtime),
                 Optimizer::Muon(o) => o.step(1e-2, model, &runtime),
                 Optimizer::OnCpu(o) => o.step_offloaded(1e-2, model, &runtime),
+                Optimizer::MuonOnCpu(o) => o.step_offloaded(1e-2, model, &runtime),
             }
             .unwrap();
         }
         let counters = runtime.take_counters();
+        let optimizer_traffic = optim.take_host_traffic();
         if let Some(dir) = checkpoints.save {
             let saved = match &mut optim {
                 Optimizer::AdamW(o) => {
@@ -301,10 +328,15 @@ where
                 Optimizer::OnCpu(o) => {
                     checkpoint::save(dir, &runtime, &PieceStates::new(o), steps.end as u64)
                 }
+                Optimizer::MuonOnCpu(o) => checkpoint::save(dir, &runtime, o, steps.end as u64),
             };
             saved.unwrap();
         }
-        let traffic = (counters.uploaded_bytes, counters.downloaded_bytes);
+        let traffic = (
+            (counters.uploaded_bytes, counters.downloaded_bytes),
+            counters.host_reads,
+            optimizer_traffic,
+        );
         let on_device = runtime.collectives_on_device();
         let bytes = (runtime.master_bytes(), runtime.device_master_bytes());
         let piece_bytes = runtime.plan().buckets().iter().map(|b| b.piece_bytes).sum();
@@ -332,6 +364,7 @@ where
         .collect();
     let (_, initial, (weights, paths), master_bytes, traffic, piece_bytes, placed) =
         ranks.swap_remove(0);
+    let (traffic, reads, optimizer_traffic) = traffic;
     let (shards, gathered, on_device) = placed;
     Run {
         losses,
@@ -340,6 +373,8 @@ where
         paths,
         master_bytes,
         traffic,
+        reads,
+        optimizer_traffic,
         piece_bytes,
         shards,
         gathered,

@@ -55,7 +55,7 @@ pub use hsdp_runtime::HsdpRuntime;
 pub use lanes::RUNTIME_LANES;
 pub use model::buffers::BufferSpec;
 pub use model::leaves::{check_gradient_leaves, refresh_leaves};
-pub use model::params::{named_params, param_shapes};
+pub use model::params::{named_params, param_roles, param_shapes};
 pub use model::paths::NamedParam;
 pub use rng::{init_seeded, initialise_in_module_order, with_burn_rng, ConcurrentDrawer};
 pub use runtime::{Piece, StepOutcome, UpdateGroup, UpdateStep, Verdict, Views};

@@ -39,12 +39,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> UnitState for ShardedMuon<B, O> {
             None => None,
             Some((mut arrays, scalars)) => Some(match (arrays.remove(MUON_MOMENTUM), unit.role) {
                 (Some(m), Role::Matrix) => ParamState::Momentum(m),
-                (None, Role::Elementwise) => ParamState::Elementwise(decode_state::<B, O::State<1>>(
-                    &arrays,
-                    &scalars,
-                    len,
-                    self.device(),
-                )?),
+                (None, Role::Elementwise) => ParamState::Elementwise(
+                    decode_state::<B, O::State<1>>(&arrays, &scalars, len, self.device())?,
+                ),
                 (Some(_), Role::Elementwise) => {
                     return Err(CheckpointError::RoleChanged {
                         param,

@@ -2,8 +2,10 @@
 //! (AdamW by default) for the rest of an ordinary Burn module — the parameter groups Muon is
 //! used with, and the reference the sharded driver ([`crate::ShardedMuon`]) must equal.
 //!
-//! Parameters are routed by the planner's [`RoleRule`]: 2-D parameters are matrices unless
-//! their path names an embedding or an output head; 1-D parameters are element-wise.
+//! Parameters are routed by the planner's [`RoleRule`], as registration routes them: 2-D
+//! parameters are matrices unless the module holding them is an element-wise type (a burn-nn
+//! `Embedding`, whatever it is called) or their path names an embedding or an output head; 1-D
+//! parameters are element-wise.
 
 use std::collections::HashMap;
 
@@ -12,7 +14,7 @@ use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
-use sshsdp_plan::{Role, RoleRule};
+use sshsdp_plan::{module_type, Role, RoleRule};
 
 use crate::{Muon, MuonState};
 
@@ -80,6 +82,7 @@ impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> MuonWithElementwis
             lr,
             grad_scale,
             path: Vec::new(),
+            containers: Vec::new(),
         };
         module.map(&mut stepper)
     }
@@ -91,6 +94,8 @@ struct Stepper<'a, B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> {
     lr: f64,
     grad_scale: f64,
     path: Vec<String>,
+    /// Burn's description of each entered level's holder (`Struct:Embedding`).
+    containers: Vec<String>,
 }
 
 /// Sums the squares of every parameter's gradient.
@@ -111,12 +116,14 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
 impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> ModuleMapper<B>
     for Stepper<'_, B, O>
 {
-    fn enter_module(&mut self, name: &str, _container: &str) {
+    fn enter_module(&mut self, name: &str, container: &str) {
         self.path.push(name.to_string());
+        self.containers.push(container.to_string());
     }
 
     fn exit_module(&mut self, _name: &str, _container: &str) {
         self.path.pop();
+        self.containers.pop();
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -131,7 +138,11 @@ impl<B: AutodiffBackend, O: SimpleOptimizer<B::InnerBackend>> ModuleMapper<B>
         };
         let shape = tensor.dims();
         let inner = tensor.inner();
-        let role = self.optim.rule.role_of(&self.path.join("."), &shape);
+        let module = self.containers.last().and_then(|c| module_type(c));
+        let role = self
+            .optim
+            .rule
+            .role_in(&self.path.join("."), &shape, module);
         let stepped: Tensor<B::InnerBackend, D> = match role {
             Role::Matrix => {
                 let [rows, cols] = [shape[0], shape[1]];

@@ -216,7 +216,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                 self.momentum.insert(param, Momentum::Host(m));
             }
             Some(ParamState::Elementwise(s)) => {
-                self.states.set_unit_state::<B>(param, Some(s), &self.device)?;
+                self.states
+                    .set_unit_state::<B>(param, Some(s), &self.device)?;
             }
             None => self.states.set_unit_state::<B>(param, None, &self.device)?,
         }
@@ -257,7 +258,12 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     }
 
     /// The update scale and decay of parameter `param`'s matrix: `W ← W·decay − step·O`.
-    fn apply_factors<R: Backend>(&self, lr: f64, runtime: &HsdpRuntime<R>, param: usize) -> (f32, f32) {
+    fn apply_factors<R: Backend>(
+        &self,
+        lr: f64,
+        runtime: &HsdpRuntime<R>,
+        param: usize,
+    ) -> (f32, f32) {
         let shape = &runtime.plan().params()[param].spec.shape;
         let scale = self.muon.update_scale([shape[0], shape[1]]);
         let decay = (1.0 - lr * self.muon.config().weight_decay) as f32;

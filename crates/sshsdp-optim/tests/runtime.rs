@@ -468,13 +468,15 @@ struct PlacedRun {
     losses: Vec<f32>,
     weights: Vec<Vec<f32>>,
     staged_bytes: u64,
+    /// Elements of Muon's split matrices exchanged, over the run (each all-reduce's length).
+    exchanged: u64,
     host_master_bytes: u64,
     device_master_bytes: u64,
 }
 
 /// Three steps of two micro-batches each at world 2 with the fp32 masters in `masters` and the
-/// gradients accumulated in `grads`: AdamW with clipping through `ShardedOptimizer` (device
-/// views), or distributed Muon (host views, staged).
+/// gradients accumulated in `grads`: AdamW with clipping through `ShardedOptimizer`, or
+/// distributed Muon (both on device views where the masters are on the device).
 fn train_placed(
     format: RuntimeFormat,
     (masters, grads): (Placement, Placement),
@@ -494,7 +496,7 @@ fn train_placed(
         let adamw = AdamWConfig::new().build();
         let mut elementwise = ShardedOptimizer::new(adamw.clone(), device).with_grad_clipping(0.5);
         let mut muon_opt = ShardedMuon::new(MuonConfig::new().init(), adamw, device);
-        let (mut losses, mut staged_bytes) = (Vec::new(), 0);
+        let (mut losses, mut staged_bytes, mut exchanged) = (Vec::new(), 0, 0);
         for batch in batches(3, 8) {
             for micro in 0..2 {
                 let first = rank * 4 + micro * 2;
@@ -507,6 +509,7 @@ fn train_placed(
                 false => elementwise.step(0.02, model, &runtime).unwrap(),
             };
             staged_bytes += runtime.take_counters().staged_bytes;
+            exchanged += muon_opt.last_step().exchanged_elements;
         }
         let weights = runtime
             .plan()
@@ -518,6 +521,7 @@ fn train_placed(
             losses,
             weights,
             staged_bytes,
+            exchanged,
             host_master_bytes: runtime.master_bytes(),
             device_master_bytes: runtime.device_master_bytes(),
         }
@@ -555,10 +559,13 @@ fn device_masters_and_gradients_train_bitwise_like_host_ones() {
                 assert_eq!(on_device, host.host_master_bytes, "{what}");
             }
             assert!(on_device > 0, "{what}");
-            // Device views (AdamW): each step uploads the gradient and reads the master back
-            // once to re-derive; host views (Muon): the master goes out and back, and the
-            // staged values are re-derived from.
-            assert_eq!(masters.staged_bytes, 3 * 2 * on_device, "{what}");
+            // Device views (AdamW and Muon alike): each step uploads the gradient and reads the
+            // master back once to re-derive; Muon's two all-reduces of split matrices per step
+            // are staged through the host (NdArray's threads engine moves host memory).
+            let exchange = 2 * 2 * 4 * masters.exchanged;
+            assert_eq!(muon, masters.exchanged > 0, "{what}: matrices are split");
+            assert_eq!(masters.exchanged, host.exchanged, "{what}");
+            assert_eq!(masters.staged_bytes, 3 * 2 * on_device + exchange, "{what}");
             // Device gradients: every parameter's gradient read back once per micro-batch.
             assert_eq!(
                 all.staged_bytes,

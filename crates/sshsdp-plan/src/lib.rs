@@ -52,5 +52,5 @@ pub use owners::newton_schulz_cost;
 pub use plan::{
     Fallback, Fingerprint, Plan, PlanStats, MAX_LAYOUT_VIEWS, MAX_TOTAL_ELEMENTS, PLAN_VERSION,
 };
-pub use spec::{DType, ParamSpec, Role, RoleRule};
+pub use spec::{module_type, DType, ParamSpec, Role, RoleRule};
 pub use update_units::UpdateUnit;

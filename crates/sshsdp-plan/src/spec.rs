@@ -37,17 +37,24 @@ pub enum Role {
     Elementwise,
 }
 
-/// The default role rule: a 2-D parameter is a [`Role::Matrix`] unless one of its path
+/// The default role rule: a 2-D parameter is a [`Role::Matrix`] unless the module holding it is
+/// of an element-wise type (a burn-nn `Embedding`, whatever it is called) or one of its path
 /// segments names an embedding or an output head; everything else is [`Role::Elementwise`].
 ///
-/// A segment matches when one of its `_`-separated words equals a marker, so `lm_head`,
-/// `tok_embeddings` and `wte` match while `multihead` or `heads` do not. Callers with other
-/// naming conventions build their own rule or override single specs with
-/// [`ParamSpec::with_role`].
+/// The module's type says more than its field name: a lookup table is not a linear map, so
+/// Muon's orthogonalisation does not apply to it ([`RoleRule::role_in`]; the registration's
+/// module visitor sees the type). Names are the fallback, for modules of other types and for
+/// callers that know only paths ([`RoleRule::role_of`]): a segment matches when one of its
+/// `_`-separated words equals a marker, so `lm_head`, `tok_embeddings` and `wte` match while
+/// `multihead` or `heads` do not. Callers with other conventions build their own rule or
+/// override single specs with [`ParamSpec::with_role`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RoleRule {
     /// Words that mark a 2-D parameter as element-wise.
     pub elementwise_markers: Vec<String>,
+    /// Module types whose parameters are element-wise (`Embedding`), by their type name.
+    #[serde(default)]
+    pub elementwise_modules: Vec<String>,
 }
 
 impl Default for RoleRule {
@@ -64,14 +71,25 @@ impl Default for RoleRule {
         ];
         Self {
             elementwise_markers: markers.iter().map(|m| m.to_string()).collect(),
+            elementwise_modules: vec!["Embedding".to_string()],
         }
     }
 }
 
 impl RoleRule {
-    /// The role this rule gives a parameter at `path` with `shape`.
+    /// The role this rule gives a parameter at `path` with `shape`, by its path alone.
     pub fn role_of(&self, path: &str, shape: &[usize]) -> Role {
+        self.role_in(path, shape, None)
+    }
+
+    /// The role this rule gives a parameter at `path` with `shape` held by a module of type
+    /// `module` (its type name, e.g. `Embedding`; `None` when unknown): element-wise for the
+    /// rule's module types, else as [`RoleRule::role_of`].
+    pub fn role_in(&self, path: &str, shape: &[usize], module: Option<&str>) -> Role {
         if shape.len() != 2 {
+            return Role::Elementwise;
+        }
+        if module.is_some_and(|m| self.elementwise_modules.iter().any(|e| e == m)) {
             return Role::Elementwise;
         }
         let marked = path
@@ -88,6 +106,14 @@ impl RoleRule {
             Role::Matrix
         }
     }
+}
+
+/// The module type named by a Burn module visitor's container description (`Struct:Linear` →
+/// `Linear`, `Enum:MyEnum` → `MyEnum`); `None` for `Vec`, tuples and arrays.
+pub fn module_type(container: &str) -> Option<&str> {
+    container
+        .strip_prefix("Struct:")
+        .or_else(|| container.strip_prefix("Enum:"))
 }
 
 /// One parameter as the planner sees it.
@@ -251,6 +277,37 @@ fn split_digits(s: &[u8]) -> (&str, &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A module's type routes its parameters whatever they are called; names stay the fallback.
+    #[test]
+    fn module_types_route_before_names() {
+        let rule = RoleRule::default();
+        let embedding = module_type("Struct:Embedding");
+        assert_eq!(embedding, Some("Embedding"));
+        assert_eq!(
+            rule.role_in("pos.weight", &[8, 16], embedding),
+            Role::Elementwise
+        );
+        assert_eq!(rule.role_of("pos.weight", &[8, 16]), Role::Matrix);
+        let linear = module_type("Struct:Linear");
+        assert_eq!(rule.role_in("up.weight", &[16, 64], linear), Role::Matrix);
+        assert_eq!(
+            rule.role_in("lm_head.weight", &[16, 64], linear),
+            Role::Elementwise
+        );
+        assert_eq!(
+            rule.role_in("pos.weight", &[8], embedding),
+            Role::Elementwise
+        );
+        assert_eq!(module_type("Vec"), None);
+        assert_eq!(
+            rule.role_in("x.weight", &[8, 16], module_type("Vec")),
+            Role::Matrix
+        );
+        // A rule serialised before module types were known reads back without them.
+        let old: RoleRule = serde_json::from_str(r#"{"elementwise_markers":["head"]}"#).unwrap();
+        assert!(old.elementwise_modules.is_empty());
+    }
 
     #[test]
     fn default_roles() {

@@ -11,7 +11,9 @@ use sshsdp_plan::Sharding;
 use half::bf16;
 
 use super::comm::MeshComm;
-use super::jobs::{DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits, UpdateBuffer, UpdateSum};
+use super::jobs::{
+    DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits, UpdateBuffer, UpdateSum,
+};
 use crate::config::Precision;
 use crate::runtime_units::{DeviceUnits, Elems, Gathered};
 use crate::timeline::{Timeline, Track};

@@ -3,7 +3,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
-use sshsdp_plan::{DType, ParamSpec};
+use sshsdp_plan::{module_type, DType, ParamSpec, RoleRule};
 
 use super::buffers::{buffer_specs, BufferSpec};
 use super::paths::{visit_at, NamedParam, VisitAt};
@@ -55,9 +55,23 @@ struct ShapeCollector {
 
 impl<B: burn::tensor::backend::Backend> VisitAt<B> for ShapeCollector {
     fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+        self.visit_float_in(path, "", param);
+    }
+
+    /// The role from the module's type first (a burn-nn `Embedding`'s table is element-wise
+    /// whatever it is called), its path second ([`RoleRule::role_in`]).
+    fn visit_float_in<const D: usize>(
+        &mut self,
+        path: &str,
+        container: &str,
+        param: &Param<Tensor<B, D>>,
+    ) {
         let order = self.specs.len() as u64;
+        let shape = param.lazy_shape().to_vec();
+        let role = RoleRule::default().role_in(path, &shape, module_type(container));
         self.specs.push(
-            ParamSpec::new(path, param.lazy_shape().to_vec(), DType::F32)
+            ParamSpec::new(path, shape, DType::F32)
+                .with_role(role)
                 .with_order(order)
                 .with_frozen(is_frozen(param)),
         );
@@ -102,6 +116,18 @@ pub fn param_shapes<B: burn::tensor::backend::Backend, M: Module<B>>(
     param_specs(module, &buffer_specs(module))
         .into_iter()
         .map(|s| (s.path, s.shape))
+        .collect()
+}
+
+/// Every float parameter's module path and optimizer role as [`crate::shard`] plans it (the
+/// holding module's type first, the path second: `RoleRule::role_in`), in module order, without
+/// initialising any: which parameters Muon steps and which go to the element-wise optimizer.
+pub fn param_roles<B: burn::tensor::backend::Backend, M: Module<B>>(
+    module: &M,
+) -> Vec<(String, sshsdp_plan::Role)> {
+    param_specs(module, &buffer_specs(module))
+        .into_iter()
+        .map(|s| (s.path, s.role))
         .collect()
 }
 

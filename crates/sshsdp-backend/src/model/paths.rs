@@ -18,19 +18,28 @@ pub struct NamedParam {
     pub values: Vec<f32>,
 }
 
-/// Walks module paths as a visitor or mapper enters and leaves modules.
+/// Walks module paths as a visitor or mapper enters and leaves modules, with the container
+/// description of each level (Burn's `Struct:Embedding` for a field of an `Embedding`).
 #[derive(Default)]
 struct PathTracker {
     stack: Vec<String>,
+    containers: Vec<String>,
 }
 
 impl PathTracker {
-    fn enter(&mut self, name: &str) {
+    fn enter(&mut self, name: &str, container: &str) {
         self.stack.push(name.to_string());
+        self.containers.push(container.to_string());
     }
 
     fn exit(&mut self) {
         self.stack.pop();
+        self.containers.pop();
+    }
+
+    /// The description of the module holding the current tensor (`""` at the root).
+    fn container(&self) -> &str {
+        self.containers.last().map_or("", String::as_str)
     }
 
     fn path(&self) -> String {
@@ -42,6 +51,18 @@ impl PathTracker {
 pub(crate) trait VisitAt<B: Backend> {
     /// Visits `param` at `path`.
     fn visit_float_at<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>);
+
+    /// Visits `param` at `path`, held by a module Burn describes as `container`
+    /// (`Struct:Embedding`); by default as [`VisitAt::visit_float_at`].
+    fn visit_float_in<const D: usize>(
+        &mut self,
+        path: &str,
+        container: &str,
+        param: &Param<Tensor<B, D>>,
+    ) {
+        let _ = container;
+        self.visit_float_at(path, param);
+    }
 }
 
 /// What a map does at each float tensor (parameter or buffer), given its path.
@@ -61,8 +82,8 @@ struct Pathed<'a, W> {
 }
 
 impl<B: Backend, W: VisitAt<B>> ModuleVisitor<B> for Pathed<'_, W> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.paths.enter(name, container);
     }
 
     fn exit_module(&mut self, _name: &str, _container: &str) {
@@ -70,13 +91,15 @@ impl<B: Backend, W: VisitAt<B>> ModuleVisitor<B> for Pathed<'_, W> {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.walker.visit_float_at(&self.paths.path(), param);
+        let path = self.paths.path();
+        self.walker
+            .visit_float_in(&path, self.paths.container(), param);
     }
 }
 
 impl<B: Backend, W: MapAt<B>> ModuleMapper<B> for Pathed<'_, W> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.paths.enter(name);
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.paths.enter(name, container);
     }
 
     fn exit_module(&mut self, _name: &str, _container: &str) {

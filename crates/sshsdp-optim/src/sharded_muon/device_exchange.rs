@@ -105,7 +105,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         group: &UpdateGroup<'_>,
         dense: Tensor<B, 1>,
     ) -> Result<Tensor<B, 1>, HsdpError> {
-        let sum = group.all_reduce_sum_tensor::<B>(dense.into_primitive().tensor(), &self.device)?;
+        let sum =
+            group.all_reduce_sum_tensor::<B>(dense.into_primitive().tensor(), &self.device)?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(sum)))
     }
 
