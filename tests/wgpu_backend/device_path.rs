@@ -102,6 +102,10 @@ fn device_muon_reads_nothing_back_and_trains_like_host_muon() {
         assert_eq!(on_device.traffic, (0, 4), "{what}: the gradient norm only");
         assert_eq!(on_device.reads, 1, "{what}");
         assert!(on_device.optimizer_traffic.is_empty(), "{what}");
+        // Above world 1 a matrix is cut by a piece boundary: the peers engine's all-reduce
+        // assembled it on device buffers.
+        assert_eq!(on_device.exchanged > 0, mesh.1 > 1, "{what}");
+        assert_eq!(on_device.exchanged, on_host.exchanged, "{what}");
         assert!(
             on_host.optimizer_traffic.reads > 0,
             "{what}: the host path reads"

@@ -150,6 +150,8 @@ pub(crate) struct Run {
     pub(crate) reads: u64,
     /// Rank 0's optimizer's own reads and uploads in the last step.
     pub(crate) optimizer_traffic: HostTraffic,
+    /// Elements of Muon's split matrices exchanged in the last step (0 for AdamW).
+    pub(crate) exchanged: u64,
     /// Runtime bytes of rank 0's pieces (one per bucket).
     pub(crate) piece_bytes: u64,
     /// Bytes of rank 0's runtime shards, and whether they are in device memory.
@@ -319,6 +321,11 @@ where
         }
         let counters = runtime.take_counters();
         let optimizer_traffic = optim.take_host_traffic();
+        let exchanged = match &optim {
+            Optimizer::Muon(o) => o.last_step().exchanged_elements,
+            Optimizer::MuonOnCpu(o) => o.last_step().exchanged_elements,
+            _ => 0,
+        };
         if let Some(dir) = checkpoints.save {
             let saved = match &mut optim {
                 Optimizer::AdamW(o) => {
@@ -335,7 +342,7 @@ where
         let traffic = (
             (counters.uploaded_bytes, counters.downloaded_bytes),
             counters.host_reads,
-            optimizer_traffic,
+            (optimizer_traffic, exchanged),
         );
         let on_device = runtime.collectives_on_device();
         let bytes = (runtime.master_bytes(), runtime.device_master_bytes());
@@ -364,7 +371,7 @@ where
         .collect();
     let (_, initial, (weights, paths), master_bytes, traffic, piece_bytes, placed) =
         ranks.swap_remove(0);
-    let (traffic, reads, optimizer_traffic) = traffic;
+    let (traffic, reads, (optimizer_traffic, exchanged)) = traffic;
     let (shards, gathered, on_device) = placed;
     Run {
         losses,
@@ -375,6 +382,7 @@ where
         traffic,
         reads,
         optimizer_traffic,
+        exchanged,
         piece_bytes,
         shards,
         gathered,
