@@ -6,8 +6,8 @@ use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, L
 use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use sshsdp::backend::named_params;
-use sshsdp::plan::{Role, RoleRule};
+use sshsdp::backend::{named_params, param_roles};
+use sshsdp::plan::Role;
 
 use crate::{B, D, MATRICES_PER_LAYER, MLP, TOKENS, VOCAB};
 
@@ -93,11 +93,12 @@ pub struct Counts {
 }
 
 pub fn counts(init: &GptShapes<B>, layers: usize) -> Counts {
-    let rule = RoleRule::default();
+    // The roles `shard` plans: the holding module's type first, the path second.
+    let roles: std::collections::HashMap<String, Role> = param_roles(init).into_iter().collect();
     let mut c = Counts::default();
     for p in named_params(init).unwrap() {
         let n = p.values.len();
-        let role = rule.role_of(&p.path, &p.shape);
+        let role = roles[&p.path];
         match (p.path.starts_with("layers."), role) {
             (false, Role::Matrix) => panic!("{}: a matrix outside the layers", p.path),
             (false, Role::Elementwise) => c.fixed += n,

@@ -22,7 +22,8 @@ use sshsdp_backend::{
 };
 
 use crate::clip::GradClip;
-use crate::segments::{Block, Member, SegmentStates};
+use crate::segments::range_of;
+use crate::segments::{Block, SegmentStates};
 use crate::state_codec::CodecError;
 use crate::step::ShardedStep;
 use crate::traffic::{read_values, upload_values, HostTraffic, TrafficCounter};
@@ -128,22 +129,13 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
         units: &[&UpdateUnit],
         group: &UpdateGroup<'_>,
     ) -> Result<Vec<Block<O::State<1>>>, HsdpError> {
-        let members: Vec<Member> = units
-            .iter()
-            .map(|u| Member {
-                param: u.param,
-                range: u.in_piece.clone(),
-            })
-            .collect();
-        self.states
-            .take_blocks::<B>(
-                bucket,
-                len,
-                &members,
-                |p| group.received_gradient(p),
-                &self.device,
-            )
-            .map_err(|e| HsdpError::Failed(format!("splitting optimizer state: {}", e.0)))
+        self.states.take_unit_blocks::<B>(
+            bucket,
+            len,
+            units,
+            |p| group.received_gradient(p),
+            &self.device,
+        )
     }
 
     /// Per piece of `pieces` (of `runtime`, on any backend), its bucket and the blocks to step
@@ -188,13 +180,6 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedOptimizer<B, O> {
             grad = grad.mul_scalar(grad_scale as f32);
         }
         let len = whole.dims()[0];
-        let range_of = |t: &Tensor<B, 1>, range: &std::ops::Range<usize>| {
-            if *range == (0..len) {
-                t.clone()
-            } else {
-                t.clone().slice(range.clone())
-            }
-        };
         let mut parts = Vec::with_capacity(2 * blocks.len() + 1);
         let mut at = 0;
         for mut block in blocks {

@@ -25,6 +25,9 @@ use std::ops::Range;
 use burn::record::Record;
 use burn::tensor::backend::Backend;
 
+use sshsdp_backend::HsdpError;
+use sshsdp_plan::UpdateUnit;
+
 use crate::state_codec::{decode_state, encode_state, CodecError, EncodedState};
 
 /// One update unit of a piece: a parameter and its positions in the piece.
@@ -157,6 +160,30 @@ impl<S: Clone> SegmentStates<S> {
             blocks.extend(join::<B, S>(loose, &extent, device)?);
         }
         Ok(blocks)
+    }
+
+    /// [`Self::take_blocks`] over `units` (every update unit of bucket `bucket`'s piece of `len`
+    /// elements, in piece order), with the error an update reports.
+    pub fn take_unit_blocks<B: Backend>(
+        &mut self,
+        bucket: usize,
+        len: usize,
+        units: &[&UpdateUnit],
+        stepped: impl Fn(usize) -> bool,
+        device: &B::Device,
+    ) -> Result<Vec<Block<S>>, HsdpError>
+    where
+        S: Record<B>,
+    {
+        let members: Vec<Member> = units
+            .iter()
+            .map(|u| Member {
+                param: u.param,
+                range: u.in_piece.clone(),
+            })
+            .collect();
+        self.take_blocks::<B>(bucket, len, &members, stepped, device)
+            .map_err(|e| HsdpError::Failed(format!("splitting optimizer state: {}", e.0)))
     }
 
     /// Keeps `block`'s state after its step (`None`: the optimizer keeps none for it).
@@ -315,4 +342,16 @@ fn join<B: Backend, S: Record<B> + Clone>(
         });
     }
     Ok(blocks)
+}
+
+/// `t`'s elements `range` (`t` itself, no slice, when the range is all of it).
+pub(crate) fn range_of<B: Backend>(
+    t: &burn::tensor::Tensor<B, 1>,
+    range: &Range<usize>,
+) -> burn::tensor::Tensor<B, 1> {
+    if *range == (0..t.dims()[0]) {
+        t.clone()
+    } else {
+        t.clone().slice(range.clone())
+    }
 }

@@ -26,7 +26,6 @@
 //! makes is counted ([`MuonStepStats::host`], [`ShardedMuon::take_host_traffic`]).
 
 use std::collections::HashMap;
-use std::ops::Range;
 
 use burn::optim::SimpleOptimizer;
 use burn::tensor::backend::Backend;
@@ -36,7 +35,7 @@ use sshsdp_backend::{
 };
 
 use crate::clip::GradClip;
-use crate::segments::{Member, SegmentStates};
+use crate::segments::{Block, SegmentStates};
 use crate::state_codec::CodecError;
 use crate::step::ShardedStep;
 use crate::traffic::{read_values, upload_values, HostTraffic, TrafficCounter};
@@ -233,28 +232,19 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         len: usize,
         units: &[&UpdateUnit],
         group: &UpdateGroup<'_>,
-    ) -> Result<Vec<crate::segments::Block<O::State<1>>>, HsdpError> {
-        let members: Vec<Member> = units
-            .iter()
-            .map(|u| Member {
-                param: u.param,
-                range: u.in_piece.clone(),
-            })
-            .collect();
+    ) -> Result<Vec<Block<O::State<1>>>, HsdpError> {
         let elementwise: Vec<usize> = units
             .iter()
             .filter(|u| u.role == Role::Elementwise)
             .map(|u| u.param)
             .collect();
-        self.states
-            .take_blocks::<B>(
-                bucket,
-                len,
-                &members,
-                |p| elementwise.contains(&p) && group.received_gradient(p),
-                &self.device,
-            )
-            .map_err(|e| HsdpError::Failed(format!("splitting optimizer state: {}", e.0)))
+        self.states.take_unit_blocks::<B>(
+            bucket,
+            len,
+            units,
+            |p| elementwise.contains(&p) && group.received_gradient(p),
+            &self.device,
+        )
     }
 
     /// The update scale and decay of parameter `param`'s matrix: `W ← W·decay − step·O`.
@@ -317,15 +307,6 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         };
         self.momentum.insert(param, Momentum::Host(m));
         Ok(u)
-    }
-}
-
-/// `t`'s elements `range` (`t` itself when the range is all of it).
-fn range_of<B: Backend>(t: &Tensor<B, 1>, range: &Range<usize>) -> Tensor<B, 1> {
-    if *range == (0..t.dims()[0]) {
-        t.clone()
-    } else {
-        t.clone().slice(range.clone())
     }
 }
 

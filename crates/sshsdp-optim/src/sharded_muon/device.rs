@@ -15,7 +15,8 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use sshsdp_backend::{HsdpError, HsdpRuntime, Piece, PieceValues, UpdateGroup};
 use sshsdp_plan::{Role, UpdateUnit};
 
-use super::{range_of, MuonStepStats, Saved, ShardedMuon};
+use super::{MuonStepStats, Saved, ShardedMuon};
+use crate::segments::range_of;
 
 /// A piece's stepped ranges and their new master values.
 type Stepped<B> = Vec<(Range<usize>, Tensor<B, 1>)>;
