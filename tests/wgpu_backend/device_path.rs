@@ -126,3 +126,66 @@ fn device_muon_reads_nothing_back_and_trains_like_host_muon() {
         assert!(distance <= 1e-4, "{what}: weights {distance}");
     }
 }
+
+/// A rank that gives up its update while its peer waits in the update group's device
+/// all-reduce (the peers engine on device buffers, as Muon's exchange of split matrices uses
+/// it): the peer gets an error within the engine's bound, not a hang, and both runtimes fail.
+#[test]
+fn a_rank_abandoning_its_update_fails_the_peer_in_the_device_all_reduce() {
+    use burn::backend::Autodiff;
+    use burn::tensor::{Tensor, TensorPrimitive};
+    use sshsdp::backend::{shard, Hsdp, HsdpConfig, HsdpError, Views};
+    use sshsdp::comm::threads::{ThreadsConfig, ThreadsWorld};
+    use sshsdp::comm::Collective;
+    use sshsdp::models::Gpt;
+    use sshsdp::plan::Mesh;
+    use std::time::{Duration, Instant};
+    type A = Autodiff<Hsdp<Wgpu>>;
+    let record = initial_record();
+    let start = Instant::now();
+    let config = ThreadsConfig {
+        timeout: Duration::from_secs(120),
+    };
+    let outcomes = ThreadsWorld::run(2, config, |comm| {
+        let device = Default::default();
+        let rank = comm.rank();
+        let model: Gpt<A> = crate::common::loaded(&device, record, |d| CONFIG.init(d));
+        let config = HsdpConfig::new(Mesh::flat(2).unwrap())
+            .with_master_placement(Placement::Device)
+            .with_grad_placement(Placement::Device);
+        let (model, runtime) = shard::<A, _, _>(model, config, comm, &device).unwrap();
+        let tokens = crate::common::tokens::<A>(&CONFIG, 0, rank * 4, 4, &device);
+        let _ = model.loss(tokens).backward();
+        let mut update = runtime.begin_update(Views::AsStored).unwrap().unwrap();
+        assert!(runtime.collectives_on_device());
+        if rank == 1 {
+            // Gives up before the all-reduce its peer makes.
+            let e = update.abandon(HsdpError::Failed("rank 1 gives up".into()));
+            return Err(e.to_string());
+        }
+        let (_, group) = update.parts();
+        let ones = Tensor::<Wgpu, 1>::ones([64], &device)
+            .into_primitive()
+            .tensor();
+        let summed = group.all_reduce_sum_tensor::<Wgpu>(ones, &device);
+        let summed = summed.map(|t| Tensor::<Wgpu, 1>::from_primitive(TensorPrimitive::Float(t)));
+        let outcome = match summed {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        };
+        let committed = update.commit();
+        assert!(committed.is_err(), "rank 0's step cannot commit");
+        outcome
+    })
+    .unwrap();
+    let elapsed = start.elapsed();
+    let outcomes: Vec<_> = outcomes.into_iter().map(|o| o.expect("no panic")).collect();
+    eprintln!("{outcomes:?} after {elapsed:?}");
+    assert!(outcomes[1].is_err());
+    assert!(
+        outcomes[0].is_err(),
+        "rank 0's all-reduce must fail: {:?}",
+        outcomes[0]
+    );
+    assert!(elapsed < Duration::from_secs(60), "bounded: {elapsed:?}");
+}

@@ -28,6 +28,9 @@
 //!   and on plain Burn (unsharded, Burn's own AdamW) give the same losses and weights within
 //!   stated tolerances; views share one allocation; a checkpoint of a fused run resumes on the
 //!   unfused backend and on NdArray.
+//! * **Distributed Muon on the device path** (`device_path.rs`): nothing read back at world 1, 2
+//!   and 2×2, trains like host Muon; a rank abandoning its update fails its peer in the device
+//!   all-reduce, bounded.
 //! * **The world-1 device step** (`verdict.rs`): the verdict read at commit; a non-finite step
 //!   applies nothing (bitwise the run without that batch), fused and not.
 
