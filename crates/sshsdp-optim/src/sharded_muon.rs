@@ -233,7 +233,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         units: &[&UpdateUnit],
         group: &UpdateGroup<'_>,
     ) -> Result<Vec<Block<O::State<1>>>, HsdpError> {
-        let elementwise: Vec<usize> = units
+        let elementwise: std::collections::HashSet<usize> = units
             .iter()
             .filter(|u| u.role == Role::Elementwise)
             .map(|u| u.param)
