@@ -1,7 +1,7 @@
 //! Distributed Muon on device pieces: with masters and gradients placed on the backend's device
 //! (`Placement::Device`), `ShardedMuon` steps them there (momentum as tensors, the update and
-//! Newton–Schulz as tensor operations, split matrices summed on device buffers by the update
-//! group's all-reduce, the verdict read at commit at world 1). On NdArray the "device" is host
+//! Newton–Schulz as tensor operations, split matrices exchanged by the update group's
+//! all-to-all-v or all-reduce on device tensors, the verdict read at commit at world 1). On NdArray the "device" is host
 //! memory, so the device path and the host path run the same f32 operations: they are compared
 //! here bitwise-close (1e-6) at world 1, 2, 4 and 2×2 (hierarchical and HSDP, both exchanges,
 //! matrices cut by piece boundaries). The wgpu tests (`tests/wgpu_backend/`) run the same
@@ -74,6 +74,8 @@ struct RankRun {
     weights: Weights,
     /// Split matrices this rank orthogonalised over the run.
     split: u64,
+    /// Elements this rank sent to others in the owner exchange over the run.
+    sent: u64,
     /// The optimizer's own reads and uploads, per step.
     traffic: Vec<HostTraffic>,
     /// Every parameter's optimizer state on this rank at the end.
@@ -132,7 +134,7 @@ fn run(
             assert_eq!(number, at);
         }
         let local = BATCH / world;
-        let (mut losses, mut split, mut traffic) = (Vec::new(), 0, Vec::new());
+        let (mut losses, mut split, mut sent, mut traffic) = (Vec::new(), 0, 0, Vec::new());
         for &step in batches {
             number += 1;
             let mut loss = model.loss(tokens(step, rank * local, local));
@@ -143,6 +145,7 @@ fn run(
             let _ = loss.backward();
             model = optim.step(LR, model, &runtime).unwrap();
             split += optim.last_step().ns_split;
+            sent += optim.last_step().sent_elements;
             traffic.push(optim.take_host_traffic());
         }
         if let Some(dir) = save {
@@ -169,6 +172,7 @@ fn run(
             losses,
             weights,
             split,
+            sent,
             traffic,
             states,
             skipped: runtime.take_counters().skipped_steps,
@@ -227,6 +231,13 @@ fn device_muon_steps_like_host_muon() {
         assert_eq!(split, host.iter().map(|r| r.split).sum::<u64>(), "{what}");
         if mesh.1 > 1 {
             assert!(split > 0, "{what}: a matrix is cut by a piece boundary");
+        }
+        // The owner exchange runs on device pieces too (staged through the host on NdArray,
+        // whose engine moves host memory), moving what the host path moves.
+        let sent = |r: &[RankRun]| r.iter().map(|r| r.sent).collect::<Vec<_>>();
+        assert_eq!(sent(&device), sent(&host), "{what}");
+        if exchange == MuonExchange::OwnerAllToAll && mesh.1 > 1 {
+            assert!(sent(&device).iter().sum::<u64>() > 0, "{what}");
         }
         // On device pieces the optimizer reads nothing back; it uploads only the split slices'
         // positions, once.

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use half::bf16;
-use sshsdp_comm::peers::conformance::{self, sum_units, Fault, PeerMemory, Spans};
+use sshsdp_comm::peers::conformance::{self, sum_units, Fault, FaultOp, PeerMemory, Spans};
 use sshsdp_comm::peers::{PeerExchange, PeerOp};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::{Collective, CommError, CommResult, ElementKind, ReduceOp};
@@ -37,7 +37,7 @@ impl PeerMemory for HostMemory {
     fn collective(
         &self,
         peers: &dyn PeerExchange,
-        op: PeerOp,
+        op: PeerOp<'_>,
         kind: ElementKind,
         count: usize,
         spans: Spans<'_, HostBuffer>,
@@ -55,7 +55,7 @@ impl PeerMemory for HostMemory {
             at: send_at,
         });
         let mut call = peers.exchange(op, kind, count, post)?;
-        let plan = op.plan(rank, peers.peer_size(), count, in_place)?;
+        let plan = call.plan(op, count, in_place)?;
         let unit = kind.bytes();
         let staged: Vec<(usize, Vec<u8>)> = {
             let posts = call.posts_as::<HostPost>()?;
@@ -156,10 +156,10 @@ fn a_rank_that_never_arrives_fails_or_panics_is_an_error_on_every_rank_in_bound(
         Fault::FailsMidCall,
         Fault::PanicsMidCall,
     ] {
-        for size in [2, 4] {
+        for (size, op) in [(2, FaultOp::AllGather), (4, FaultOp::AllToAllV)] {
             let results = ThreadsWorld::run(size, config(timeout), |comm| {
                 let peers = comm.peers().unwrap();
-                conformance::fault(&HostMemory, peers, fault, timeout * 2)
+                conformance::fault(&HostMemory, peers, fault, op, timeout * 2)
             })
             .unwrap();
             assert_eq!(conformance::check_fault_outcomes(fault, results), Ok(()));
@@ -185,4 +185,36 @@ fn ranks_calling_different_peers_collectives_get_a_mismatch() {
             .any(|r| matches!(r, Err(CommError::Mismatch(_)))),
         "{outcomes:?}"
     );
+}
+
+/// An all-to-all-v whose sender and receiver disagree on a count is a mismatch naming the pair
+/// on every rank, before anything moves.
+#[test]
+fn all_to_all_v_counts_that_disagree_are_a_mismatch_on_every_rank() {
+    let results = ThreadsWorld::run(3, config(Duration::from_secs(30)), |comm| {
+        let peers = comm.peers().unwrap();
+        let send = vec![2; 3];
+        // Rank 2 expects one unit too many from rank 0.
+        let recv = match comm.rank() {
+            2 => vec![3, 2, 2],
+            _ => vec![2; 3],
+        };
+        let op = PeerOp::AllToAllV {
+            send: &send,
+            recv: &recv,
+        };
+        peers
+            .exchange(op, ElementKind::F32, 0, Arc::new(()))
+            .map(|_| ())
+    })
+    .unwrap();
+    for r in results {
+        match r.unwrap() {
+            Err(CommError::Mismatch(e)) => assert!(
+                e.contains("rank 0 sends 2 units to rank 2, which expects 3"),
+                "{e}"
+            ),
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
 }

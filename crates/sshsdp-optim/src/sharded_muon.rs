@@ -45,6 +45,7 @@ use sshsdp_plan::{Role, UpdateUnit};
 
 mod device;
 mod device_exchange;
+mod device_owner;
 mod exchange;
 mod host;
 
@@ -55,9 +56,9 @@ pub struct MuonStepStats {
     pub ns_local: u64,
     /// Of those, split matrices assembled from other ranks' slices.
     pub ns_split: u64,
-    /// Elements of the split matrices exchanged (each all-reduce's length with
-    /// [`MuonExchange::AllReduce`], and on device pieces, which exchange by all-reduce; 0 when
-    /// no matrix is split).
+    /// Elements of the split matrices exchanged: their total size, each all-reduce's length
+    /// where they travel by all-reduce ([`MuonExchange::AllReduce`], and device pieces over
+    /// NCCL); 0 when no matrix is split.
     pub exchanged_elements: u64,
     /// Elements this rank sent to other ranks in the owner exchange (both directions).
     pub sent_elements: u64,
@@ -111,6 +112,8 @@ pub struct ShardedMuon<B: Backend, O: SimpleOptimizer<B>> {
     /// Device exchange: where each split slice's elements sit in the dense buffer of split
     /// matrices, by `(parameter, its offset there)` (uploaded once, then reused).
     positions: HashMap<(usize, usize), Tensor<B, 1, Int>>,
+    /// Device owner exchange: its index tensors (uploaded once per set of split matrices).
+    owner_index: device_owner::OwnerIndices<B>,
 }
 
 impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
@@ -130,6 +133,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             megabatch: true,
             traffic: TrafficCounter::default(),
             positions: HashMap::new(),
+            owner_index: HashMap::new(),
         }
     }
 
@@ -142,9 +146,10 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
     }
 
     /// The same optimizer exchanging split matrices by `exchange` (default
-    /// [`MuonExchange::OwnerAllToAll`]). Both give bitwise the same update. Device pieces
-    /// exchange by all-reduce on device buffers whichever is chosen (an owner all-to-all-v on
-    /// device buffers is not built yet: docs/LAUNCH.md).
+    /// [`MuonExchange::OwnerAllToAll`]). Both give bitwise the same update. Device pieces run
+    /// the owner all-to-all-v on device buffers on the peers engine; over NCCL, whose device
+    /// all-to-all-v is not wired, they exchange by all-reduce whichever is chosen
+    /// (docs/LAUNCH.md).
     pub fn with_exchange(mut self, exchange: MuonExchange) -> Self {
         self.exchange = exchange;
         self

@@ -176,6 +176,18 @@ pub(crate) trait MeshComm {
         bufs: &mut dyn DeviceBuffers,
         count: usize,
     ) -> CommResult<()>;
+    /// Replica lane. [`MeshComm::all_to_all_v_update_group`] on device memory: `bufs`' send
+    /// buffer (chunks for each update-group rank, packed in rank order) into its receive buffer
+    /// (what each rank sent, in rank order), on the peers engine (NCCL's is not wired: an
+    /// `Unavailable` error; under DDP the group is this rank alone and the caller moves nothing).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    fn all_to_all_v_update_group_device(
+        &self,
+        sharding: Sharding,
+        bufs: &mut dyn DeviceBuffers,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> CommResult<()>;
     /// Replica lane. All-to-all with per-peer counts over the update group (counts indexed by
     /// update-group rank; under DDP the group is this rank alone: `recv` is `send`).
     fn all_to_all_v_update_group(
@@ -335,6 +347,29 @@ impl<C: Collective> MeshComm for MeshComms<C> {
             Sharding::Ddp => return Ok(()),
         };
         bufs.run(device_group(group)?, PeerOp::AllReduce, count)
+    }
+
+    fn all_to_all_v_update_group_device(
+        &self,
+        sharding: Sharding,
+        bufs: &mut dyn DeviceBuffers,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        let group = match sharding {
+            Sharding::Hierarchical => self.world(),
+            Sharding::Hsdp => self.shard_group(),
+            Sharding::Ddp => {
+                return Err(CommError::InvalidArgument(
+                    "a device all-to-all-v under DDP, whose update group is one rank".into(),
+                ))
+            }
+        };
+        let op = PeerOp::AllToAllV {
+            send: send_counts,
+            recv: recv_counts,
+        };
+        bufs.run(device_group(group)?, op, 0)
     }
 
     fn all_to_all_v_update_group(

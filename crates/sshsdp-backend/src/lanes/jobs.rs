@@ -90,24 +90,25 @@ impl<T> Reply<T> {
     }
 }
 
-/// The buffer of an update-group all-reduce (an optimizer's exchange, e.g. Muon's split
-/// matrices): one job type with a host form and a device form, so the lanes carry one request
-/// for the collective wherever its buffer lives.
+/// What a rank sends in an update-group collective (an optimizer's exchange, e.g. Muon's split
+/// matrices: the all-reduce and the all-to-all-v): one job type with a host form and a device
+/// form, so the lanes carry one request per collective wherever its buffer lives.
 pub(crate) enum UpdateBuffer {
-    /// f32 elements in host memory, summed by the host collectives.
+    /// f32 elements in host memory, moved by the host collectives.
     Host(Vec<f32>),
-    /// An f32 buffer in device memory, summed in place by the engine (NCCL, or ranks of this
-    /// process sharing the device): `storage/cube/update_sum.rs`.
+    /// An f32 buffer in device memory, moved by the engine (NCCL, or ranks of this process
+    /// sharing the device): `storage/cube/update_job.rs` (summed in place, or sent from it into
+    /// a receive buffer allocated with the job).
     // Made only on CubeCL backends.
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     Device(Box<dyn DeviceGatherJob>),
 }
 
-/// What an update-group all-reduce gives back: the sum, where its buffer was.
-pub(crate) enum UpdateSum {
-    /// The summed host elements.
+/// What an update-group collective gives back, where its buffer was: the sum, or what arrived.
+pub(crate) enum UpdateReceived {
+    /// The host elements.
     Host(Vec<f32>),
-    /// The summed device buffer.
+    /// The device buffer.
     // Made only on CubeCL backends.
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     Device(DeviceUnits),

@@ -101,7 +101,7 @@ pub use comm::RUNTIME_LANES;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) use jobs::ReadUnits;
 pub(crate) use jobs::{
-    DeviceGatherJob, DeviceReduceJob, Reply, ShardPart, StageUnits, UpdateBuffer, UpdateSum,
+    DeviceGatherJob, DeviceReduceJob, Reply, ShardPart, StageUnits, UpdateBuffer, UpdateReceived,
 };
 
 /// Handle to the two communication lanes.
@@ -288,19 +288,19 @@ impl Worker {
 
     /// Sum of `buf` (host or device memory) over the update group (the optimizer's exchanges,
     /// e.g. Muon's split matrices).
-    pub fn all_reduce(&self, buf: UpdateBuffer) -> Reply<UpdateSum> {
+    pub fn all_reduce(&self, buf: UpdateBuffer) -> Reply<UpdateReceived> {
         let tag = self.tag(None, "optimizer all-reduce");
         self.send(|reply| Request::Replica(ReplicaRequest::AllReduce { tag, buf, reply }))
     }
 
-    /// All-to-all over the update group with per-rank counts (by update-group rank); the
-    /// optimizer's owner exchanges (Muon's split matrices).
+    /// All-to-all over the update group with per-rank counts (by update-group rank), from
+    /// host or device memory; the optimizer's owner exchanges (Muon's split matrices).
     pub fn all_to_all_v(
         &self,
-        send: Vec<f32>,
+        send: UpdateBuffer,
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
-    ) -> Reply {
+    ) -> Reply<UpdateReceived> {
         let tag = self.tag(None, "optimizer all-to-all");
         self.send(|reply| {
             Request::Replica(ReplicaRequest::AllToAllV {

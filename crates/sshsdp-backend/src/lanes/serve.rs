@@ -12,7 +12,7 @@ use half::bf16;
 
 use super::comm::MeshComm;
 use super::jobs::{
-    DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits, UpdateBuffer, UpdateSum,
+    DeviceGatherJob, DeviceReduceJob, ShardPart, StageUnits, UpdateBuffer, UpdateReceived,
 };
 use crate::config::Precision;
 use crate::runtime_units::{DeviceUnits, Elems, Gathered};
@@ -79,14 +79,15 @@ pub(super) enum ReplicaRequest {
     AllReduce {
         tag: CallTag,
         buf: UpdateBuffer,
-        reply: Sender<CommResult<UpdateSum>>,
+        reply: Sender<CommResult<UpdateReceived>>,
     },
+    /// The update group's all-to-all-v, on host or device memory (one job, two forms).
     AllToAllV {
         tag: CallTag,
-        send: Vec<f32>,
+        send: UpdateBuffer,
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
-        reply: Sender<CommResult<Vec<f32>>>,
+        reply: Sender<CommResult<UpdateReceived>>,
     },
     WorldGatherBytes {
         tag: CallTag,
@@ -274,12 +275,12 @@ pub(super) fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                 let r = lane.run("all-reduce (update group)", tag, || match buf {
                     UpdateBuffer::Host(mut buf) => {
                         comm.all_reduce_update_group(sharding, &mut buf)?;
-                        Ok(UpdateSum::Host(buf))
+                        Ok(UpdateReceived::Host(buf))
                     }
                     UpdateBuffer::Device(mut job) => {
                         let count = job.count();
                         comm.all_reduce_update_group_device(sharding, job.buffers()?, count)?;
-                        Ok(UpdateSum::Device(job.into_units()))
+                        Ok(UpdateReceived::Device(job.into_units()))
                     }
                 });
                 let _ = reply.send(r);
@@ -291,16 +292,27 @@ pub(super) fn serve_replica_lane(lane: Lane, rx: Receiver<ReplicaRequest>) {
                 recv_counts,
                 reply,
             } => {
-                let r = lane.run("all-to-all (update group)", tag, || {
-                    let mut recv = vec![0f32; recv_counts.iter().sum()];
-                    comm.all_to_all_v_update_group(
-                        sharding,
-                        &send,
-                        &send_counts,
-                        &mut recv,
-                        &recv_counts,
-                    )?;
-                    Ok(recv)
+                let r = lane.run("all-to-all (update group)", tag, || match send {
+                    UpdateBuffer::Host(send) => {
+                        let mut recv = vec![0f32; recv_counts.iter().sum()];
+                        comm.all_to_all_v_update_group(
+                            sharding,
+                            &send,
+                            &send_counts,
+                            &mut recv,
+                            &recv_counts,
+                        )?;
+                        Ok(UpdateReceived::Host(recv))
+                    }
+                    UpdateBuffer::Device(mut job) => {
+                        comm.all_to_all_v_update_group_device(
+                            sharding,
+                            job.buffers()?,
+                            &send_counts,
+                            &recv_counts,
+                        )?;
+                        Ok(UpdateReceived::Device(job.into_units()))
+                    }
                 });
                 let _ = reply.send(r);
             }

@@ -28,6 +28,7 @@
 mod backward;
 pub(crate) mod bucket;
 mod gather;
+mod group_exchange;
 mod param_handles;
 mod pieces;
 mod retention;

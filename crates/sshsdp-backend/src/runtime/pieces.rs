@@ -7,8 +7,8 @@ use std::sync::Arc;
 use burn_backend::{Backend, TensorMetadata};
 
 use crate::error::HsdpError;
-use crate::lanes::{UpdateBuffer, UpdateSum, Worker};
-use crate::storage::{device_piece, device_update_sum, download, upload, PieceValues};
+use crate::lanes::{UpdateBuffer, UpdateReceived, Worker};
+use crate::storage::{device_piece, device_update_job, download, upload, PieceValues};
 use crate::timeline::{Timeline, Track};
 use crate::traffic::{Purpose, Traffic};
 
@@ -89,8 +89,8 @@ impl UpdateGroup<'_> {
             return Ok(buf);
         }
         match self.sum(UpdateBuffer::Host(buf))? {
-            UpdateSum::Host(sum) => Ok(sum),
-            UpdateSum::Device(_) => Err(HsdpError::Failed(
+            UpdateReceived::Host(sum) => Ok(sum),
+            UpdateReceived::Device(_) => Err(HsdpError::Failed(
                 "a host all-reduce came back in device memory".into(),
             )),
         }
@@ -111,7 +111,7 @@ impl UpdateGroup<'_> {
         }
         let n = tensor.shape().num_elements();
         let job = if self.engine_on_device {
-            device_update_sum::<B>(tensor.clone(), self.traffic)
+            device_update_job::<B>(tensor.clone(), None, self.traffic)
         } else {
             None
         };
@@ -120,8 +120,8 @@ impl UpdateGroup<'_> {
             None => UpdateBuffer::Host(download::<B>(tensor, self.traffic, Purpose::Stage)?),
         };
         match self.sum(buf)? {
-            UpdateSum::Device(units) if units.len == n => device_piece::<B>(&units, device),
-            UpdateSum::Host(sum) if sum.len() == n => {
+            UpdateReceived::Device(units) if units.len == n => device_piece::<B>(&units, device),
+            UpdateReceived::Host(sum) if sum.len() == n => {
                 Ok(upload::<B>(sum, device, self.traffic, Purpose::Stage))
             }
             _ => Err(HsdpError::Failed(
@@ -131,7 +131,7 @@ impl UpdateGroup<'_> {
     }
 
     /// One all-reduce of `buf` over the update group, waited for.
-    fn sum(&self, buf: UpdateBuffer) -> Result<UpdateSum, HsdpError> {
+    fn sum(&self, buf: UpdateBuffer) -> Result<UpdateReceived, HsdpError> {
         let reply = self.worker.all_reduce(buf);
         Ok(self
             .timeline
@@ -141,77 +141,8 @@ impl UpdateGroup<'_> {
     }
 
     /// Whether the update group is this rank alone (its collectives move nothing).
-    fn alone(&self) -> bool {
+    pub(super) fn alone(&self) -> bool {
         self.piece_ranks.len() <= 1
-    }
-
-    /// Sends `send[p]` to the holder of piece `p` and returns, per piece `p`, the
-    /// `recv_counts[p]` elements its holder sent this rank (one all-to-all-v over the update
-    /// group; every rank calls it in the same order, and what piece `a` sends piece `b` must be
-    /// what `b` expects from `a`, or it is an error on every rank). Chunks may be empty; only
-    /// non-empty chunks between different ranks cross the network.
-    pub fn exchange(
-        &self,
-        send: Vec<Vec<f32>>,
-        recv_counts: &[usize],
-    ) -> Result<Vec<Vec<f32>>, HsdpError> {
-        let (recv, ranges) = self.exchange_flat(send, recv_counts)?;
-        Ok(ranges.into_iter().map(|r| recv[r].to_vec()).collect())
-    }
-
-    /// [`Self::exchange`] without splitting what arrives: one buffer and, per piece `p`, the
-    /// range of it that piece `p`'s holder sent (no second copy of the received elements).
-    pub fn exchange_flat(
-        &self,
-        send: Vec<Vec<f32>>,
-        recv_counts: &[usize],
-    ) -> Result<(Vec<f32>, Vec<std::ops::Range<usize>>), HsdpError> {
-        let pieces = self.piece_ranks.len();
-        if send.len() != pieces || recv_counts.len() != pieces {
-            return Err(HsdpError::Failed(format!(
-                "exchange: {} chunks to send and {} counts for {pieces} pieces",
-                send.len(),
-                recv_counts.len()
-            )));
-        }
-        if self.alone() {
-            // A group of one: this rank's chunk for itself, no collective.
-            let mine = send.into_iter().next().unwrap_or_default();
-            if mine.len() != recv_counts.iter().sum::<usize>() {
-                return Err(HsdpError::Failed(format!(
-                    "exchange on one rank: {} elements sent, {} expected",
-                    mine.len(),
-                    recv_counts.iter().sum::<usize>()
-                )));
-            }
-            let n = mine.len();
-            return Ok((mine, std::iter::once(0..n).collect()));
-        }
-        // Pieces in update-group rank order.
-        let mut by_rank = vec![0; pieces];
-        for (p, &r) in self.piece_ranks.iter().enumerate() {
-            by_rank[r] = p;
-        }
-        let send_counts: Vec<usize> = by_rank.iter().map(|&p| send[p].len()).collect();
-        let rank_recv: Vec<usize> = by_rank.iter().map(|&p| recv_counts[p]).collect();
-        let mut flat = Vec::with_capacity(send_counts.iter().sum());
-        for &p in &by_rank {
-            flat.extend_from_slice(&send[p]);
-        }
-        drop(send);
-        let reply = self.worker.all_to_all_v(flat, send_counts, rank_recv);
-        let recv = self
-            .timeline
-            .span(Track::Model, "wait optimizer all-to-all", None, || {
-                reply.wait()
-            })?;
-        let mut ranges = vec![0..0; pieces];
-        let mut at = 0;
-        for &p in &by_rank {
-            ranges[p] = at..at + recv_counts[p];
-            at += recv_counts[p];
-        }
-        Ok((recv, ranges))
     }
 
     /// Number of pieces in the update group (one per rank of it).

@@ -395,17 +395,19 @@ pub(crate) fn device_gather<B: Backend>(
     }
 }
 
-/// The in-place all-reduce job of `tensor` (f32, 1-D) over the update group, moved by the
-/// engine in device memory (`None` where `B` is not a CubeCL backend this build supports).
-pub(crate) fn device_update_sum<B: Backend>(
+/// The job of an update-group collective on `tensor` (f32, 1-D), moved by the engine in device
+/// memory: the all-reduce in place (`recv` `None`) or the all-to-all-v into a new buffer of
+/// `recv` elements (`None` where `B` is not a CubeCL backend this build supports).
+pub(crate) fn device_update_job<B: Backend>(
     tensor: B::FloatTensorPrimitive,
+    recv: Option<usize>,
     traffic: &Arc<Traffic>,
 ) -> Option<Box<dyn DeviceGatherJob>> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    return cube::update_sum::update_sum_job_if_cube::<B>(tensor, traffic);
+    return cube::update_job::update_job_if_cube::<B>(tensor, recv, traffic);
     #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
     {
-        let _ = (tensor, traffic);
+        let _ = (tensor, recv, traffic);
         None
     }
 }

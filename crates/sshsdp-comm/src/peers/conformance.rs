@@ -58,24 +58,37 @@ const TAIL: usize = 3;
 
 /// Runs every case on this rank; returns each case's name and outcome.
 pub fn run_all<M: PeerMemory>(mem: &M, peers: &dyn PeerExchange) -> Vec<(String, Outcome)> {
-    let root = peers.peer_size() - 1;
-    let ops = [
-        PeerOp::AllGather,
-        PeerOp::ReduceScatter,
-        PeerOp::AllReduce,
-        PeerOp::Broadcast { root },
-    ];
+    let (rank, size) = (peers.peer_rank(), peers.peer_size());
+    let root = size - 1;
     let mut outcomes = Vec::new();
-    for op in ops {
+    for which in 0..5 {
         for kind in [ElementKind::F32, ElementKind::Bf16, ElementKind::U8] {
-            if op.sums() && kind == ElementKind::U8 {
-                continue;
-            }
             for count in [0, 1, 37] {
+                let sends = ragged(size, count);
+                let send = sends[rank].clone();
+                let recv: Vec<usize> = sends.iter().map(|s| s[rank]).collect();
+                let op = match which {
+                    0 => PeerOp::AllGather,
+                    1 => PeerOp::ReduceScatter,
+                    2 => PeerOp::AllReduce,
+                    3 => PeerOp::Broadcast { root },
+                    _ => PeerOp::AllToAllV {
+                        send: &send,
+                        recv: &recv,
+                    },
+                };
+                if op.sums() && kind == ElementKind::U8 {
+                    continue;
+                }
+                let all_to_all = matches!(op, PeerOp::AllToAllV { .. });
                 for (in_place, offset) in [(false, 0), (false, 3), (true, 3)] {
+                    if in_place && all_to_all {
+                        continue;
+                    }
                     let name = format!(
-                        "{} {kind:?} × {count}, {} at unit {offset}",
+                        "{} {kind:?} × {count}{}, {} at unit {offset}",
                         op.name(),
+                        if all_to_all { " (ragged)" } else { "" },
                         if in_place { "in place" } else { "apart" }
                     );
                     let case = Case {
@@ -93,16 +106,24 @@ pub fn run_all<M: PeerMemory>(mem: &M, peers: &dyn PeerExchange) -> Vec<(String,
     outcomes
 }
 
+/// The all-to-all-v cases' counts: rank `q` sends rank `p` `count · ((q + 2p) mod 3)` units, so
+/// chunks are ragged and some are empty (all of them for `count` 0).
+fn ragged(size: usize, count: usize) -> Vec<Vec<usize>> {
+    (0..size)
+        .map(|q| (0..size).map(|p| count * ((q + 2 * p) % 3)).collect())
+        .collect()
+}
+
 /// One case of [`run_all`].
-struct Case {
-    op: PeerOp,
+struct Case<'a> {
+    op: PeerOp<'a>,
     kind: ElementKind,
     count: usize,
     in_place: bool,
     offset: usize,
 }
 
-impl Case {
+impl Case<'_> {
     fn run<M: PeerMemory>(&self, mem: &M, peers: &dyn PeerExchange) -> Outcome {
         let (rank, size) = (peers.peer_rank(), peers.peer_size());
         let (send_len, recv_len) = self.op.extents(size, self.count);
@@ -181,9 +202,9 @@ impl Case {
     /// The receive region's bytes rank `rank` must hold.
     fn expected(&self, rank: usize, size: usize) -> Vec<u8> {
         let count = self.count;
+        let unit = self.kind.bytes();
         let (send_len, _) = self.op.extents(size, count);
         let all: Vec<Vec<u8>> = (0..size).map(|q| values(self.kind, q, send_len)).collect();
-        let unit = self.kind.bytes();
         let units = |q: usize, from: usize| all[q][from * unit..(from + count) * unit].to_vec();
         match self.op {
             PeerOp::AllGather => (0..size).flat_map(|q| units(q, 0)).collect(),
@@ -192,6 +213,17 @@ impl Case {
                 sum_units(self.kind, (0..size).map(|q| units(q, rank * count)))
             }
             PeerOp::AllReduce => sum_units(self.kind, (0..size).map(|q| units(q, 0))),
+            PeerOp::AllToAllV { .. } => {
+                let sends = ragged(size, count);
+                (0..size)
+                    .flat_map(|q| {
+                        let from: usize = sends[q][..rank].iter().sum();
+                        let len = sends[q][rank];
+                        let all = values(self.kind, q, sends[q].iter().sum());
+                        all[from * unit..(from + len) * unit].to_vec()
+                    })
+                    .collect()
+            }
         }
     }
 }
@@ -268,14 +300,24 @@ pub enum Fault {
     PanicsMidCall,
 }
 
+/// The collective a fault case runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultOp {
+    /// [`PeerOp::AllGather`] of 5 units.
+    AllGather,
+    /// [`PeerOp::AllToAllV`] of ragged counts.
+    AllToAllV,
+}
+
 /// Runs fault case `fault` on this rank of a fresh group: the last rank misbehaves (through
-/// `mem` too, so its post is a real one), every rank runs an all-gather through `mem`, and every
-/// rank that behaves must get an error within `bound`. Returns this rank's outcome (the
-/// misbehaving rank panics for [`Fault::PanicsMidCall`]).
+/// `mem` too, so its post is a real one), every rank runs `op` through `mem`, and every rank
+/// that behaves must get an error within `bound`. Returns this rank's outcome (the misbehaving
+/// rank panics for [`Fault::PanicsMidCall`]).
 pub fn fault<M: PeerMemory>(
     mem: &M,
     peers: &dyn PeerExchange,
     fault: Fault,
+    op: FaultOp,
     bound: Duration,
 ) -> Outcome {
     let (rank, size) = (peers.peer_rank(), peers.peer_size());
@@ -286,12 +328,23 @@ pub fn fault<M: PeerMemory>(
         return Ok(());
     }
     let count = 5;
+    let sends = ragged(size, count);
+    let (send_counts, recv_counts): (Vec<usize>, Vec<usize>) =
+        (sends[rank].clone(), sends.iter().map(|s| s[rank]).collect());
+    let peer_op = match op {
+        FaultOp::AllGather => PeerOp::AllGather,
+        FaultOp::AllToAllV => PeerOp::AllToAllV {
+            send: &send_counts,
+            recv: &recv_counts,
+        },
+    };
+    let (send_len, recv_len) = peer_op.extents(size, count);
     let unit = ElementKind::F32.bytes();
     let send = mem
-        .buffer(&values(ElementKind::F32, rank, count))
+        .buffer(&values(ElementKind::F32, rank, send_len))
         .map_err(|e| e.to_string())?;
     let recv = mem
-        .buffer(&framed(0, size * count, unit))
+        .buffer(&framed(0, recv_len, unit))
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
     let spans = Spans::Apart {
@@ -300,7 +353,7 @@ pub fn fault<M: PeerMemory>(
     };
     let faulty = Faulty { peers, fault };
     let through: &dyn PeerExchange = if misbehaves { &faulty } else { peers };
-    let r = mem.collective(through, PeerOp::AllGather, ElementKind::F32, count, spans);
+    let r = mem.collective(through, peer_op, ElementKind::F32, count, spans);
     let took = started.elapsed();
     match r {
         Ok(()) => Err(format!("rank {rank}: {fault:?} went unnoticed")),
@@ -344,7 +397,7 @@ impl PeerExchange for Faulty<'_> {
 
     fn exchange(
         &self,
-        op: PeerOp,
+        op: PeerOp<'_>,
         kind: ElementKind,
         count: usize,
         post: super::PeerPost,

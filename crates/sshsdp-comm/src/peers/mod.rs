@@ -42,7 +42,7 @@ pub type PeerPost = Arc<dyn Any + Send + Sync>;
 /// rounded once, as every engine of this crate reduces); a caller that wants the average divides
 /// once afterwards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PeerOp {
+pub enum PeerOp<'a> {
     /// Every rank's `count` units, in rank order, into every rank's `size · count`.
     AllGather,
     /// Chunk `rank` (of `size` chunks of `count`) summed over ranks into every rank's `count`.
@@ -53,6 +53,17 @@ pub enum PeerOp {
     Broadcast {
         /// The rank whose units every rank receives.
         root: usize,
+    },
+    /// All-to-all with per-rank counts (MPI's `alltoallv` with packed displacements): this
+    /// rank's send buffer holds `send[0]` units for rank 0, then `send[1]` for rank 1, …; its
+    /// receive buffer gets `recv[q]` units from each rank `q`, in rank order. What rank `a` sends
+    /// rank `b` must be what `b` expects from `a` (the engine checks every pair on every rank).
+    /// The `count` of the call is not used (pass 0); never in place.
+    AllToAllV {
+        /// Units for each rank, in rank order.
+        send: &'a [usize],
+        /// Units from each rank, in rank order.
+        recv: &'a [usize],
     },
 }
 
@@ -79,7 +90,7 @@ pub struct PeerPlan {
     pub write_after_all_read: bool,
 }
 
-impl PeerOp {
+impl PeerOp<'_> {
     /// The operation's name in call descriptions and errors.
     pub fn name(self) -> &'static str {
         match self {
@@ -87,6 +98,7 @@ impl PeerOp {
             PeerOp::ReduceScatter => "reduce_scatter (peers)",
             PeerOp::AllReduce => "all_reduce (peers)",
             PeerOp::Broadcast { .. } => "broadcast (peers)",
+            PeerOp::AllToAllV { .. } => "all_to_all_v (peers)",
         }
     }
 
@@ -101,6 +113,7 @@ impl PeerOp {
             PeerOp::AllGather => (count, size * count),
             PeerOp::ReduceScatter => (size * count, count),
             PeerOp::AllReduce | PeerOp::Broadcast { .. } => (count, count),
+            PeerOp::AllToAllV { send, recv } => (send.iter().sum(), recv.iter().sum()),
         }
     }
 
@@ -110,7 +123,7 @@ impl PeerOp {
         match self {
             PeerOp::AllGather => (at + rank * count, at),
             PeerOp::ReduceScatter => (at, at + rank * count),
-            PeerOp::AllReduce | PeerOp::Broadcast { .. } => (at, at),
+            PeerOp::AllReduce | PeerOp::Broadcast { .. } | PeerOp::AllToAllV { .. } => (at, at),
         }
     }
 
@@ -118,7 +131,9 @@ impl PeerOp {
     /// receive buffer as NCCL defines it (all-gather: at chunk `rank` of the receive buffer;
     /// reduce-scatter: the receive buffer is chunk `rank` of the send buffer; all-reduce and
     /// broadcast: one buffer), so a move from this rank's own send buffer to the same place is
-    /// skipped, and an all-reduce writes only once every rank has read.
+    /// skipped, and an all-reduce writes only once every rank has read. An all-to-all-v is
+    /// planned from every rank's counts ([`all_to_all_v_plan`], which [`PeerCall::plan`] calls
+    /// with the counts the engine exchanged).
     pub fn plan(
         self,
         rank: usize,
@@ -161,6 +176,11 @@ impl PeerOp {
                     vec![one(0, (root, 0))]
                 }
             }
+            PeerOp::AllToAllV { .. } => {
+                return Err(CommError::InvalidArgument(
+                    "all_to_all_v (peers) is planned from every rank's counts, at arrival".into(),
+                ))
+            }
         };
         let transfers = if count == 0 { Vec::new() } else { transfers };
         Ok(PeerPlan {
@@ -168,6 +188,66 @@ impl PeerOp {
             write_after_all_read: in_place && self == PeerOp::AllReduce,
         })
     }
+}
+
+/// Rank `rank`'s plan of an all-to-all-v whose rank `q` sends `sends[q][p]` units to each rank
+/// `p` (every rank's counts, as the engine exchanged and checked them): from each rank in rank
+/// order, a copy of its chunk for `rank` (after its chunks for lower ranks) to the end of what
+/// lower ranks sent. Empty chunks move nothing.
+pub fn all_to_all_v_plan(rank: usize, sends: &[Vec<usize>]) -> CommResult<PeerPlan> {
+    let size = sends.len();
+    if rank >= size || sends.iter().any(|s| s.len() != size) {
+        return Err(CommError::InvalidArgument(format!(
+            "all_to_all_v (peers): rank {rank} of {size} with counts for {:?} ranks",
+            sends.iter().map(Vec::len).collect::<Vec<_>>()
+        )));
+    }
+    let mut at = 0;
+    let mut transfers = Vec::new();
+    for (q, counts) in sends.iter().enumerate() {
+        let len = counts[rank];
+        if len > 0 {
+            let from = counts[..rank].iter().sum();
+            transfers.push(Transfer {
+                at,
+                len,
+                sources: vec![(q, from)],
+            });
+        }
+        at += len;
+    }
+    Ok(PeerPlan {
+        transfers,
+        write_after_all_read: false,
+    })
+}
+
+/// Checks every rank's all-to-all-v counts (`sends[q]`, `recvs[q]`: what rank `q` sends to and
+/// expects from each rank): each holds one count per rank, and what `a` sends `b` is what `b`
+/// expects from `a`. Every rank checks the same counts, so every rank gets the same error.
+pub fn check_all_to_all_v(sends: &[Vec<usize>], recvs: &[Vec<usize>]) -> CommResult<()> {
+    let size = sends.len();
+    for (q, (s, r)) in sends.iter().zip(recvs).enumerate() {
+        if s.len() != size || r.len() != size {
+            return Err(CommError::Mismatch(format!(
+                "all_to_all_v (peers): rank {q} gave {} send and {} receive counts for {size} \
+                 ranks",
+                s.len(),
+                r.len()
+            )));
+        }
+    }
+    for a in 0..size {
+        for b in 0..size {
+            if sends[a][b] != recvs[b][a] {
+                return Err(CommError::Mismatch(format!(
+                    "all_to_all_v (peers): rank {a} sends {} units to rank {b}, which expects {}",
+                    sends[a][b], recvs[b][a]
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Collectives between ranks of one process that publish descriptions of their buffers and move
@@ -179,10 +259,12 @@ pub trait PeerExchange {
     /// Number of ranks in the group.
     fn peer_size(&self) -> usize;
     /// Publishes `post` for `op` on `count` units of `kind` and waits (bounded) for every rank's;
-    /// ranks calling a different operation, kind or count is an error on every rank.
+    /// ranks calling a different operation, kind or count is an error on every rank (for
+    /// [`PeerOp::AllToAllV`]: counts that disagree between sender and receiver, see
+    /// [`check_all_to_all_v`]).
     fn exchange(
         &self,
-        op: PeerOp,
+        op: PeerOp<'_>,
         kind: ElementKind,
         count: usize,
         post: PeerPost,
@@ -202,16 +284,40 @@ pub trait PeerPresence {
 /// One rank's call of a [`PeerExchange`] after arrival: every rank's post, and the barriers of
 /// the protocol. Dropping it departs (a rank that unwinds still releases its peers).
 pub struct PeerCall<'a> {
+    rank: usize,
     posts: Vec<PeerPost>,
+    /// Every rank's send counts of an all-to-all-v (empty for the other operations).
+    sends: Vec<Vec<usize>>,
     presence: Option<Box<dyn PeerPresence + 'a>>,
 }
 
 impl<'a> PeerCall<'a> {
-    /// A call with every rank's `posts` (rank order), present through `presence`.
-    pub fn new(posts: Vec<PeerPost>, presence: Box<dyn PeerPresence + 'a>) -> Self {
+    /// Rank `rank`'s call with every rank's `posts` (rank order), present through `presence`.
+    pub fn new(rank: usize, posts: Vec<PeerPost>, presence: Box<dyn PeerPresence + 'a>) -> Self {
         Self {
+            rank,
             posts,
+            sends: Vec::new(),
             presence: Some(presence),
+        }
+    }
+
+    /// The same call of an all-to-all-v whose ranks send `sends[q][p]` units (checked with
+    /// [`check_all_to_all_v`]).
+    pub fn with_sends(mut self, sends: Vec<Vec<usize>>) -> Self {
+        self.sends = sends;
+        self
+    }
+
+    /// This rank's plan of `op` on `count` units ([`PeerOp::plan`]; an all-to-all-v from every
+    /// rank's counts, [`all_to_all_v_plan`]).
+    pub fn plan(&self, op: PeerOp<'_>, count: usize, in_place: bool) -> CommResult<PeerPlan> {
+        match op {
+            PeerOp::AllToAllV { .. } if in_place => Err(CommError::InvalidArgument(
+                "all_to_all_v (peers) in place".into(),
+            )),
+            PeerOp::AllToAllV { .. } => all_to_all_v_plan(self.rank, &self.sends),
+            _ => op.plan(self.rank, self.posts.len(), count, in_place),
         }
     }
 
@@ -309,5 +415,44 @@ mod tests {
         }
         assert!(PeerOp::Broadcast { root: 2 }.plan(0, 2, 1, false).is_err());
         assert!(PeerOp::AllGather.plan(2, 2, 1, false).is_err());
+    }
+
+    #[test]
+    fn all_to_all_v_plans_read_each_chunk_once_in_rank_order() {
+        // Rank q sends rank p `(q + 2p) % 3` units (zeros included).
+        let size = 3;
+        let sends: Vec<Vec<usize>> = (0..size)
+            .map(|q| (0..size).map(|p| (q + 2 * p) % 3).collect())
+            .collect();
+        let recvs: Vec<Vec<usize>> = (0..size)
+            .map(|p| (0..size).map(|q| sends[q][p]).collect())
+            .collect();
+        check_all_to_all_v(&sends, &recvs).unwrap();
+        for rank in 0..size {
+            let plan = all_to_all_v_plan(rank, &sends).unwrap();
+            let mut at = 0;
+            let mut expected = Vec::new();
+            for q in 0..size {
+                let len = sends[q][rank];
+                if len > 0 {
+                    let from = sends[q][..rank].iter().sum();
+                    expected.push(Transfer {
+                        at,
+                        len,
+                        sources: vec![(q, from)],
+                    });
+                }
+                at += len;
+            }
+            assert_eq!(plan.transfers, expected);
+            assert!(!plan.write_after_all_read);
+        }
+        let mut wrong = recvs.clone();
+        wrong[1][0] += 1;
+        assert!(matches!(
+            check_all_to_all_v(&sends, &wrong),
+            Err(CommError::Mismatch(_))
+        ));
+        assert!(all_to_all_v_plan(0, &[vec![1], vec![1, 1]]).is_err());
     }
 }

@@ -111,7 +111,8 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
             let new = self.apply_device(lr, runtime, unit, &masters[unit.piece], o);
             stepped[unit.piece].push((unit.in_piece.clone(), new));
         }
-        let rows = self.return_to_holders_device(runtime, group, &split, split_results)?;
+        let rows =
+            self.return_to_holders_device(runtime, group, &split, split_results, &mut stats)?;
         for ((unit, _), o) in split.iter().zip(rows) {
             let new = self.apply_device(lr, runtime, unit, &masters[unit.piece], o);
             stepped[unit.piece].push((unit.in_piece.clone(), new));

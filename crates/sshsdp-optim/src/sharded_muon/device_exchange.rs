@@ -1,13 +1,17 @@
-//! The exchange of split Muon matrices on device pieces: each holder writes its slice of every
-//! split matrix into one dense device buffer of all of them (zeros elsewhere), one all-reduce
-//! over the update group on device memory assembles them
-//! ([`UpdateGroup::all_reduce_sum_tensor`]: NCCL or the peers engine, staged through the host
-//! only on engines that move host memory), the owners orthogonalise theirs, and a second
-//! all-reduce of the results hands every holder its rows. Sums of one value and zeros are exact,
-//! so this is bitwise the host exchanges' result whichever [`super::MuonExchange`] is chosen.
-//! (The owner all-to-all-v would move ≈2·P/W bytes per rank instead of the split matrices'
-//! size twice; on device buffers it is not built yet: the plan keeps split matrices to at most
-//! one per piece boundary.)
+//! The exchange of split Muon matrices on device pieces. [`MuonExchange::OwnerAllToAll`] (the
+//! default) runs the owner all-to-all-v (`device_owner.rs`) on device buffers where the update
+//! group moves device memory itself for it ([`UpdateGroup::all_to_all_on_device`]: the peers
+//! engine), staged through the host where it moves neither collective's (engines on host
+//! memory). Over NCCL, whose device all-to-all-v is not wired, and with
+//! [`MuonExchange::AllReduce`], each holder writes its slice of every split matrix into one dense
+//! device buffer of all of them (zeros elsewhere), one all-reduce over the update group on
+//! device memory assembles them ([`UpdateGroup::all_reduce_sum_tensor`]: NCCL or the peers
+//! engine, staged through the host only on engines that move host memory), the owners
+//! orthogonalise theirs, and a second all-reduce of the results hands every holder its rows.
+//! Sums of one value and zeros are exact, and the owner exchange only copies, so both are
+//! bitwise the host exchanges' result. (The all-reduce moves the split matrices' size twice
+//! where the owner exchange moves about a rank's own slices; the plan keeps split matrices to
+//! at most one per piece boundary.)
 //!
 //! A slice's elements sit at ascending, possibly scattered positions of its matrix (MXFP8 cuts
 //! pieces at tile edges): they are placed and taken with one indexed write and one indexed
@@ -19,7 +23,7 @@ use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorPrimitive};
 use sshsdp_backend::{HsdpError, HsdpRuntime, UpdateGroup};
 
 use super::exchange::{dense_offsets, split_matrices};
-use super::{MuonStepStats, ShardedMuon};
+use super::{MuonExchange, MuonStepStats, ShardedMuon};
 use crate::traffic::upload_indices;
 use crate::UpdateUnit;
 
@@ -41,6 +45,9 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         }
         let (offsets, total) = dense_offsets(&split, plan);
         stats.exchanged_elements = total as u64;
+        if self.owner_exchange(group) {
+            return self.send_to_owners_owner_device(runtime, group, &split, mine, stats);
+        }
         let mut dense = Tensor::<B, 1>::zeros([total], &self.device);
         for (unit, u) in mine {
             let at = self.positions(unit, offsets[&unit.param]);
@@ -68,11 +75,15 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
         group: &UpdateGroup<'_>,
         mine: &[(UpdateUnit, Tensor<B, 1>)],
         owned: Vec<Tensor<B, 1>>,
+        stats: &mut MuonStepStats,
     ) -> Result<Vec<Tensor<B, 1>>, HsdpError> {
         let plan = runtime.plan();
         let split = split_matrices(plan, group);
         if split.is_empty() {
             return Ok(Vec::new());
+        }
+        if self.owner_exchange(group) {
+            return self.return_to_holders_owner_device(runtime, group, &split, mine, owned, stats);
         }
         let (offsets, _) = dense_offsets(&split, plan);
         let me = group.piece();
@@ -97,6 +108,13 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                 all.clone().select(0, at)
             })
             .collect())
+    }
+
+    /// Whether split matrices travel by the owner all-to-all-v (else by all-reduce): as chosen,
+    /// but where only the all-reduce moves device memory itself (NCCL), by all-reduce.
+    fn owner_exchange(&self, group: &UpdateGroup<'_>) -> bool {
+        let staged_only_here = group.all_reduce_on_device() && !group.all_to_all_on_device();
+        self.exchange == MuonExchange::OwnerAllToAll && !staged_only_here
     }
 
     /// `dense` summed over the update group, on the device.

@@ -45,7 +45,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                         expect[*q] += r.len();
                     }
                 }
-                count_exchange(stats, &send, &expect, me);
+                count_exchange(stats, &lens(&send), &expect, me);
                 let got = group.exchange(send, &expect)?;
                 let mut at = vec![0; group.pieces()];
                 Ok(split
@@ -114,7 +114,7 @@ impl<B: Backend, O: SimpleOptimizer<B>> ShardedMuon<B, O> {
                 for (unit, _) in mine {
                     expect[owner(plan, unit.param)?] += unit.in_piece.len();
                 }
-                count_exchange(stats, &back, &expect, me);
+                count_exchange(stats, &lens(&back), &expect, me);
                 let got = group.exchange(back, &expect)?;
                 let mut at = vec![0; group.pieces()];
                 mine.iter()
@@ -153,7 +153,7 @@ pub(super) struct SplitMatrix {
     /// The piece that orthogonalises it.
     pub(super) owner: usize,
     /// `(piece, elements of the matrix)` of every holder, in piece order.
-    holders: Vec<(usize, std::ops::Range<usize>)>,
+    pub(super) holders: Vec<(usize, std::ops::Range<usize>)>,
 }
 
 /// Every split Muon matrix of `plan` that received a gradient in this step, in plan order, with
@@ -188,7 +188,7 @@ pub(super) fn split_matrices(
 }
 
 /// The plan's Newton–Schulz owner of split matrix `param`.
-fn owner(plan: &sshsdp_plan::Plan, param: usize) -> Result<usize, HsdpError> {
+pub(super) fn owner(plan: &sshsdp_plan::Plan, param: usize) -> Result<usize, HsdpError> {
     plan.params()[param].ns_owner.ok_or_else(|| {
         HsdpError::Failed(format!("split matrix {param} has no Newton–Schulz owner"))
     })
@@ -211,16 +211,26 @@ pub(super) fn dense_offsets(
     (offsets, at)
 }
 
-/// Adds an exchange's off-rank elements to `stats`: `send[q]` goes to piece `q`, `expect[q]`
-/// comes from it; this rank is piece `me`.
-fn count_exchange(stats: &mut MuonStepStats, send: &[Vec<f32>], expect: &[usize], me: usize) {
+/// Adds an exchange's off-rank elements to `stats`: `send[q]` elements go to piece `q`,
+/// `expect[q]` come from it; this rank is piece `me`.
+pub(super) fn count_exchange(
+    stats: &mut MuonStepStats,
+    send: &[usize],
+    expect: &[usize],
+    me: usize,
+) {
     let others = |q: &usize| *q != me;
     stats.sent_elements += (0..send.len())
         .filter(others)
-        .map(|q| send[q].len() as u64)
+        .map(|q| send[q] as u64)
         .sum::<u64>();
     stats.received_elements += (0..expect.len())
         .filter(others)
         .map(|q| expect[q] as u64)
         .sum::<u64>();
+}
+
+/// Each chunk's length.
+fn lens(chunks: &[Vec<f32>]) -> Vec<usize> {
+    chunks.iter().map(Vec::len).collect()
 }

@@ -8,7 +8,7 @@ use cubecl::client::ComputeClient;
 use cubecl::server::Handle;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 use cubecl::Runtime;
-use sshsdp_comm::peers::conformance::{self, Fault, PeerMemory, Spans};
+use sshsdp_comm::peers::conformance::{self, Fault, FaultOp, PeerMemory, Spans};
 use sshsdp_comm::peers::{PeerExchange, PeerOp};
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::{Collective, CommError, CommResult, ElementKind};
@@ -58,7 +58,7 @@ impl PeerMemory for DeviceMemory {
     fn collective(
         &self,
         peers: &dyn PeerExchange,
-        op: PeerOp,
+        op: PeerOp<'_>,
         kind: ElementKind,
         count: usize,
         spans: Spans<'_, Buffer>,
@@ -110,11 +110,17 @@ fn a_rank_that_never_arrives_fails_or_panics_fails_every_device_rank_in_bound() 
         Fault::FailsMidCall,
         Fault::PanicsMidCall,
     ] {
-        let results = ThreadsWorld::run(2, ThreadsConfig { timeout }, |comm| {
-            let peers = comm.peers().unwrap();
-            conformance::fault(&DeviceMemory::new(), peers, fault, timeout * 2)
-        })
-        .unwrap();
-        assert_eq!(conformance::check_fault_outcomes(fault, results), Ok(()));
+        for op in [FaultOp::AllGather, FaultOp::AllToAllV] {
+            let results = ThreadsWorld::run(2, ThreadsConfig { timeout }, |comm| {
+                let peers = comm.peers().unwrap();
+                conformance::fault(&DeviceMemory::new(), peers, fault, op, timeout * 2)
+            })
+            .unwrap();
+            assert_eq!(
+                conformance::check_fault_outcomes(fault, results),
+                Ok(()),
+                "{op:?}"
+            );
+        }
     }
 }

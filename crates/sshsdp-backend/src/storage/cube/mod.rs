@@ -12,7 +12,8 @@
 //! * `gather.rs`: all-gathers (and shard rebuilds) into device memory;
 //! * `reduce.rs`: gradient reductions from device memory, by the engine or staged via the host;
 //! * `shard.rs`: runtime shards held in device memory (read back, uploaded);
-//! * `update_sum.rs`: an optimizer's all-reduce over the update group, in place on the device.
+//! * `update_job.rs`: an optimizer's collectives over the update group on the device (the
+//!   all-reduce in place, the all-to-all-v into a receive buffer).
 //!
 //! This module holds what they share: the runtimes this build supports ([`for_each_runtime`]),
 //! the client of a device, stream ordering across threads, and buffer sizes.
@@ -36,7 +37,7 @@ mod exchange_tests;
 pub(crate) mod gather;
 pub(crate) mod reduce;
 pub(crate) mod shard;
-pub(crate) mod update_sum;
+pub(crate) mod update_job;
 pub(crate) mod views;
 
 /// Calls `$body` with `$R` bound to each CubeCL runtime this build supports.
