@@ -150,8 +150,9 @@ pub(crate) struct Run {
     pub(crate) reads: u64,
     /// Rank 0's optimizer's own reads and uploads in the last step.
     pub(crate) optimizer_traffic: HostTraffic,
-    /// Elements of Muon's split matrices exchanged in the last step (0 for AdamW).
-    pub(crate) exchanged: u64,
+    /// Muon's split matrices in rank 0's last step: their elements, and the elements rank 0
+    /// sent to others in the owner exchange (0 for AdamW).
+    pub(crate) exchanged: (u64, u64),
     /// Runtime bytes of rank 0's pieces (one per bucket).
     pub(crate) piece_bytes: u64,
     /// Bytes of rank 0's runtime shards, and whether they are in device memory.
@@ -322,9 +323,15 @@ where
         let counters = runtime.take_counters();
         let optimizer_traffic = optim.take_host_traffic();
         let exchanged = match &optim {
-            Optimizer::Muon(o) => o.last_step().exchanged_elements,
-            Optimizer::MuonOnCpu(o) => o.last_step().exchanged_elements,
-            _ => 0,
+            Optimizer::Muon(o) => (
+                o.last_step().exchanged_elements,
+                o.last_step().sent_elements,
+            ),
+            Optimizer::MuonOnCpu(o) => (
+                o.last_step().exchanged_elements,
+                o.last_step().sent_elements,
+            ),
+            _ => (0, 0),
         };
         if let Some(dir) = checkpoints.save {
             let saved = match &mut optim {
