@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use sshsdp::backend::{MixedPrecision, Placement, Precision};
+use sshsdp::optim::MuonExchange;
 use sshsdp::plan::{Mesh, RuntimeFormat};
 
 /// Which optimizer steps the parameters.
@@ -25,6 +26,8 @@ pub struct Args {
     pub steps: usize,
     /// `--optim muon|adamw`.
     pub optim: OptimKind,
+    /// `--muon-exchange owner|all-reduce`: how Muon's split matrices travel.
+    pub muon_exchange: MuonExchange,
     /// `--format bf16|f32|mxfp8`: runtime parameter format.
     pub format: RuntimeFormat,
     /// `--clip MAX_NORM` (`--clip 0` turns clipping off).
@@ -140,6 +143,10 @@ Engine and sharding:
 Optimization:
   --steps N            optimizer steps in this run
   --optim muon|adamw   muon: distributed Muon on hidden matrices + AdamW on the rest (default)
+  --muon-exchange owner|all-reduce
+                       how Muon's matrices cut by a piece boundary reach their Newton-Schulz
+                       owner and back: an all-to-all-v of the holders' rows (default) or two
+                       all-reduces of the whole matrices (the same update, bit for bit)
   --lr LR              peak learning rate of both optimizers (linear warm-up, cosine decay to 10%)
   --warmup N           warm-up steps
   --clip MAX_NORM      global gradient-norm clipping (default 1; 0 turns it off)
@@ -204,6 +211,7 @@ pub fn parse_args(
         mesh: None,
         steps: defaults.steps,
         optim: OptimKind::Muon,
+        muon_exchange: MuonExchange::OwnerAllToAll,
         format: RuntimeFormat::Bf16,
         clip: Some(1.0),
         lr: defaults.lr,
@@ -265,6 +273,13 @@ pub fn parse_args(
                     "f32" => RuntimeFormat::F32,
                     "mxfp8" => RuntimeFormat::Mxfp8,
                     f => return Err(format!("--format is bf16, f32 or mxfp8, not `{f}`")),
+                }
+            }
+            "--muon-exchange" => {
+                out.muon_exchange = match value()?.as_str() {
+                    "owner" => MuonExchange::OwnerAllToAll,
+                    "all-reduce" => MuonExchange::AllReduce,
+                    e => return Err(format!("--muon-exchange is owner or all-reduce, not `{e}`")),
                 }
             }
             "--clip" => {

@@ -7,7 +7,7 @@ use burn::optim::{AdamW, AdamWConfig};
 use sshsdp::backend::{HsdpError, HsdpRuntime};
 use sshsdp::checkpoint::{self, PieceStates};
 use sshsdp::optim::ShardedOptimizer;
-use sshsdp::optim::{MuonConfig, ShardedMuon, UpdateScale};
+use sshsdp::optim::{MuonConfig, MuonExchange, ShardedMuon, UpdateScale};
 
 use super::*;
 use sshsdp::optim::ShardedStep;
@@ -20,7 +20,12 @@ pub(crate) enum Optim<I: Compute> {
 }
 
 impl<I: Compute> Optim<I> {
-    pub(crate) fn new(kind: OptimKind, clip: Option<f64>, device: &I::Device) -> Self {
+    pub(crate) fn new(
+        kind: OptimKind,
+        exchange: MuonExchange,
+        clip: Option<f64>,
+        device: &I::Device,
+    ) -> Self {
         let adamw = adamw_config().build();
         match kind {
             OptimKind::Muon => {
@@ -30,7 +35,7 @@ impl<I: Compute> Optim<I> {
                     .with_scale(UpdateScale::MatchAdamW)
                     .with_weight_decay(0.01)
                     .init();
-                let mut o = ShardedMuon::new(muon, adamw, device.clone());
+                let mut o = ShardedMuon::new(muon, adamw, device.clone()).with_exchange(exchange);
                 if let Some(c) = clip {
                     o = o.with_grad_clipping(c);
                 }

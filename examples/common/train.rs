@@ -141,7 +141,7 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
     let sharded = comm.shard::<I, T>(args, init.clone(), config, &device, source)?;
     let (mut model, runtime) =
         sharded.map_err(|e| format!("{} runtime parameters: {e}", format_name(args.format)))?;
-    let mut optim = Optim::<I>::new(args.optim, args.clip, &device);
+    let mut optim = Optim::<I>::new(args.optim, args.muon_exchange, args.clip, &device);
     let first = match &args.resume {
         Some(dir) => optim.load(dir, &runtime)? as usize,
         None => 0,
