@@ -432,10 +432,10 @@ mod tests {
             let plan = all_to_all_v_plan(rank, &sends).unwrap();
             let mut at = 0;
             let mut expected = Vec::new();
-            for q in 0..size {
-                let len = sends[q][rank];
+            for (q, counts) in sends.iter().enumerate() {
+                let len = counts[rank];
                 if len > 0 {
-                    let from = sends[q][..rank].iter().sum();
+                    let from = counts[..rank].iter().sum();
                     expected.push(Transfer {
                         at,
                         len,
