@@ -15,7 +15,7 @@ use sshsdp_backend::{
 use sshsdp_comm::threads::{ThreadsConfig, ThreadsWorld};
 use sshsdp_comm::Collective;
 use sshsdp_optim::ShardedStep;
-use sshsdp_optim::{MuonConfig, ShardedMuon, ShardedOptimizer};
+use sshsdp_optim::{MuonConfig, MuonExchange, ShardedMuon, ShardedOptimizer};
 use sshsdp_plan::{Mesh, RuntimeFormat, Sharding};
 
 type Inner = NdArray<f32>;
@@ -476,11 +476,12 @@ struct PlacedRun {
 
 /// Three steps of two micro-batches each at world 2 with the fp32 masters in `masters` and the
 /// gradients accumulated in `grads`: AdamW with clipping through `ShardedOptimizer`, or
-/// distributed Muon (both on device views where the masters are on the device).
+/// distributed Muon exchanging split matrices by `muon` (both on device views where the
+/// masters are on the device).
 fn train_placed(
     format: RuntimeFormat,
     (masters, grads): (Placement, Placement),
-    muon: bool,
+    muon: Option<MuonExchange>,
     init: &TinyLm<B>,
 ) -> PlacedRun {
     let world = 2;
@@ -495,7 +496,8 @@ fn train_placed(
         let (mut model, runtime) = shard::<B, _, _>(init.clone(), config, comm, &device).unwrap();
         let adamw = AdamWConfig::new().build();
         let mut elementwise = ShardedOptimizer::new(adamw.clone(), device).with_grad_clipping(0.5);
-        let mut muon_opt = ShardedMuon::new(MuonConfig::new().init(), adamw, device);
+        let mut muon_opt = ShardedMuon::new(MuonConfig::new().init(), adamw, device)
+            .with_exchange(muon.unwrap_or_default());
         let (mut losses, mut staged_bytes, mut exchanged) = (Vec::new(), 0, 0);
         for batch in batches(3, 8) {
             for micro in 0..2 {
@@ -505,8 +507,8 @@ fn train_placed(
                 let _ = loss.backward();
             }
             model = match muon {
-                true => muon_opt.step(0.02, model, &runtime).unwrap(),
-                false => elementwise.step(0.02, model, &runtime).unwrap(),
+                Some(_) => muon_opt.step(0.02, model, &runtime).unwrap(),
+                None => elementwise.step(0.02, model, &runtime).unwrap(),
             };
             staged_bytes += runtime.take_counters().staged_bytes;
             exchanged += muon_opt.last_step().exchanged_elements;
@@ -541,10 +543,23 @@ fn device_masters_and_gradients_train_bitwise_like_host_ones() {
         RuntimeFormat::Mxfp8,
     ] {
         for muon in [false, true] {
-            let host = train_placed(format, (Host, Host), muon, &init);
-            let masters = train_placed(format, (Device, Host), muon, &init);
-            let all = train_placed(format, (Device, Device), muon, &init);
+            // The all-reduce exchange: its staged bytes are the split matrices' size, exactly.
+            let exchange = muon.then_some(MuonExchange::AllReduce);
+            let host = train_placed(format, (Host, Host), exchange, &init);
+            let masters = train_placed(format, (Device, Host), exchange, &init);
+            let all = train_placed(format, (Device, Device), exchange, &init);
             let what = format!("{format:?}, muon {muon}");
+            if muon {
+                // The owner all-to-all-v on device views, staged through the host too (the
+                // threads engine moves host memory): the same training, fewer bytes.
+                let owner = Some(MuonExchange::OwnerAllToAll);
+                let by_owner = train_placed(format, (Device, Host), owner, &init);
+                assert_eq!(host.losses, by_owner.losses, "{what}");
+                assert_eq!(host.weights, by_owner.weights, "{what}");
+                let runtime_part = 3 * 2 * masters.device_master_bytes;
+                assert!(by_owner.staged_bytes > runtime_part, "{what}");
+                assert!(by_owner.staged_bytes < masters.staged_bytes, "{what}");
+            }
             for run in [&masters, &all] {
                 assert_eq!(host.losses, run.losses, "{what}");
                 assert_eq!(host.weights, run.weights, "{what}");

@@ -328,10 +328,9 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     }
 
     fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()> {
-        match sharding {
-            Sharding::Hierarchical => self.world().all_reduce(buf, ReduceOp::Sum),
-            Sharding::Hsdp => self.shard_group().all_reduce(buf, ReduceOp::Sum),
-            Sharding::Ddp => Ok(()),
+        match update_group(self, sharding) {
+            Some(group) => group.all_reduce(buf, ReduceOp::Sum),
+            None => Ok(()),
         }
     }
 
@@ -341,12 +340,10 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         bufs: &mut dyn DeviceBuffers,
         count: usize,
     ) -> CommResult<()> {
-        let group = match sharding {
-            Sharding::Hierarchical => self.world(),
-            Sharding::Hsdp => self.shard_group(),
-            Sharding::Ddp => return Ok(()),
-        };
-        bufs.run(device_group(group)?, PeerOp::AllReduce, count)
+        match update_group(self, sharding) {
+            Some(group) => bufs.run(device_group(group)?, PeerOp::AllReduce, count),
+            None => Ok(()),
+        }
     }
 
     fn all_to_all_v_update_group_device(
@@ -356,15 +353,11 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         send_counts: &[usize],
         recv_counts: &[usize],
     ) -> CommResult<()> {
-        let group = match sharding {
-            Sharding::Hierarchical => self.world(),
-            Sharding::Hsdp => self.shard_group(),
-            Sharding::Ddp => {
-                return Err(CommError::InvalidArgument(
-                    "a device all-to-all-v under DDP, whose update group is one rank".into(),
-                ))
-            }
-        };
+        let group = update_group(self, sharding).ok_or_else(|| {
+            CommError::InvalidArgument(
+                "a device all-to-all-v under DDP, whose update group is one rank".into(),
+            )
+        })?;
         let op = PeerOp::AllToAllV {
             send: send_counts,
             recv: recv_counts,
@@ -380,15 +373,9 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         recv: &mut [f32],
         recv_counts: &[usize],
     ) -> CommResult<()> {
-        match sharding {
-            Sharding::Hierarchical => {
-                self.world()
-                    .all_to_all_v(send, send_counts, recv, recv_counts)
-            }
-            Sharding::Hsdp => self
-                .shard_group()
-                .all_to_all_v(send, send_counts, recv, recv_counts),
-            Sharding::Ddp => {
+        match update_group(self, sharding) {
+            Some(group) => group.all_to_all_v(send, send_counts, recv, recv_counts),
+            None => {
                 if send.len() != recv.len() {
                     return Err(CommError::InvalidArgument(format!(
                         "all_to_all_v on one rank: {} elements sent, {} expected",
@@ -408,6 +395,17 @@ impl<C: Collective> MeshComm for MeshComms<C> {
 
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()> {
         self.world().all_gather(send, recv)
+    }
+}
+
+/// The update group's communicator of `comms` (the ranks whose pieces make up a bucket: the
+/// world when hierarchical, the shard group under HSDP); `None` under DDP, where it is this rank
+/// alone.
+fn update_group<C: Collective>(comms: &MeshComms<C>, sharding: Sharding) -> Option<&C> {
+    match sharding {
+        Sharding::Hierarchical => Some(comms.world()),
+        Sharding::Hsdp => Some(comms.shard_group()),
+        Sharding::Ddp => None,
     }
 }
 

@@ -35,14 +35,7 @@ impl UpdateGroup<'_> {
         send: Vec<Vec<f32>>,
         recv_counts: &[usize],
     ) -> Result<(Vec<f32>, Vec<std::ops::Range<usize>>), HsdpError> {
-        let pieces = self.piece_ranks.len();
-        if send.len() != pieces || recv_counts.len() != pieces {
-            return Err(HsdpError::Failed(format!(
-                "exchange: {} chunks to send and {} counts for {pieces} pieces",
-                send.len(),
-                recv_counts.len()
-            )));
-        }
+        self.check_chunks(send.len(), recv_counts)?;
         if self.alone() {
             // A group of one: this rank's chunk for itself, no collective.
             let mine = send.into_iter().next().unwrap_or_default();
@@ -107,14 +100,7 @@ impl UpdateGroup<'_> {
         recv_counts: &[usize],
         device: &B::Device,
     ) -> Result<(B::FloatTensorPrimitive, Vec<Range<usize>>), HsdpError> {
-        let pieces = self.piece_ranks.len();
-        if send.len() != pieces || recv_counts.len() != pieces {
-            return Err(HsdpError::Failed(format!(
-                "exchange: {} chunks to send and {} counts for {pieces} pieces",
-                send.len(),
-                recv_counts.len()
-            )));
-        }
+        self.check_chunks(send.len(), recv_counts)?;
         let by_rank = self.pieces_by_rank();
         let numel = |ts: &[B::FloatTensorPrimitive]| -> usize {
             ts.iter().map(|t| t.shape().num_elements()).sum()
@@ -176,6 +162,18 @@ impl UpdateGroup<'_> {
             }
         };
         Ok((tensor, ranges))
+    }
+
+    /// An error unless there are `chunks` chunks to send and a count to receive per piece.
+    fn check_chunks(&self, chunks: usize, recv_counts: &[usize]) -> Result<(), HsdpError> {
+        let pieces = self.piece_ranks.len();
+        if chunks != pieces || recv_counts.len() != pieces {
+            return Err(HsdpError::Failed(format!(
+                "exchange: {chunks} chunks to send and {} counts for {pieces} pieces",
+                recv_counts.len()
+            )));
+        }
+        Ok(())
     }
 
     /// The pieces in update-group rank order.
