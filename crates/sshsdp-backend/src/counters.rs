@@ -45,6 +45,10 @@ pub struct Counters {
     /// of a call in place; NCCL: one before each call, as CubeCL 0.10 gives no event to order
     /// its streams with NCCL's). 0 at world 1, which makes no collective.
     pub host_syncs: u64,
+    /// Collective calls the communication lanes made (gathers, both stages of reductions,
+    /// rebuilds, agreements, the optimizer's exchanges; each a call of the engine). A group of
+    /// one rank makes none, so a step at world 1 makes none at all.
+    pub collectives: u64,
     /// Updates skipped because the gradient was not finite
     /// ([`crate::NonFinitePolicy::SkipStep`]).
     pub skipped_steps: u64,

@@ -8,13 +8,15 @@
 //! [`CommFactory`] ([`LaneFactory::connect_mesh`]), so communicators that cannot cross threads
 //! (NCCL's) work as well as those that can.
 
-use sshsdp_comm::hierarchy::{self, MeshComms};
+use sshsdp_comm::hierarchy::{self, MeshComms, MeshGroup};
 use sshsdp_comm::peers::PeerOp;
 use sshsdp_comm::{
     CallTag, Collective, CommError, CommFactory, CommResult, Element, ReduceOp, Reducible,
 };
 use sshsdp_plan::Sharding;
 use std::ops::Range;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 use crate::runtime_units::Elems;
 
@@ -42,12 +44,13 @@ pub(crate) trait LaneFactory: Send + Sync {
     fn world_size(&self) -> usize;
     /// Number of lanes the factory makes.
     fn lanes(&self) -> usize;
-    /// Lane `lane`'s communicators over a `replicas × shards` mesh (collective over the lane).
+    /// Lane `lane`'s communicators over a `replicas × shards` mesh (collective over the lane),
+    /// counting their collective calls into `calls`.
     fn connect_mesh(
         &self,
         lane: LaneId,
-        replicas: usize,
-        shards: usize,
+        mesh: (usize, usize),
+        calls: Arc<AtomicU64>,
     ) -> CommResult<Box<dyn MeshComm>>;
     /// Fails every lane's communicators on every rank, where the engine can.
     fn abort_all(&self, reason: &str);
@@ -71,11 +74,12 @@ impl<F: CommFactory> LaneFactory for F {
     fn connect_mesh(
         &self,
         lane: LaneId,
-        replicas: usize,
-        shards: usize,
+        (replicas, shards): (usize, usize),
+        calls: Arc<AtomicU64>,
     ) -> CommResult<Box<dyn MeshComm>> {
         let world = self.connect(lane as usize)?;
-        Ok(Box::new(MeshComms::new(world, replicas, shards)?))
+        let mesh = MeshComms::new(world, replicas, shards)?.with_call_counter(calls);
+        Ok(Box::new(mesh))
     }
 
     fn abort_all(&self, reason: &str) {
@@ -234,7 +238,7 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     }
 
     fn device_engine(&self) -> Option<DeviceEngine> {
-        let group = self.shard_group();
+        let group = self.world();
         match (group.device(), group.peers()) {
             (Some(gpu), _) => Some(DeviceEngine::Gpu(gpu.device_ordinal())),
             (None, Some(_)) => Some(DeviceEngine::Peers),
@@ -243,7 +247,11 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     }
 
     fn gather_bucket_device(&self, bufs: &mut dyn DeviceBuffers, count: usize) -> CommResult<()> {
-        bufs.run(device_group(self.shard_group())?, PeerOp::AllGather, count)
+        bufs.run(
+            device_group(self.calling(MeshGroup::Shard))?,
+            PeerOp::AllGather,
+            count,
+        )
     }
 
     fn reduce_within_shard_group_device(
@@ -255,7 +263,7 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         match sharding {
             Sharding::Ddp => Ok(()),
             Sharding::Hierarchical | Sharding::Hsdp => bufs.run(
-                device_group(self.shard_group())?,
+                device_group(self.calling(MeshGroup::Shard))?,
                 PeerOp::ReduceScatter,
                 shard_len,
             ),
@@ -269,11 +277,10 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         piece_len: usize,
     ) -> CommResult<()> {
         let (group, op) = match sharding {
-            Sharding::Hierarchical => (self.replica_group(), PeerOp::ReduceScatter),
-            Sharding::Hsdp => (self.replica_group(), PeerOp::AllReduce),
-            Sharding::Ddp => (self.world(), PeerOp::AllReduce),
+            Sharding::Hierarchical => (replica_stage(sharding), PeerOp::ReduceScatter),
+            Sharding::Hsdp | Sharding::Ddp => (replica_stage(sharding), PeerOp::AllReduce),
         };
-        bufs.run(device_group(group)?, op, piece_len)
+        bufs.run(device_group(self.calling(group))?, op, piece_len)
     }
 
     fn reduce_within_shard_group(&self, sharding: Sharding, full: Elems) -> CommResult<Elems> {
@@ -317,7 +324,7 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     ) -> CommResult<()> {
         match sharding {
             Sharding::Hierarchical => bufs.run(
-                device_group(self.replica_group())?,
+                device_group(self.calling(MeshGroup::Replica))?,
                 PeerOp::AllGather,
                 piece_len,
             ),
@@ -328,7 +335,7 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     }
 
     fn all_reduce_update_group(&self, sharding: Sharding, buf: &mut [f32]) -> CommResult<()> {
-        match update_group(self, sharding) {
+        match self.calling(update_group(sharding)) {
             Some(group) => group.all_reduce(buf, ReduceOp::Sum),
             None => Ok(()),
         }
@@ -340,8 +347,8 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         bufs: &mut dyn DeviceBuffers,
         count: usize,
     ) -> CommResult<()> {
-        match update_group(self, sharding) {
-            Some(group) => bufs.run(device_group(group)?, PeerOp::AllReduce, count),
+        match self.calling(update_group(sharding)) {
+            Some(group) => bufs.run(device_group(Some(group))?, PeerOp::AllReduce, count),
             None => Ok(()),
         }
     }
@@ -353,16 +360,11 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         send_counts: &[usize],
         recv_counts: &[usize],
     ) -> CommResult<()> {
-        let group = update_group(self, sharding).ok_or_else(|| {
-            CommError::InvalidArgument(
-                "a device all-to-all-v under DDP, whose update group is one rank".into(),
-            )
-        })?;
         let op = PeerOp::AllToAllV {
             send: send_counts,
             recv: recv_counts,
         };
-        bufs.run(device_group(group)?, op, 0)
+        bufs.run(device_group(self.calling(update_group(sharding)))?, op, 0)
     }
 
     fn all_to_all_v_update_group(
@@ -373,7 +375,7 @@ impl<C: Collective> MeshComm for MeshComms<C> {
         recv: &mut [f32],
         recv_counts: &[usize],
     ) -> CommResult<()> {
-        match update_group(self, sharding) {
+        match self.calling(update_group(sharding)) {
             Some(group) => group.all_to_all_v(send, send_counts, recv, recv_counts),
             None => {
                 if send.len() != recv.len() {
@@ -390,27 +392,49 @@ impl<C: Collective> MeshComm for MeshComms<C> {
     }
 
     fn broadcast_world(&self, buf: &mut [f32]) -> CommResult<()> {
-        self.world().broadcast(buf, 0)
+        match self.calling(MeshGroup::World) {
+            Some(world) => world.broadcast(buf, 0),
+            None => Ok(()),
+        }
     }
 
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> CommResult<()> {
-        self.world().all_gather(send, recv)
+        match self.calling(MeshGroup::World) {
+            Some(world) => world.all_gather(send, recv),
+            None => {
+                check_len("all_gather_bytes", recv.len(), send.len())?;
+                recv.copy_from_slice(send);
+                Ok(())
+            }
+        }
     }
 }
 
-/// The update group's communicator of `comms` (the ranks whose pieces make up a bucket: the
-/// world when hierarchical, the shard group under HSDP); `None` under DDP, where it is this rank
-/// alone.
-fn update_group<C: Collective>(comms: &MeshComms<C>, sharding: Sharding) -> Option<&C> {
+/// The update group (the ranks whose pieces make up a bucket: the world when hierarchical, the
+/// shard group under HSDP, this rank alone under DDP, whose shard group is one rank).
+fn update_group(sharding: Sharding) -> MeshGroup {
     match sharding {
-        Sharding::Hierarchical => Some(comms.world()),
-        Sharding::Hsdp => Some(comms.shard_group()),
-        Sharding::Ddp => None,
+        Sharding::Hierarchical => MeshGroup::World,
+        Sharding::Hsdp | Sharding::Ddp => MeshGroup::Shard,
     }
 }
 
-/// `comm`'s collectives on device memory, or why there are none.
-fn device_group<C: Collective>(comm: &C) -> CommResult<DeviceGroup<'_>> {
+/// An error unless `got` equals `want` (a buffer's length).
+fn check_len(what: &str, got: usize, want: usize) -> CommResult<()> {
+    match got == want {
+        true => Ok(()),
+        false => Err(CommError::InvalidArgument(format!(
+            "{what}: {got} elements, expected {want}"
+        ))),
+    }
+}
+
+/// `comm`'s collectives on device memory, or why there are none; a group of one rank (`None`)
+/// calls no engine ([`DeviceGroup::Alone`]).
+fn device_group<C: Collective>(comm: Option<&C>) -> CommResult<DeviceGroup<'_>> {
+    let Some(comm) = comm else {
+        return Ok(DeviceGroup::Alone);
+    };
     match (comm.device(), comm.peers()) {
         (Some(gpu), _) => Ok(DeviceGroup::Addresses(gpu)),
         (None, Some(peers)) => Ok(DeviceGroup::Peers(peers)),
@@ -438,6 +462,9 @@ pub(crate) enum DeviceGroup<'a> {
     /// Ranks of this process that exchange descriptions of their buffers; the buffers' own
     /// kernels move the data (`storage/cube/exchange.rs`).
     Peers(&'a dyn sshsdp_comm::peers::PeerExchange),
+    /// A group of this rank alone: no engine is called; the result is the input, copied where
+    /// the receive buffer is apart (callers skip such stages where they can alias the buffers).
+    Alone,
 }
 
 /// One rank's buffers of one collective on device memory (a send and a receive buffer, or one
@@ -456,12 +483,18 @@ fn gather_typed<C: Collective, T: Element>(
     shard: &[T],
     full: &mut [T],
 ) -> CommResult<()> {
-    match sharding {
-        Sharding::Ddp => {
+    let group = match sharding {
+        Sharding::Ddp => None,
+        Sharding::Hierarchical | Sharding::Hsdp => comms.calling(MeshGroup::Shard),
+    };
+    match group {
+        Some(group) => group.all_gather(shard, full),
+        // Under DDP, or one shard per replica: the shard is the whole bucket.
+        None => {
+            check_len("bucket all-gather", full.len(), shard.len())?;
             full.copy_from_slice(shard);
             Ok(())
         }
-        Sharding::Hierarchical | Sharding::Hsdp => comms.shard_group().all_gather(shard, full),
     }
 }
 
@@ -471,14 +504,13 @@ fn reduce_within_typed<C: Collective, T: Reducible>(
     sharding: Sharding,
     full: Vec<T>,
 ) -> CommResult<Vec<T>> {
-    match sharding {
-        Sharding::Hierarchical | Sharding::Hsdp => {
-            let mut shard = vec![T::default(); full.len() / comms.shards()];
-            hierarchy::reduce_within_shard_group(comms, &full, &mut shard)?;
-            Ok(shard)
-        }
-        Sharding::Ddp => Ok(full),
+    // Under DDP, or a shard group of one: the shard is the full gradient (no copy).
+    if sharding == Sharding::Ddp || comms.group(MeshGroup::Shard).is_none() {
+        return Ok(full);
     }
+    let mut shard = vec![T::default(); full.len() / comms.shards()];
+    hierarchy::reduce_within_shard_group(comms, &full, &mut shard)?;
+    Ok(shard)
 }
 
 /// The replica stage of a gradient reduction for one element type.
@@ -488,6 +520,11 @@ fn reduce_across_typed<C: Collective, T: Reducible>(
     mut shard: Vec<T>,
     piece_len: usize,
 ) -> CommResult<Vec<T>> {
+    if comms.group(replica_stage(sharding)).is_none() {
+        // A replica group of one (or world 1 under DDP): the shard is the piece (no copy).
+        check_len("gradient piece", shard.len(), piece_len)?;
+        return Ok(shard);
+    }
     match sharding {
         Sharding::Hierarchical => {
             let mut piece = vec![T::default(); piece_len];
@@ -499,9 +536,19 @@ fn reduce_across_typed<C: Collective, T: Reducible>(
             Ok(shard)
         }
         Sharding::Ddp => {
-            comms.world().all_reduce(&mut shard, ReduceOp::Avg)?;
+            if let Some(world) = comms.calling(MeshGroup::World) {
+                world.all_reduce(&mut shard, ReduceOp::Avg)?;
+            }
             Ok(shard)
         }
+    }
+}
+
+/// The group of a gradient reduction's second stage: across replicas, or the world under DDP.
+fn replica_stage(sharding: Sharding) -> MeshGroup {
+    match sharding {
+        Sharding::Hierarchical | Sharding::Hsdp => MeshGroup::Replica,
+        Sharding::Ddp => MeshGroup::World,
     }
 }
 

@@ -112,6 +112,8 @@ pub(crate) struct Worker {
     threads: Vec<JoinHandle<()>>,
     /// The optimizer step the requests belong to, for their [`CallTag`]s.
     step: AtomicU64,
+    /// Collective calls both lanes made (groups of one make none).
+    calls: Arc<AtomicU64>,
 }
 
 impl Worker {
@@ -126,6 +128,7 @@ impl Worker {
         timeline: Arc<Timeline>,
     ) -> CommResult<Self> {
         let failure = Failure::default();
+        let calls = Arc::new(AtomicU64::new(0));
         let (tx, rx) = channel::<Request>();
         let (replica_tx, replica_rx) = channel::<ReplicaRequest>();
         // Each lane reports its connection and the GPU its engine moves device memory on.
@@ -133,8 +136,8 @@ impl Worker {
         // What a lane thread runs first: connect, report, and hand back the lane to serve.
         let connect = |id: LaneId, track: Track| {
             let (factory, failure, timeline) = (factory.clone(), failure.clone(), timeline.clone());
-            let ready = ready_tx.clone();
-            move || match factory.connect_mesh(id, replicas, shards) {
+            let (ready, calls) = (ready_tx.clone(), calls.clone());
+            move || match factory.connect_mesh(id, (replicas, shards), calls) {
                 Ok(comm) => {
                     let _ = ready.send(Ok((id, comm.device_engine())));
                     Some(Lane {
@@ -173,6 +176,7 @@ impl Worker {
             device_engine: None,
             threads: vec![shard_lane],
             step: AtomicU64::new(0),
+            calls,
         };
         worker.threads.push(spawn(
             format!("hsdp-replica-{rank}"),
@@ -210,6 +214,12 @@ impl Worker {
     /// The label of a request of `stage` about `bucket` in the current step.
     fn tag(&self, bucket: Option<usize>, stage: &'static str) -> CallTag {
         CallTag::new(self.step.load(Ordering::Relaxed), bucket, stage)
+    }
+
+    /// Collective calls the lanes made since the last call (engine calls: a group of one rank
+    /// makes none).
+    pub fn take_collective_calls(&self) -> u64 {
+        self.calls.swap(0, Ordering::Relaxed)
     }
 
     /// Marks the end of an optimizer step: later requests carry the next step in their tags.

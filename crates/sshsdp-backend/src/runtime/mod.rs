@@ -135,6 +135,7 @@ impl<B: Backend> Runtime<B> {
             sharding: plan.config().sharding,
             alone: plan.mesh().world_size() == 1,
             runtime_shards: plan.runtime_shards(),
+            replicas: plan.mesh().replicas(),
             pieces_per_shard: plan.pieces_per_shard(),
             piece: plan.piece_of(rank)?,
             piece_in_shard: plan.piece_of(rank)? % plan.pieces_per_shard(),
@@ -237,6 +238,7 @@ impl<B: Backend> Runtime<B> {
         counters.staged_bytes = moved.staged;
         counters.host_reads = moved.reads;
         counters.host_syncs = moved.syncs;
+        counters.collectives = self.ctx.worker.take_collective_calls();
         counters
     }
 

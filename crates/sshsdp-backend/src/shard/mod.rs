@@ -301,7 +301,8 @@ where
             None => Ok(plan),
         });
     let (replicas, shards) = (config.mesh.replicas(), config.mesh.shards());
-    let comm = match factory.connect_mesh(LaneId::Bootstrap, replicas, shards) {
+    let calls = Default::default();
+    let comm = match factory.connect_mesh(LaneId::Bootstrap, (replicas, shards), calls) {
         Ok(comm) => comm,
         Err(e) => return Err(local.err().unwrap_or(e.into())),
     };

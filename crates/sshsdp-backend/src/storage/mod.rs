@@ -356,6 +356,20 @@ pub(crate) fn reduces_on_device<B: Backend>() -> bool {
     is_cube_backend::<B>()
 }
 
+/// The mesh and piece a gradient reduction runs over: the replica and shard groups' sizes (a
+/// group of one rank is a stage that moves nothing) and the piece's elements.
+#[derive(Clone, Copy, Debug)]
+// Read only by the device reduction of CubeCL backends.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) struct ReduceShape {
+    /// Ranks of the replica group.
+    pub replicas: usize,
+    /// Ranks of the shard group (runtime shards per bucket).
+    pub shards: usize,
+    /// Elements of this rank's reduced piece.
+    pub piece_len: usize,
+}
+
 /// The reduction job of `source` over `shards` shards into a piece of `piece_len` elements in
 /// the reduction dtype `reduce`: by the engine on device memory for [`GradSource::Full`],
 /// staged through the host for [`GradSource::Members`] (`None` where `B` is not a CubeCL
@@ -364,7 +378,7 @@ pub(crate) fn device_reduce_job<B: Backend>(
     source: GradSource<B>,
     reduce: Precision,
     sharding: Sharding,
-    shape: (usize, usize),
+    shape: ReduceShape,
     traffic: &Arc<Traffic>,
 ) -> Option<Box<dyn DeviceReduceJob>> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]

@@ -21,6 +21,7 @@ use crate::lanes::Reply;
 use crate::runtime_units::DeviceUnits;
 use crate::storage::{
     device_piece, device_reduce_job, download, reduces_on_device, BucketCodec, F32Buf, GradSource,
+    ReduceShape,
 };
 use crate::timeline::Track;
 use crate::traffic::Purpose;
@@ -148,7 +149,11 @@ impl<B: Backend> Bucket<B> {
             } else {
                 members_cat::<B>(codec, &members)
             };
-            let shape = (ctx.runtime_shards, codec.piece_elems());
+            let shape = ReduceShape {
+                replicas: ctx.replicas,
+                shards: ctx.runtime_shards,
+                piece_len: codec.piece_elems(),
+            };
             if let Some(job) =
                 device_reduce_job::<B>(source, reduce, ctx.sharding, shape, &ctx.traffic)
             {

@@ -61,6 +61,8 @@ pub(crate) struct BucketContext<B: Backend> {
     pub alone: bool,
     /// Runtime shards per bucket (the shard group's size).
     pub runtime_shards: usize,
+    /// Replicas of the mesh (the replica group's size).
+    pub replicas: usize,
     /// Pieces per runtime shard (replicas when hierarchical, else 1).
     pub pieces_per_shard: usize,
     /// This rank's piece: its index among all pieces, and its slot in its runtime shard.

@@ -246,6 +246,30 @@ impl<R: CubeRuntime> CubeBuffers<R> {
         moved.and(finished)
     }
 
+    /// A group of this rank alone: no engine. In place the buffer already holds the result (a
+    /// gather or a sum of one rank's units is those units); apart the receive extent is copied
+    /// from the send buffer, ordered as the peers engine orders its moves (steps 1 and 3).
+    fn run_alone(&mut self, op: PeerOp, count: usize) -> CommResult<()> {
+        if self.in_place {
+            return Ok(());
+        }
+        let (_, units) = op.extents(1, count);
+        if units == 0 {
+            return Ok(());
+        }
+        self.ready()?;
+        copy_units(
+            &self.client,
+            &self.send.handle,
+            self.send.byte as usize,
+            &self.recv.handle,
+            self.recv.byte as usize,
+            units * self.unit() as usize,
+        )
+        .map_err(kernel)?;
+        self.sync()
+    }
+
     /// NCCL's path: raw addresses, readied (CUDA only).
     fn run_on_addresses(
         &mut self,
@@ -307,6 +331,7 @@ impl<R: CubeRuntime> DeviceBuffers for CubeBuffers<R> {
         match group {
             DeviceGroup::Addresses(engine) => self.run_on_addresses(engine, op, count),
             DeviceGroup::Peers(peers) => self.run_with_peers(peers, op, count),
+            DeviceGroup::Alone => self.run_alone(op, count),
         }
     }
 }

@@ -34,6 +34,7 @@ use crate::lanes::comm::MeshComm;
 use crate::lanes::DeviceReduceJob;
 use crate::runtime_units::{DeviceUnits, Elems};
 use crate::storage::roles::GradSource;
+use crate::storage::ReduceShape;
 use crate::traffic::{Purpose, Traffic};
 use std::sync::Arc;
 
@@ -45,7 +46,7 @@ pub(crate) fn reduce_job_if_cube<B: Backend>(
     source: GradSource<B>,
     reduce: Precision,
     sharding: Sharding,
-    (shards, piece_len): (usize, usize),
+    shape: ReduceShape,
     traffic: &Arc<Traffic>,
 ) -> Option<Box<dyn DeviceReduceJob>> {
     for_each_runtime!(R => {
@@ -62,7 +63,7 @@ pub(crate) fn reduce_job_if_cube<B: Backend>(
                 },
             };
             return Some(Box::new(CubeReduceJob::<R>::new(
-                source, reduce, sharding, (shards, piece_len), traffic.clone(),
+                source, reduce, sharding, shape, traffic.clone(),
             )));
         }
     });
@@ -118,6 +119,9 @@ struct CubeReduceJob<R: CubeRuntime> {
     reduce: Precision,
     /// Whether the engine reduces the device buffers itself (else: staged through the host).
     on_device: bool,
+    /// Engine path: the stages whose group is one rank, which move nothing and are not run
+    /// (their result buffer is their input buffer): the shard stage, the replica stage.
+    alone: (bool, bool),
     /// Engine path: this rank's shard after the first stage (the full buffer itself under DDP).
     shard: Handle,
     shard_len: usize,
@@ -141,9 +145,10 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
         source: Source<R>,
         reduce: Precision,
         sharding: Sharding,
-        (shards, piece_len): (usize, usize),
+        shape: ReduceShape,
         traffic: Arc<Traffic>,
     ) -> Self {
+        let (shards, piece_len) = (shape.shards, shape.piece_len);
         let (full, full_len, runs, on_device) = match source {
             // The runtime passes a full gradient only where the engine reduces device memory.
             Source::Full(full) => {
@@ -165,13 +170,25 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
         let unit = if kind == ElementKind::Bf16 { 2 } else { 4 };
         let buffer = |len: usize| client.empty(word_buffer_len(unit * len));
         let shard_len = full_len / shards.max(1);
+        // Under DDP the shard is the full gradient; a stage over one rank is not run, and its
+        // result is its input: no buffer, no copy, no collective.
+        let alone = match sharding {
+            Sharding::Ddp => (true, false),
+            Sharding::Hsdp | Sharding::Hierarchical => (shards == 1, shape.replicas == 1),
+        };
         let (shard, piece) = match (on_device, sharding) {
             (false, _) | (true, Sharding::Ddp) => (full.handle.clone(), full.handle.clone()),
-            (true, Sharding::Hsdp) => {
-                let shard = buffer(shard_len);
-                (shard.clone(), shard)
+            (true, Sharding::Hsdp | Sharding::Hierarchical) => {
+                let shard = match alone.0 {
+                    true => full.handle.clone(),
+                    false => buffer(shard_len),
+                };
+                let piece = match (sharding, alone.1) {
+                    (Sharding::Hierarchical, false) => buffer(piece_len),
+                    _ => shard.clone(),
+                };
+                (shard, piece)
             }
-            (true, Sharding::Hierarchical) => (buffer(shard_len), buffer(piece_len)),
         };
         let written = on_device.then(|| stream_mark(&client));
         Self {
@@ -183,6 +200,7 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
             kind,
             reduce,
             on_device,
+            alone,
             shard,
             shard_len,
             piece,
@@ -240,10 +258,12 @@ impl<R: CubeRuntime> CubeReduceJob<R> {
 impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
     fn within_shard_group(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()> {
         if self.on_device {
-            // Under DDP the shard is the full gradient, and nothing moves.
-            let in_place = sharding == Sharding::Ddp;
+            // Under DDP, or a shard group of one, the shard is the full gradient: nothing moves.
+            if self.alone.0 {
+                return Ok(());
+            }
             let mut bufs = self
-                .stage(&self.full, &self.shard, in_place)
+                .stage(&self.full, &self.shard, false)
                 .after(self.written.clone());
             return comm.reduce_within_shard_group_device(sharding, &mut bufs, self.shard_len);
         }
@@ -272,12 +292,15 @@ impl<R: CubeRuntime> DeviceReduceJob for CubeReduceJob<R> {
 
     fn across_replicas(&mut self, comm: &dyn MeshComm, sharding: Sharding) -> CommResult<()> {
         if self.on_device {
-            // A reduce-scatter across replicas when hierarchical; in place otherwise.
-            let in_place = sharding != Sharding::Hierarchical;
-            let mut bufs = self
-                .stage(&self.shard, &self.piece, in_place)
-                .after(self.written.clone());
-            comm.reduce_across_replicas_device(sharding, &mut bufs, self.piece_len)?;
+            // A reduce-scatter across replicas when hierarchical; in place otherwise; nothing
+            // over a replica group of one (the shard is the piece).
+            if !self.alone.1 {
+                let in_place = sharding != Sharding::Hierarchical;
+                let mut bufs = self
+                    .stage(&self.shard, &self.piece, in_place)
+                    .after(self.written.clone());
+                comm.reduce_across_replicas_device(sharding, &mut bufs, self.piece_len)?;
+            }
             self.average(comm.world_size());
             return Ok(());
         }
