@@ -354,3 +354,78 @@ fn a_parameter_only_one_rank_uses_gets_the_world_averaged_gradient() {
         }
     }
 }
+
+/// Collective calls per step, from the runtime's counters: none at world 1 (every group is one
+/// rank); above it, a group of one rank (the replica group of a flat mesh, the shard group of
+/// an `R×1` mesh) makes no call, so a mesh pays only for the groups that have peers. Each
+/// step's count is the gathers over a shard group of peers, one call per reduction stage over
+/// peers per bucket, one rebuild per bucket where a hierarchical replica group has peers, and
+/// the step's agreements over the world (the gradient norm and the step verdict: the same on
+/// every mesh above world 1).
+#[test]
+fn a_group_of_one_rank_makes_no_collective_call() {
+    let init = sharded_net(&plain_net(29));
+    let mut agreements = None;
+    for (mesh, sharding) in [
+        ((1, 1), Sharding::Hierarchical),
+        ((1, 2), Sharding::Hierarchical),
+        ((2, 1), Sharding::Hierarchical),
+        ((2, 1), Sharding::Hsdp),
+        ((2, 1), Sharding::Ddp),
+        ((2, 2), Sharding::Hierarchical),
+        ((2, 2), Sharding::Hsdp),
+    ] {
+        let config = config(
+            Mesh::new(mesh.0, mesh.1).unwrap(),
+            sharding,
+            RuntimeFormat::F32,
+        );
+        let world = config.mesh.world_size();
+        let runs = on_ranks(world, |comm| {
+            let rank = comm.rank();
+            let (model, runtime) = shard_on(&init, config.clone(), comm);
+            let rows = my_rows(rank, world, GLOBAL);
+            let buckets = runtime.plan().buckets().len() as u64;
+            let mut steps = Vec::new();
+            for step in 0..3 {
+                let _ = model.loss(step, rows.clone()).backward();
+                sgd(&runtime, LR).unwrap();
+                let c = runtime.take_counters();
+                steps.push((c.collectives, c.gathers));
+            }
+            (buckets, steps)
+        });
+        let what = format!("{mesh:?} {sharding:?}");
+        let (replicas, shards) = mesh;
+        for (rank, (buckets, steps)) in runs.into_iter().enumerate() {
+            for (step, (calls, gathers)) in steps.into_iter().enumerate() {
+                let what = format!("{what} rank {rank} step {step}");
+                if world == 1 {
+                    assert_eq!(calls, 0, "{what}");
+                    continue;
+                }
+                let peers = |n: usize| u64::from(n > 1);
+                let sharded = sharding != Sharding::Ddp;
+                let stages = match sharding {
+                    Sharding::Ddp => 1,
+                    _ => peers(shards) + peers(replicas),
+                };
+                let rebuilds = match sharding {
+                    Sharding::Hierarchical => peers(replicas),
+                    _ => 0,
+                };
+                let moved =
+                    gathers * peers(shards) * u64::from(sharded) + buckets * (stages + rebuilds);
+                assert!(calls > moved, "{what}: {calls} calls, {moved} moving bytes");
+                let agreed = calls - moved;
+                if step == 0 {
+                    // The first step also carries the lanes' start-up agreements.
+                    continue;
+                }
+                // The agreements are the same on every mesh and step above world 1.
+                assert_eq!(*agreements.get_or_insert(agreed), agreed, "{what}");
+            }
+        }
+    }
+    assert_eq!(agreements, Some(2), "the norm and the verdict");
+}
