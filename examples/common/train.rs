@@ -222,7 +222,8 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
     let mut device = None;
     let mut rate = RecentRate::new(task.items_per_step());
     let mut warm = WarmRate::new(task.items_per_step(), args.steps);
-    // The last steps' (seconds, exposed and busy communication ns): the `comm` line.
+    // The last steps' (seconds, exposed and busy communication ns, collective calls): the `comm`
+    // line.
     let mut comm = std::collections::VecDeque::new();
     for step in first..last {
         let t0 = Instant::now();
@@ -255,7 +256,12 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
         let counters = runtime.take_counters();
         // The optimizer's own reads and uploads: charged where they happen, beside the runtime's.
         let optimizer = optim.take_host_traffic();
-        comm.push_back((dt, counters.comm_wait_ns, counters.comm_busy_ns));
+        comm.push_back((
+            dt,
+            counters.comm_wait_ns,
+            counters.comm_busy_ns,
+            counters.collectives,
+        ));
         if comm.len() > 10 {
             comm.pop_front();
         }
@@ -322,9 +328,10 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
         let step_s = comm.iter().map(|c| c.0).sum::<f64>() / n;
         let wait_s = comm.iter().map(|c| c.1 as f64).sum::<f64>() * 1e-9 / n;
         let busy_s = comm.iter().map(|c| c.2 as f64).sum::<f64>() * 1e-9 / n;
+        let calls = comm.iter().map(|c| c.3 as f64).sum::<f64>() / n;
         println!(
             "comm        exposed {:.2} ms per step = {:.2} % of the step ({:.2} ms); engine busy \
-             {:.2} ms per step (rank 0, last {} steps)",
+             {:.2} ms per step; {calls:.1} collective calls per step (rank 0, last {} steps)",
             wait_s * 1e3,
             100.0 * wait_s / step_s,
             step_s * 1e3,
