@@ -157,16 +157,65 @@ impl WaitFailure {
 
 /// Polls `poll` until it reports [`Progress::Done`], or fails on an engine error, a failed
 /// `live`, or after `limit`. Spins briefly (collectives of small buffers finish in
-/// microseconds), then sleeps between polls with a back-off capped at 1 ms.
+/// microseconds), then sleeps between polls with a back-off capped at [`MAX_POLL_SLEEP`], so a
+/// completion is seen within tens of microseconds of happening (plus the OS timer's slack,
+/// about 50 µs on Linux), at the cost of a lane thread waking every few tens of microseconds
+/// while a long collective runs. (A host callback on the stream, `cuLaunchHostFunc`, would wake
+/// the thread at completion, but it runs on CUDA's own thread, serialises with the stream's
+/// other host work and may not call CUDA; polling a cap this low costs a few percent of one core
+/// and keeps the waiter one loop.)
 pub fn wait_until(
-    mut poll: impl FnMut() -> Progress,
+    poll: impl FnMut() -> Progress,
     live: &Liveness,
     limit: Duration,
 ) -> Result<(), WaitFailure> {
-    const SPINS: u32 = 64;
-    const MAX_SLEEP: Duration = Duration::from_millis(1);
-    let start = Instant::now();
-    let mut sleep = Duration::from_micros(10);
+    wait_until_on(poll, live, limit, &mut SystemClock)
+}
+
+/// The most a waiter sleeps between two polls.
+pub const MAX_POLL_SLEEP: Duration = Duration::from_micros(20);
+
+/// Polls before the waiter starts sleeping.
+const SPINS: u32 = 64;
+
+/// What a waiter reads the time from and sleeps on: the system's, or a test's.
+pub trait Clock {
+    /// Time since some fixed point.
+    fn elapsed(&self) -> Duration;
+    /// Sleeps `d`.
+    fn sleep(&mut self, d: Duration);
+    /// A pause between two spinning polls.
+    fn spin(&mut self) {
+        std::hint::spin_loop();
+    }
+}
+
+/// The system clock.
+struct SystemClock;
+
+thread_local! {
+    static EPOCH: Instant = Instant::now();
+}
+
+impl Clock for SystemClock {
+    fn elapsed(&self) -> Duration {
+        EPOCH.with(|e| e.elapsed())
+    }
+
+    fn sleep(&mut self, d: Duration) {
+        std::thread::sleep(d);
+    }
+}
+
+/// [`wait_until`] on `clock`.
+pub fn wait_until_on(
+    mut poll: impl FnMut() -> Progress,
+    live: &Liveness,
+    limit: Duration,
+    clock: &mut impl Clock,
+) -> Result<(), WaitFailure> {
+    let start = clock.elapsed();
+    let mut sleep = Duration::from_micros(2);
     let mut polls = 0u32;
     loop {
         match poll() {
@@ -177,16 +226,16 @@ pub fn wait_until(
         if let Some(reason) = live.failure() {
             return Err(WaitFailure::Aborted(reason));
         }
-        let waited = start.elapsed();
+        let waited = clock.elapsed() - start;
         if waited >= limit {
             return Err(WaitFailure::TimedOut(waited));
         }
         polls += 1;
         if polls < SPINS {
-            std::hint::spin_loop();
+            clock.spin();
         } else {
-            std::thread::sleep(sleep.min(limit - waited));
-            sleep = (sleep * 2).min(MAX_SLEEP);
+            clock.sleep(sleep.min(limit - waited));
+            sleep = (sleep * 2).min(MAX_POLL_SLEEP);
         }
     }
 }
@@ -195,6 +244,99 @@ pub fn wait_until(
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// A clock that moves only when slept on (spins cost 50 ns each).
+    #[derive(Default)]
+    struct FakeClock {
+        now: Duration,
+        longest_sleep: Duration,
+    }
+
+    impl Clock for FakeClock {
+        fn elapsed(&self) -> Duration {
+            self.now
+        }
+
+        fn sleep(&mut self, d: Duration) {
+            self.longest_sleep = self.longest_sleep.max(d);
+            self.now += d;
+        }
+
+        fn spin(&mut self) {
+            self.now += Duration::from_nanos(50);
+        }
+    }
+
+    /// Whenever the work completes — during the spins, early in the back-off, or after
+    /// seconds — the waiter sees it within one capped sleep, and never sleeps longer.
+    #[test]
+    fn completion_is_seen_within_the_capped_sleep_on_a_fake_clock() {
+        for done_at_us in [1u64, 3, 40, 700, 5_000, 2_000_000] {
+            let done_at = Duration::from_micros(done_at_us);
+            let live = Liveness::default();
+            let mut clock = FakeClock::default();
+            let now = std::cell::Cell::new(Duration::ZERO);
+            let mut seen_at = None;
+            let r = wait_until_on(
+                || {
+                    let t = now.get();
+                    if t >= done_at {
+                        seen_at = Some(t);
+                        Progress::Done
+                    } else {
+                        Progress::Pending
+                    }
+                },
+                &live,
+                Duration::from_secs(10),
+                &mut ClockProbe {
+                    clock: &mut clock,
+                    now: &now,
+                },
+            );
+            assert_eq!(r, Ok(()));
+            let late = seen_at.expect("seen") - done_at;
+            assert!(
+                late <= MAX_POLL_SLEEP,
+                "done at {done_at:?}, seen {late:?} late"
+            );
+            assert!(clock.longest_sleep <= MAX_POLL_SLEEP);
+        }
+    }
+
+    /// A fake clock whose time the poll reads too.
+    struct ClockProbe<'a> {
+        clock: &'a mut FakeClock,
+        now: &'a std::cell::Cell<Duration>,
+    }
+
+    impl Clock for ClockProbe<'_> {
+        fn elapsed(&self) -> Duration {
+            self.clock.elapsed()
+        }
+
+        fn sleep(&mut self, d: Duration) {
+            self.clock.sleep(d);
+            self.now.set(self.clock.now);
+        }
+
+        fn spin(&mut self) {
+            self.clock.spin();
+            self.now.set(self.clock.now);
+        }
+    }
+
+    /// The limit is kept on the fake clock: a timeout after exactly the limit, the last sleep
+    /// cut to end there.
+    #[test]
+    fn the_limit_holds_on_a_fake_clock() {
+        let live = Liveness::default();
+        let mut clock = FakeClock::default();
+        let limit = Duration::from_micros(1_234);
+        let r = wait_until_on(|| Progress::Pending, &live, limit, &mut clock);
+        assert_eq!(r, Err(WaitFailure::TimedOut(limit)));
+        assert_eq!(clock.now, limit);
+    }
 
     #[test]
     fn finished_work_returns_ok() {
