@@ -235,6 +235,11 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
         // Read after the step (as PyTorch's `loss.item()` after `optimizer.step()`): reading it
         // before backward would stall the host on the device mid-step.
         let local = value.into_scalar().elem::<f32>();
+        // Inside the timed step: reading the counters lets the next step's prefetched gathers
+        // land (their bytes count in this step), a wait the next step would otherwise pay.
+        let counters = runtime.take_counters();
+        // The optimizer's own reads and uploads: charged where they happen, beside the runtime's.
+        let optimizer = optim.take_host_traffic();
         let dt = t0.elapsed().as_secs_f64();
         train_s += dt;
         warm.push(dt);
@@ -253,9 +258,6 @@ pub(crate) fn train_rank<I: Compute, T: Task<I>, C: LaunchComm>(
         } else {
             None
         };
-        let counters = runtime.take_counters();
-        // The optimizer's own reads and uploads: charged where they happen, beside the runtime's.
-        let optimizer = optim.take_host_traffic();
         comm.push_back((
             dt,
             counters.comm_wait_ns,
