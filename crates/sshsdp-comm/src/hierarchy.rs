@@ -171,7 +171,8 @@ impl<C: Collective> MeshComms<C> {
     }
 }
 
-fn check_len(what: &str, got: usize, want: usize) -> CommResult<()> {
+/// An argument error unless `what` has `want` elements (`got`).
+pub fn check_len(what: &str, got: usize, want: usize) -> CommResult<()> {
     if got == want {
         Ok(())
     } else {

@@ -8,7 +8,7 @@
 //! [`CommFactory`] ([`LaneFactory::connect_mesh`]), so communicators that cannot cross threads
 //! (NCCL's) work as well as those that can.
 
-use sshsdp_comm::hierarchy::{self, MeshComms, MeshGroup};
+use sshsdp_comm::hierarchy::{self, check_len, MeshComms, MeshGroup};
 use sshsdp_comm::peers::PeerOp;
 use sshsdp_comm::{
     CallTag, Collective, CommError, CommFactory, CommResult, Element, ReduceOp, Reducible,
@@ -416,16 +416,6 @@ fn update_group(sharding: Sharding) -> MeshGroup {
     match sharding {
         Sharding::Hierarchical => MeshGroup::World,
         Sharding::Hsdp | Sharding::Ddp => MeshGroup::Shard,
-    }
-}
-
-/// An error unless `got` equals `want` (a buffer's length).
-fn check_len(what: &str, got: usize, want: usize) -> CommResult<()> {
-    match got == want {
-        true => Ok(()),
-        false => Err(CommError::InvalidArgument(format!(
-            "{what}: {got} elements, expected {want}"
-        ))),
     }
 }
 

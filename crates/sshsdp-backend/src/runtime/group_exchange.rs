@@ -57,15 +57,7 @@ impl UpdateGroup<'_> {
             flat.extend_from_slice(&send[p]);
         }
         drop(send);
-        let reply = self
-            .worker
-            .all_to_all_v(UpdateBuffer::Host(flat), send_counts, rank_recv);
-        let recv = self
-            .timeline
-            .span(Track::Model, "wait optimizer all-to-all", None, || {
-                reply.wait()
-            })?;
-        match recv {
+        match self.all_to_all(UpdateBuffer::Host(flat), send_counts, rank_recv)? {
             UpdateReceived::Host(recv) => Ok((recv, ranges_by_piece(&by_rank, recv_counts))),
             UpdateReceived::Device(_) => Err(HsdpError::Failed(
                 "a host all-to-all came back in device memory".into(),
@@ -142,13 +134,7 @@ impl UpdateGroup<'_> {
                 UpdateBuffer::Host(host)
             }
         };
-        let reply = self.worker.all_to_all_v(buf, send_counts, rank_recv);
-        let recv = self
-            .timeline
-            .span(Track::Model, "wait optimizer all-to-all", None, || {
-                reply.wait()
-            })?;
-        let tensor = match recv {
+        let tensor = match self.all_to_all(buf, send_counts, rank_recv)? {
             UpdateReceived::Device(units) if units.len == total_recv => {
                 device_piece::<B>(&units, device)?
             }
@@ -174,6 +160,22 @@ impl UpdateGroup<'_> {
             )));
         }
         Ok(())
+    }
+
+    /// One all-to-all-v of `buf` over the update group (counts by update-group rank), waited
+    /// for.
+    fn all_to_all(
+        &self,
+        buf: UpdateBuffer,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    ) -> Result<UpdateReceived, HsdpError> {
+        let reply = self.worker.all_to_all_v(buf, send_counts, recv_counts);
+        Ok(self
+            .timeline
+            .span(Track::Model, "wait optimizer all-to-all", None, || {
+                reply.wait()
+            })?)
     }
 
     /// The pieces in update-group rank order.

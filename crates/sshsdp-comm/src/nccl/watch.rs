@@ -169,7 +169,7 @@ pub fn wait_until(
     live: &Liveness,
     limit: Duration,
 ) -> Result<(), WaitFailure> {
-    wait_until_on(poll, live, limit, &mut SystemClock)
+    wait_until_on(poll, live, limit, &mut SystemClock(Instant::now()))
 }
 
 /// The most a waiter sleeps between two polls.
@@ -190,16 +190,12 @@ pub trait Clock {
     }
 }
 
-/// The system clock.
-struct SystemClock;
-
-thread_local! {
-    static EPOCH: Instant = Instant::now();
-}
+/// The system clock, from the instant it was made.
+struct SystemClock(Instant);
 
 impl Clock for SystemClock {
     fn elapsed(&self) -> Duration {
-        EPOCH.with(|e| e.elapsed())
+        self.0.elapsed()
     }
 
     fn sleep(&mut self, d: Duration) {
